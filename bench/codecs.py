@@ -1,0 +1,213 @@
+"""Throughput and accuracy of swarm's wire codecs next to hivemind 1.1.12's compression codecs.
+
+Run from the repository root:  .venv/bin/python bench/codecs.py
+Prints a markdown table and writes it, with the environment, to bench/results/codecs.md.
+
+Throughput is MB/s (10^6 bytes) of float32 input per second of encode + decode, best of ``--repeats`` runs, on
+the threads torch uses by default. Relative error is ||x - dec(enc(x))|| / ||x||. A codec that fails is reported with
+the exception it raised, never hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # run as a script from a checkout without installing
+
+from swarm.compression import CODEC_NAMES, get_codec  # noqa: E402
+
+SIZES_MIB = (1, 16)
+DISTRIBUTIONS = ("normal", "student_t2")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Row:
+    """One codec on one tensor."""
+
+    codec: str  # "swarm int8", "hivemind Float16Compression", ...
+    tensor: str  # e.g. "16 MiB student_t2"
+    wire_bytes_per_value: float | None  # payload bytes / element count
+    encode_mb_s: float | None  # MB/s of float32 input
+    decode_mb_s: float | None
+    round_trip_mb_s: float | None  # encode + decode
+    relative_error: float | None
+    note: str = ""
+
+
+def make_tensor(distribution: str, numel: int, seed: int = 0) -> torch.Tensor:
+    """(numel,) float32 samples: standard normal, or Student-t with 2 degrees of freedom (heavy tails)."""
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(numel, generator=generator)
+    if distribution == "normal":
+        return normal
+    # t(2) = Z / sqrt(chi2(2) / 2) with chi2(2) = -2 log U
+    uniform = torch.rand(numel, generator=generator).clamp_min_(1e-12)
+    return normal / torch.sqrt(-torch.log(uniform))
+
+
+def best_time_s(function: Callable[[], object], repeats: int) -> tuple[float, object]:
+    """Smallest wall time of ``repeats`` calls and the last result (the first call also warms caches)."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = function()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def relative_error(original: torch.Tensor, decoded: torch.Tensor) -> float:
+    return float((original.double() - decoded.double().reshape(-1)).norm() / original.double().norm())
+
+
+def measure(
+    codec: str, tensor_name: str, flat: torch.Tensor, encode: Callable, decode: Callable, size: Callable, repeats: int
+) -> Row:
+    """Time ``encode(flat) -> payload`` and ``decode(payload) -> tensor``; report where it fails instead of raising."""
+    input_mb = flat.numel() * 4 / 1e6
+    try:
+        encode_s, payload = best_time_s(lambda: encode(flat), repeats)
+    except Exception as error:  # noqa: BLE001 - the benchmark reports every failure as a table cell
+        return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=None, encode_mb_s=None, decode_mb_s=None,
+                   round_trip_mb_s=None, relative_error=None, note=f"encode fails: {type(error).__name__}: {error}")
+    bytes_per_value = size(payload) / flat.numel()
+    try:
+        decode_s, decoded = best_time_s(lambda: decode(payload), repeats)
+    except Exception as error:  # noqa: BLE001
+        return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=bytes_per_value,
+                   encode_mb_s=input_mb / encode_s, decode_mb_s=None, round_trip_mb_s=None, relative_error=None,
+                   note=f"decode fails: {type(error).__name__}: {error}")
+    return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=bytes_per_value, encode_mb_s=input_mb / encode_s,
+               decode_mb_s=input_mb / decode_s, round_trip_mb_s=input_mb / (encode_s + decode_s),
+               relative_error=relative_error(flat, decoded))
+
+
+def swarm_rows(tensor_name: str, flat: torch.Tensor, repeats: int) -> list[Row]:
+    rows = []
+    for name in CODEC_NAMES:
+        codec = get_codec(name)
+        rows.append(measure(f"swarm {name}", tensor_name, flat, codec.encode,
+                            lambda payload, codec=codec: codec.decode(payload, flat.numel(), flat.dtype), len, repeats))
+    return rows
+
+
+def hivemind_rows(tensor_name: str, flat: torch.Tensor, repeats: int) -> list[Row]:
+    import hivemind.compression as hc
+
+    info = hc.CompressionInfo.from_tensor(flat)
+    rows = []
+    for class_name in ("NoCompression", "Float16Compression", "ScaledFloat16Compression", "Uniform8BitQuantization",
+                       "Quantile8BitQuantization", "BlockwiseQuantization"):
+        codec = getattr(hc, class_name)()
+        rows.append(measure(f"hivemind {class_name}", tensor_name, flat, lambda x, c=codec: c.compress(x, info),
+                            codec.extract, lambda message: len(message.buffer), repeats))
+        if class_name in ("Uniform8BitQuantization", "Quantile8BitQuantization") and rows[-1].relative_error is None:
+            # hivemind's own extract() fails under numpy 2; read its documented layout ourselves so the accuracy of
+            # the 8-bit format can still be compared (int64 codebook size, float32 codebook, uint8 indices)
+            rows.append(measure(f"hivemind {class_name} (bench's own reader)", tensor_name, flat,
+                                lambda x, c=codec: c.compress(x, info), _read_codebook_message,
+                                lambda message: len(message.buffer), repeats))
+    return rows
+
+
+def _read_codebook_message(message) -> torch.Tensor:
+    buffer = message.buffer
+    codebook_size = int(np.frombuffer(buffer, count=1, dtype="<i8")[0])
+    codebook = torch.from_numpy(np.frombuffer(buffer, offset=8, count=codebook_size, dtype="<f4").copy())
+    indices = torch.from_numpy(np.frombuffer(buffer, offset=8 + 4 * codebook_size, dtype=np.uint8).copy())
+    return codebook[indices.long()]
+
+
+def format_number(value: float | None, pattern: str) -> str:
+    return "—" if value is None else format(value, pattern)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = [
+        "| tensor | codec | bytes/value | encode MB/s | decode MB/s | enc+dec MB/s | relative error | note |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        note = row.note.replace("|", "\\|").replace("\n", " ")
+        lines.append(
+            f"| {row.tensor} | {row.codec} | {format_number(row.wire_bytes_per_value, '.4f')} | "
+            f"{format_number(row.encode_mb_s, '.0f')} | {format_number(row.decode_mb_s, '.0f')} | "
+            f"{format_number(row.round_trip_mb_s, '.0f')} | {format_number(row.relative_error, '.2e')} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def git_revision() -> str:
+    try:
+        completed = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                   text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"unknown ({type(error).__name__})"
+    if completed.returncode != 0:
+        return "none (no commit yet)"
+    return completed.stdout.strip()
+
+
+def environment() -> str:
+    import hivemind
+
+    return "\n".join([
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- git: {git_revision()}",
+        f"- os.cpu_count(): {os.cpu_count()}, torch threads: {torch.get_num_threads()}",
+        f"- python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
+        f"hivemind {hivemind.__version__}, {platform.machine()}",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the best one counts")
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "codecs.md")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    warnings.filterwarnings("ignore")  # torch.jit/quantize deprecation noise from hivemind's import and codecs
+
+    rows: list[Row] = []
+    for size_mib in SIZES_MIB:
+        for distribution in DISTRIBUTIONS:
+            tensor_name = f"{size_mib} MiB {distribution}"
+            flat = make_tensor(distribution, size_mib * (1 << 20) // 4)
+            rows += swarm_rows(tensor_name, flat, args.repeats)
+            rows += hivemind_rows(tensor_name, flat, args.repeats)
+            print(f"measured {tensor_name}", file=sys.stderr)
+    table = markdown_table(rows)
+    print(table)
+
+    report = "\n\n".join([
+        "# Codec benchmark: swarm.compression vs hivemind.compression",
+        f"Reproduce: `.venv/bin/python bench/codecs.py` (from the repository root; about a minute on 2 cores).",
+        environment(),
+        "Tensors are float32: `normal` is N(0, 1); `student_t2` is Student-t with 2 degrees of freedom (heavy "
+        "tails, infinite variance). MB/s counts 10^6 bytes of float32 input per second, best of "
+        f"{args.repeats} runs. bytes/value is the payload size per element (float32 = 4). relative error is "
+        "||x - dec(enc(x))|| / ||x||. swarm int8 = blockwise absmax, 32-element blocks, one bfloat16 scale each.",
+        table,
+        "",
+    ])
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(report)
+    print(f"wrote {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""swarm: SWARM-parallel training over unreliable peers."""

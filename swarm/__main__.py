@@ -1,0 +1,1 @@
+from swarm.cli import main; import sys; sys.exit(main())

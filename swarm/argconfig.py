@@ -1,0 +1,96 @@
+"""Build argparse flags from config dataclasses, so the CLI is not a second list of options.
+
+Each field becomes ``--field-name`` with its default, its type and, as help, the comment written next to
+(or just above) the field in the dataclass source. Nested dataclass fields are flattened: their fields
+become flags of the same command (names are unique across a command's configs by design).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import typing
+from typing import Any
+
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    comments: dict[str, str] = {}
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return comments
+    above: list[str] = []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# "))
+            continue
+        match = re.match(r"(\w+)\s*:[^=#]+(?:=[^#]*)?(?:#\s*(.*))?$", stripped)
+        if match:
+            comments[match.group(1)] = match.group(2) or " ".join(above)
+        above = []
+    return comments
+
+
+def _nested(field: dataclasses.Field) -> type | None:
+    factory = field.default_factory
+    if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+        return factory
+    return None
+
+
+def _base_type(annotation) -> tuple[str, bool]:
+    """('int' | 'float' | 'str' | 'bool' | 'tuple', optional?) for the annotations our configs use."""
+    if not isinstance(annotation, str):
+        annotation = getattr(annotation, "__name__", str(annotation))
+    parts = [p.strip() for p in annotation.split("|")]
+    optional = "None" in parts
+    base = next(p for p in parts if p != "None")
+    if base.startswith("tuple["):
+        return "tuple", optional
+    if base not in (*_SCALARS, "bool"):
+        raise TypeError(f"unsupported config field type {annotation!r}")
+    return base, optional
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type, *, skip: typing.Collection[str] = ()) -> None:
+    comments = _field_comments(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
+        nested = _nested(field)
+        if nested is not None:
+            add_config_args(parser, nested, skip=skip)
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default if field.default is not dataclasses.MISSING else None
+        kind, optional = _base_type(field.type)
+        help_text = comments.get(field.name, "").replace("%", "%%")
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif kind == "tuple":
+            group.add_argument(flag, nargs="+", default=default, metavar=field.name.upper(), help=help_text)
+        else:
+            shown = "" if default is None else f" (default: {default})"
+            group.add_argument(flag, type=_SCALARS[kind], default=default, help=help_text + shown,
+                               required=default is None and not optional)
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any):
+    """Instantiate ``cls`` (and its nested configs) from parsed args; ``overrides`` win over args."""
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.name in overrides:
+            kwargs[field.name] = overrides[field.name]
+            continue
+        nested = _nested(field)
+        if nested is not None:
+            kwargs[field.name] = config_from_args(nested, args)
+        elif hasattr(args, field.name):
+            value = getattr(args, field.name)
+            kwargs[field.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)

@@ -1,0 +1,187 @@
+"""``swarm`` command line: parses flags (built from the config dataclasses), then calls in."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from swarm.argconfig import add_config_args, config_from_args
+
+
+def _run_config_args(parser: argparse.ArgumentParser) -> None:
+    from swarm.config import RunConfig
+    from swarm.model import MODEL_PRESETS
+
+    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=None,
+                        help="start a new run with this model preset if the DHT has none for --run-id "
+                             "(the run flags below apply only then)")
+    add_config_args(parser, RunConfig, skip={"model"})
+
+
+def _run_config_from_args(args: argparse.Namespace):
+    """The RunConfig to publish, or None to join the run found in the DHT."""
+    from swarm.config import RunConfig
+    from swarm.model import MODEL_PRESETS
+
+    if args.preset is None:
+        return None
+    return config_from_args(RunConfig, args, model=MODEL_PRESETS[args.preset])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from swarm.coordinator.demo import DemoConfig
+    from swarm.discovery.dht import DHTConfig
+    from swarm.peer.daemon import PeerConfig
+    from swarm.trainer.trainer import TrainerConfig
+
+    parser = argparse.ArgumentParser(prog="swarm", description=__doc__.split(":")[0])
+    parser.add_argument("--log-level", default=os.environ.get("SWARM_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("dht", help="run a DHT bootstrap node and print the address to give others")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    p.add_argument("--announce-host", default=None, help="address others should dial, if not --host")
+    p.add_argument("--address-file", default=None, help="also write the node's multiaddrs here, one per line")
+    add_config_args(p, DHTConfig)
+
+    p = sub.add_parser("peer", help="serve one stage of a run")
+    add_config_args(p, PeerConfig)
+    _run_config_args(p)
+
+    p = sub.add_parser("train", help="train: stream microbatches through the swarm")
+    add_config_args(p, TrainerConfig)
+
+    p = sub.add_parser("status", help="show the peers of every stage of a run")
+    p.add_argument("--run-id", default="demo")
+    add_config_args(p, DHTConfig)
+
+    p = sub.add_parser("demo", help="start a local swarm (bootstrap, peers, trainer) and train a small model")
+    add_config_args(p, DemoConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        handler = {"dht": _dht, "peer": _peer, "train": _train, "status": _status, "demo": _demo}[args.command]
+        return handler(args)
+    except (ValueError, TimeoutError, FileNotFoundError, OSError) as e:
+        print(f"swarm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(coro) -> int:
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:  # uvloop is a dependency, but stay usable where it cannot be installed
+        return asyncio.run(coro)
+
+
+async def _until_signal(on_first=None) -> None:
+    """Wait for SIGINT or SIGTERM; run ``on_first`` once; a second signal interrupts it."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    if on_first is not None:
+        stop.clear()
+        work = asyncio.ensure_future(on_first())
+        interrupted = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({work, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        work.cancel()
+        interrupted.cancel()
+
+
+def _dht(args) -> int:
+    from swarm.discovery.dht import DHTConfig, start_dht, visible_addresses
+
+    async def main() -> int:
+        dht = await asyncio.to_thread(start_dht, config_from_args(DHTConfig, args), host=args.host,
+                                      announce_host=args.announce_host)
+        try:
+            addrs = visible_addresses(dht)
+            print("DHT node is up. Give others one of these addresses as --initial-peers:", flush=True)
+            for addr in addrs:
+                print(f"  {addr}", flush=True)
+            if args.address_file:
+                tmp = Path(args.address_file + ".tmp")
+                tmp.write_text("\n".join(addrs) + "\n")
+                tmp.replace(args.address_file)  # atomic: readers never see a half-written file
+            await _until_signal()
+        finally:
+            dht.shutdown()
+        return 0
+
+    return _run(main())
+
+
+def _peer(args) -> int:
+    from swarm.peer.daemon import Peer, PeerConfig
+
+    config = config_from_args(PeerConfig, args)
+    run = _run_config_from_args(args)
+
+    async def main() -> int:
+        peer = await Peer.create(config, run=run)
+        try:
+            print(f"peer {peer.peer_id} serves stage {config.stage} of run '{config.run_id}' at {peer.endpoint}",
+                  flush=True)
+            for addr in peer.addresses():
+                print(f"  DHT address (usable as --initial-peers): {addr}", flush=True)
+            await _until_signal(on_first=peer.drain)
+        finally:
+            await peer.shutdown()
+        return 0
+
+    return _run(main())
+
+
+def _train(args) -> int:
+    from swarm.trainer.trainer import Trainer, TrainerConfig
+
+    config = config_from_args(TrainerConfig, args)
+
+    async def main() -> int:
+        async with Trainer.open(config) as trainer:
+            task = asyncio.ensure_future(trainer.train())
+            stopper = asyncio.ensure_future(_until_signal())
+            await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not task.done():
+                task.cancel()
+                print("\ninterrupted", flush=True)
+                return 130
+            summary = task.result()
+            print(summary.describe(), flush=True)
+        return 0
+
+    return _run(main())
+
+
+def _status(args) -> int:
+    from swarm.coordinator.status import print_status
+    from swarm.discovery.dht import DHTConfig
+
+    return _run(print_status(args.run_id, config_from_args(DHTConfig, args)))
+
+
+def _demo(args) -> int:
+    from swarm.coordinator.demo import DemoConfig, run_demo
+
+    return run_demo(config_from_args(DemoConfig, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

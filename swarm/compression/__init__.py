@@ -1,0 +1,39 @@
+"""Tensor codecs for the wire: ``none``, ``fp16``, ``bf16`` and blockwise ``int8``.
+
+Usage: ``codec = get_codec(request.codec)``; ``payload = codec.encode(flat)`` on the sender and
+``codec.decode(payload, numel, dtype_from_name(request.dtype))`` on the receiver. Codecs work on flat 1-D CPU
+tensors so the transport can cut a tensor into segments (``segment_ranges``) and overlap encode, transfer and
+decode; encoding run off the event loop is the caller's job (the work is CPU-bound torch code that releases the
+GIL).
+
+NaN/Inf policy, the same for every codec: ``encode`` raises ``NonFiniteTensorError`` for a tensor with NaN/±Inf
+and ``CodecOverflowError`` for finite values the format cannot hold; ``decode`` raises ``NonFiniteTensorError``
+when a payload decodes to NaN/±Inf. A peer therefore never ships nor accepts non-finite values. Non-floating
+dtypes always travel losslessly as raw little-endian bytes. Contracts in detail: ``swarm.compression.base``.
+"""
+
+from swarm.compression.base import Codec
+from swarm.compression.cast import BFloat16Codec, Float16Codec, NoneCodec
+from swarm.compression.dtypes import WIRE_DTYPE_NAMES, dtype_from_name, wire_dtype_name
+from swarm.compression.errors import CodecError, CodecOverflowError, NonFiniteTensorError, UnknownCodecError
+from swarm.compression.int8 import BlockwiseInt8Codec
+from swarm.compression.registry import CODEC_NAMES, get_codec
+from swarm.compression.segments import segment_ranges
+
+__all__ = [
+    "CODEC_NAMES",
+    "WIRE_DTYPE_NAMES",
+    "BFloat16Codec",
+    "BlockwiseInt8Codec",
+    "Codec",
+    "CodecError",
+    "CodecOverflowError",
+    "Float16Codec",
+    "NonFiniteTensorError",
+    "NoneCodec",
+    "UnknownCodecError",
+    "dtype_from_name",
+    "get_codec",
+    "segment_ranges",
+    "wire_dtype_name",
+]

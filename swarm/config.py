@@ -1,0 +1,78 @@
+"""The run configuration: what every peer and trainer of one run must agree on.
+
+It is published in the DHT under the run id by whoever starts the run (``swarm run`` or the first peer
+given ``--preset``); everyone else reads it from there, so a newcomer needs only the run id and a
+bootstrap address.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm.compression import CODEC_NAMES
+from swarm.model import MODEL_PRESETS, ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])  # the staged model
+    codec: str = "none"  # wire codec for activations and gradients: one of CODEC_NAMES
+    target_batch_size: int = 32  # samples a stage accumulates before each optimizer step
+    lr: float = 1e-3  # peak AdamW learning rate
+    weight_decay: float = 0.1  # AdamW weight decay on matrices (not on biases, norms or embeddings)
+    warmup_steps: int = 10  # optimizer steps of linear warmup
+    total_steps: int = 0  # steps of cosine decay to 10% of lr after warmup; 0 = constant after warmup
+    max_grad_norm: float = 1.0  # per-stage gradient clipping (0 = off)
+
+    def __post_init__(self):
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"codec '{self.codec}' is unknown; choose one of {', '.join(CODEC_NAMES)}")
+        if self.target_batch_size < 1:
+            raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError(f"weight_decay ({self.weight_decay}) and max_grad_norm ({self.max_grad_norm}) "
+                             f"must be >= 0")
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) and total_steps ({self.total_steps}) "
+                             f"must be >= 0")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for optimizer step ``step`` (0-based): linear warmup, then optional cosine decay."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.total_steps <= self.warmup_steps:
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["model"] = self.model.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunConfig:
+        """Parse a record read from the DHT. Unknown fields are ignored (newer versions may add some);
+        ill-typed ones raise ValueError naming them."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            raise ValueError(f"run config must be a dict with a 'model' dict, got {type(data).__name__}")
+        kwargs: dict[str, Any] = {"model": ModelConfig.from_dict(data["model"])}
+        for f in dataclasses.fields(cls):
+            if f.name == "model" or f.name not in data:
+                continue
+            value, expected = data[f.name], {"str": str, "int": int, "float": (int, float)}[f.type]
+            if isinstance(value, bool) or not isinstance(value, expected):
+                raise ValueError(f"run config field '{f.name}' must be {f.type}, got {value!r}")
+            kwargs[f.name] = float(value) if f.type == "float" else value
+        return cls(**kwargs)
+
+    def fingerprint(self) -> str:
+        """Short hash peers announce, so a trainer can tell peers of an incompatible config apart."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

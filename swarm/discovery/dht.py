@@ -1,0 +1,139 @@
+"""A hivemind DHT node and the run's directory on top of it: run config, per-stage peer heartbeats.
+
+Every node is a full DHT participant unless it asks for client mode, so any peer's printed address can
+bootstrap the next one; there is no central server.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from swarm.config import RunConfig
+from swarm.discovery.records import RecordError, StageRecord, config_key, stage_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DHTConfig:
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of any running node; "@FILE" reads them from FILE
+    dht_port: int = 0  # TCP port of this node's DHT (0 = any free port; set it with --announce-host)
+    identity_path: str | None = None  # private key file: keeps the node's DHT peer id across restarts
+    nat_traversal: bool = False  # UPnP/NAT-PMP and AutoNAT probing (sends traffic to your gateway)
+    initial_peers_wait_s: float = 60.0  # how long to wait for an "@FILE" of initial peers to appear
+
+    def __post_init__(self):
+        if not 0 <= self.dht_port <= 65535:
+            raise ValueError(f"dht_port must be in [0, 65535], got {self.dht_port}")
+
+
+def resolve_initial_peers(values: tuple[str, ...], *, wait_s: float) -> list[str]:
+    """Expand "@FILE" entries into the multiaddrs listed in FILE (one per line), waiting up to ``wait_s``
+    seconds for FILE to appear (a bootstrap node in another container may still be starting)."""
+    out: list[str] = []
+    for value in values:
+        if not value.startswith("@"):
+            out.append(value)
+            continue
+        path, deadline = Path(value[1:]), time.monotonic() + wait_s
+        while not (path.exists() and path.read_text().strip()):
+            if time.monotonic() > deadline:
+                raise FileNotFoundError(f"initial peers file {path} did not appear within {wait_s:.0f}s; "
+                                        f"start `swarm dht --address-file {path}` first")
+            time.sleep(0.2)  # polling a file another process writes; there is no event to wait on
+        out.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
+    return out
+
+
+def _maddr(host: str, port: int) -> str:
+    try:
+        kind = "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
+    except ValueError:
+        kind = "dns4"  # a host name, e.g. a container's service name
+    return f"/{kind}/{host}/tcp/{port}"
+
+
+def start_dht(config: DHTConfig, *, host: str = "127.0.0.1", announce_host: str | None = None,
+              client_mode: bool = False) -> hivemind.DHT:
+    """Start a DHT node (in its own process, as hivemind does) listening on ``host`` and wait until it
+    has joined. ``announce_host`` is the address others should dial, when it differs from ``host``."""
+    if announce_host and config.dht_port == 0:
+        raise ValueError("--announce-host needs an explicit --dht-port (libp2p cannot announce port 0)")
+    initial_peers = resolve_initial_peers(config.initial_peers, wait_s=config.initial_peers_wait_s)
+    announce = [_maddr(announce_host, config.dht_port)] if announce_host else None
+    return hivemind.DHT(
+        initial_peers=initial_peers, start=True, client_mode=client_mode,
+        host_maddrs=[_maddr(host, config.dht_port)], announce_maddrs=announce,
+        identity_path=config.identity_path, nat_port_map=config.nat_traversal, auto_nat=config.nat_traversal,
+    )
+
+
+def visible_addresses(dht: hivemind.DHT) -> list[str]:
+    return [str(addr) for addr in dht.get_visible_maddrs()]
+
+
+class RunDirectory:
+    """Async view of one run in the DHT. Reads validate every record; writes carry a fresh expiration."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str):
+        self.dht = dht
+        self.run_id = run_id
+
+    async def get_run(self) -> RunConfig | None:
+        found = await self.dht.get(config_key(self.run_id), latest=True, return_future=True)
+        if found is None:
+            return None
+        try:
+            return RunConfig.from_dict(found.value)
+        except (ValueError, TypeError) as e:
+            raise RecordError(f"run '{self.run_id}' has a malformed config record in the DHT: {e}") from None
+
+    async def publish_run(self, config: RunConfig, *, ttl_s: float) -> None:
+        ok = await self.dht.store(config_key(self.run_id), config.to_dict(), get_dht_time() + ttl_s,
+                                  return_future=True)
+        if not ok:
+            logger.warning("DHT did not accept the run config for '%s' (no reachable nodes yet?)", self.run_id)
+
+    async def wait_for_run(self, *, timeout_s: float, poll_s: float = 0.5) -> RunConfig:
+        deadline = time.monotonic() + timeout_s
+        while (config := await self.get_run()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no run '{self.run_id}' was published in the DHT within {timeout_s:.0f}s: "
+                                   f"start a peer with --preset, or `swarm run --run-id {self.run_id}`, "
+                                   f"or check --initial-peers")
+            await asyncio.sleep(poll_s)  # the DHT has no watch/notify; poll with a bound
+        return config
+
+    async def announce(self, record: StageRecord, *, ttl_s: float) -> bool:
+        # A subkey record is replaced only by a strictly later expiration, so each heartbeat uses a fresh one.
+        return await self.dht.store(stage_key(self.run_id, record.stage), record.to_wire(),
+                                    get_dht_time() + ttl_s, subkey=record.peer_id, return_future=True)
+
+    async def stage_records(self, stage: int) -> dict[str, StageRecord]:
+        """Live peers announced for ``stage``, by peer id. Malformed records are dropped and logged."""
+        found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        records = {}
+        for subkey, item in found.value.items():
+            try:
+                record = StageRecord.from_wire(item.value)
+            except RecordError as e:
+                logger.warning("ignoring a malformed record for stage %d from %r: %s", stage, subkey, e)
+                continue
+            if record.peer_id != subkey or record.stage != stage:
+                logger.warning("ignoring a record under subkey %r that claims peer %r stage %d",
+                               subkey, record.peer_id, record.stage)
+                continue
+            records[record.peer_id] = record
+        return records
+
+    async def all_stages(self, num_stages: int) -> list[dict[str, StageRecord]]:
+        return list(await asyncio.gather(*(self.stage_records(s) for s in range(num_stages))))

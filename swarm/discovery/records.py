@@ -1,0 +1,70 @@
+"""Records peers publish in the DHT, validated on read.
+
+Everything read from the DHT is remote input: a record is parsed field by field, unknown fields are
+ignored (a newer peer may add some), and a record that is malformed is dropped with a log line instead of
+crashing the reader.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
+PEER_STATES = ("starting", "serving", "draining")
+
+
+class RecordError(ValueError):
+    """A DHT record failed validation."""
+
+
+def config_key(run_id: str) -> str:
+    return f"swarm/{run_id}/config"
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"swarm/{run_id}/stage/{stage}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageRecord:
+    """One peer's heartbeat for the stage it serves."""
+
+    peer_id: str  # stable identity of the peer (also the DHT subkey)
+    endpoint: str  # host:port of its gRPC server
+    stage: int  # stage index it serves
+    state: str  # one of PEER_STATES
+    throughput: float  # measured samples/s for forward + backward of this stage
+    in_flight: int  # requests being handled right now
+    step: int  # optimizer steps its replica has taken
+    config_hash: str  # RunConfig.fingerprint() of the config it runs
+    version: int = RECORD_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> StageRecord:
+        if not isinstance(value, dict):
+            raise RecordError(f"stage record must be a dict, got {type(value).__name__}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in value:
+                if f.name == "version":
+                    continue
+                raise RecordError(f"stage record lacks field '{f.name}'")
+            v = value[f.name]
+            expected = {"str": str, "int": int, "float": (int, float)}[f.type]
+            if isinstance(v, bool) or not isinstance(v, expected):
+                raise RecordError(f"stage record field '{f.name}' must be {f.type}, got {v!r}")
+            kwargs[f.name] = float(v) if f.type == "float" else v
+        record = cls(**kwargs)
+        if record.state not in PEER_STATES:
+            raise RecordError(f"stage record state '{record.state}' is not one of {PEER_STATES}")
+        if record.stage < 0 or not (math.isfinite(record.throughput) and record.throughput >= 0) or record.in_flight < 0 or ":" not in record.endpoint:
+            raise RecordError(f"stage record has out-of-range values: {value!r}")
+        return record

@@ -1,0 +1,136 @@
+"""Model configuration: one frozen description of the GPT and of where it is cut into stages.
+
+Every peer and trainer of a run must hold the same `ModelConfig`; it travels through the DHT as
+`to_dict()` and is read back with `from_dict()`, which treats its input as untrusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """A byte-level GPT decoder of `n_layers` pre-LN blocks, cut into `num_stages` pipeline stages."""
+
+    vocab_size: int = 256  # number of token ids; 256 = one token per byte
+    d_model: int = 256  # width of the residual stream
+    n_heads: int = 4  # attention heads per block; must divide d_model
+    n_layers: int = 4  # transformer blocks in the whole model
+    seq_len: int = 128  # longest context in tokens (size of the learned position table)
+    num_stages: int = 2  # pipeline stages the blocks are split over
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
+    # Optional learned compression at stage cuts (SWARM): the stage before a cut ends with
+    # Linear(d_model -> bottleneck_dim), the stage after begins with Linear(bottleneck_dim -> d_model).
+    # None = activations cross cuts at full width d_model.
+    bottleneck_dim: int | None = None
+    seed: int = 0  # init seed; every replica of a stage initialises identically from (seed, stage)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "num_stages", "mlp_ratio"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.bottleneck_dim is not None and (not _is_int(self.bottleneck_dim) or self.bottleneck_dim < 1):
+            raise ValueError(f"ModelConfig.bottleneck_dim must be a positive int or None, got {self.bottleneck_dim!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"ModelConfig.seed must be a non-negative int, got {self.seed!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
+                f"the remainder is {self.d_model % self.n_heads}"
+            )
+        if self.num_stages > self.n_layers:
+            raise ValueError(
+                f"Number of stages ({self.num_stages}) cannot be greater than the number of layers "
+                f"({self.n_layers}): every stage needs at least one block"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def stage_layers(self, stage: int) -> range:
+        """Indices of the blocks owned by `stage`.
+
+        Blocks are split as evenly as possible; the first `n_layers % num_stages` stages get one
+        extra block (e.g. 5 blocks over 2 stages -> range(0, 3), range(3, 5)).
+        """
+        self._check_stage(stage)
+        base, extra = divmod(self.n_layers, self.num_stages)
+        start = stage * base + min(stage, extra)
+        return range(start, start + base + (1 if stage < extra else 0))
+
+    def boundary_dim(self, stage: int) -> int:
+        """Width of the float activation entering `stage` (1 <= stage < num_stages).
+
+        That is `bottleneck_dim` when compression is on, else `d_model`. Stage 0 takes int64 token
+        ids, not an activation, so asking for it is a ValueError. As a convenience,
+        `boundary_dim(num_stages)` is the width leaving the last stage: `vocab_size` (logits).
+        """
+        if not _is_int(stage) or not 1 <= stage <= self.num_stages:
+            raise ValueError(
+                f"boundary_dim is defined for stages 1..{self.num_stages} (stage 0 takes token ids), got {stage!r}"
+            )
+        if stage == self.num_stages:
+            return self.vocab_size
+        return self.d_model if self.bottleneck_dim is None else self.bottleneck_dim
+
+    def num_parameters(self) -> int:
+        """Total parameter count of the whole model (all stages), computed without building it."""
+        d, hidden = self.d_model, self.mlp_ratio * self.d_model
+        # ln1 + qkv + out proj + ln2 + fc + down proj (all Linear layers have biases).
+        block = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * hidden + hidden) + (hidden * d + d)
+        total = self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + d * self.vocab_size
+        if self.bottleneck_dim is not None:
+            cuts = self.num_stages - 1
+            b = self.bottleneck_dim
+            total += cuts * ((d * b + b) + (b * d + d))
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every field; `from_dict(to_dict())` round-trips exactly."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ModelConfig:
+        """Parse a config from untrusted data (a DHT record, a checkpoint, a JSON file).
+
+        Unknown fields and fields of the wrong type are a ValueError naming them; missing fields
+        take their defaults; values are then checked by `__post_init__` (also ValueError).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"ModelConfig.from_dict expects a dict, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(key) for key in data if key not in known)
+        if unknown:
+            raise ValueError(f"ModelConfig.from_dict: unknown fields {unknown}; known fields are {sorted(known)}")
+        ill_typed = []
+        for key, value in data.items():
+            optional = key == "bottleneck_dim"
+            if not (_is_int(value) or (optional and value is None)):
+                expected = "int or None" if optional else "int"
+                ill_typed.append(f"{key}={value!r} (expected {expected}, got {type(value).__name__})")
+        if ill_typed:
+            raise ValueError(f"ModelConfig.from_dict: ill-typed fields: {', '.join(ill_typed)}")
+        return cls(**data)
+
+    def _check_stage(self, stage: int) -> None:
+        if not _is_int(stage) or not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage must be an int in [0, {self.num_stages}), got {stage!r}")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int, but `True` layers is always a mistake (or a hostile record).
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Demo size: trains at a few thousand tokens/s on 2 CPU cores.
+    "tiny": ModelConfig(d_model=128, n_heads=4, n_layers=4, seq_len=128, num_stages=2),
+    "w1": ModelConfig(d_model=256, n_heads=4, n_layers=4, seq_len=128, num_stages=2),
+    "w2": ModelConfig(d_model=512, n_heads=8, n_layers=4, seq_len=256, num_stages=2),
+    "w3": ModelConfig(d_model=256, n_heads=4, n_layers=12, seq_len=128, num_stages=3),
+}

@@ -1,0 +1,95 @@
+"""Transformer building blocks (pre-LN GPT block) and the seeded, RNG-independent initialiser."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from swarm.model.config import ModelConfig
+
+INIT_STD = 0.02  # GPT-2 weight init
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.proj.is_residual_projection = True  # read by init_stage_parameters
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=2)  # 3 x (B, T, D)
+        # (B, T, D) -> (B, H, T, D/H)
+        q, k, v = (t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D/H)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.mlp_ratio * config.d_model
+        self.fc = nn.Linear(config.d_model, hidden)
+        self.proj = nn.Linear(hidden, config.d_model)
+        self.proj.is_residual_projection = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # (B, T, D) -> (B, T, 4D) -> (B, T, D)
+
+
+class Block(nn.Module):
+    """Pre-LN block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))  # (B, T, D)
+        return x + self.mlp(self.ln2(x))  # (B, T, D)
+
+
+class Bottleneck(nn.Linear):
+    """A Linear at a stage cut (d_model -> bottleneck_dim or back).
+
+    Initialised with std 1/sqrt(fan_in) rather than 0.02: the pair of projections around a cut then
+    preserves activation scale at init instead of shrinking it by ~(0.02^2 * width) per projection.
+    """
+
+
+def init_stage_parameters(module: nn.Module, config: ModelConfig, generator: torch.Generator) -> None:
+    """Fill every parameter of `module` in place from `generator` only (never the global RNG).
+
+    GPT-2 scheme: Linear/Embedding weights ~ N(0, 0.02), residual projections ~ N(0, 0.02 /
+    sqrt(2 * n_layers)), biases 0, LayerNorm weight 1. Parameters are visited in `named_modules`
+    order, so the same module structure and generator state always give the same values.
+    Raises TypeError for a module type with parameters this function does not know, so that no
+    parameter is ever left uninitialised (stages are built on the meta device, then materialised
+    with `to_empty`, whose memory is garbage until written here).
+    """
+    residual_std = INIT_STD / math.sqrt(2 * config.n_layers)
+    with torch.no_grad():
+        for name, sub in module.named_modules():
+            if isinstance(sub, Bottleneck):
+                sub.weight.normal_(0.0, 1.0 / math.sqrt(sub.in_features), generator=generator)
+                sub.bias.zero_()
+            elif isinstance(sub, nn.Linear):
+                std = residual_std if getattr(sub, "is_residual_projection", False) else INIT_STD
+                sub.weight.normal_(0.0, std, generator=generator)
+                if sub.bias is not None:
+                    sub.bias.zero_()
+            elif isinstance(sub, nn.Embedding):
+                sub.weight.normal_(0.0, INIT_STD, generator=generator)
+            elif isinstance(sub, nn.LayerNorm):
+                sub.weight.fill_(1.0)
+                sub.bias.zero_()
+            elif any(True for _ in sub.parameters(recurse=False)):
+                raise TypeError(f"init_stage_parameters cannot initialise {name!r} ({type(sub).__name__})")

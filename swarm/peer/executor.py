@@ -1,0 +1,290 @@
+"""One stage replica's compute: forward, backward, gradient accumulation and optimizer steps.
+
+Not thread-safe by design: the peer runs every call on one worker thread, so parameters are never read
+by a backward while an optimizer step writes them. All methods validate before they touch state, so a bad
+request leaves the accumulated gradients exactly as they were.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.errors import AlreadyApplied, DeadlineExpired, InvalidRequest, NotCached
+from swarm.model import Stage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    graph_cache_size: int = 8  # microbatches whose autograd graph is kept, so backward needs no recompute
+    input_cache_bytes: int = 256 << 20  # bytes of stage inputs kept for backward (oldest evicted first)
+    reply_cache_size: int = 256  # backward replies kept so a retried backward returns the same answer
+    applied_ids_size: int = 100_000  # microbatch ids remembered as applied (never counted twice)
+
+    def __post_init__(self):
+        if min(self.graph_cache_size, self.reply_cache_size) < 0 or self.input_cache_bytes < 0:
+            raise ValueError(f"cache sizes must be >= 0, got graph_cache_size={self.graph_cache_size}, "
+                             f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}")
+
+
+@dataclass
+class _Cached:
+    inputs: torch.Tensor
+    # (leaf input with requires_grad, output) while the graph is kept; None once dropped
+    graph: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def build_optimizer(stage: Stage, run: RunConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, norms or embeddings' positions)."""
+    decay, no_decay = [], []
+    for name, p in stage.named_parameters():
+        (decay if p.ndim >= 2 and "pos" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": run.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=run.lr_at(0), betas=(0.9, 0.95))
+
+
+class StageExecutor:
+    def __init__(self, stage: Stage, run: RunConfig, *, cache: CacheConfig = CacheConfig()):
+        self.stage = stage
+        self.run = run
+        self.cache_config = cache
+        self.optimizer = build_optimizer(stage, run)
+        self.step = 0
+        self.samples_accumulated = 0
+        self.microbatches_applied = 0
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        self._cache_bytes = 0
+        self._replies: OrderedDict[str, object] = OrderedDict()
+        self._applied: OrderedDict[str, None] = OrderedDict()
+        # seconds per sample of forward and of backward, EMA; seeded by calibrate()
+        self._fwd_s_per_sample = 0.0
+        self._bwd_s_per_sample = 0.0
+
+    # ---------------------------------------------------------------- throughput
+
+    @property
+    def throughput(self) -> float:
+        """Measured samples/s of forward + backward (0 until measured)."""
+        per_sample = self._fwd_s_per_sample + self._bwd_s_per_sample
+        return 1.0 / per_sample if per_sample > 0 else 0.0
+
+    def _observe(self, attr: str, seconds: float, samples: int, alpha: float = 0.1) -> None:
+        value = seconds / max(samples, 1)
+        old = getattr(self, attr)
+        setattr(self, attr, value if old == 0 else (1 - alpha) * old + alpha * value)
+
+    def calibrate(self, batch_size: int) -> float:
+        """Time one forward + backward on synthetic input (grads discarded) to seed the throughput."""
+        shape, dtype = self.stage.input_spec(batch_size)
+        x = (torch.randint(0, self.stage.config.vocab_size, shape) if dtype == torch.int64
+             else torch.randn(shape, dtype=dtype))
+        saved = [None if p.grad is None else p.grad.clone() for p in self.stage.parameters()]
+        for _ in range(2):  # the first call includes one-off allocation costs
+            t0 = time.perf_counter()
+            with torch.enable_grad():
+                out = self.stage(x)
+            t1 = time.perf_counter()
+            out.float().square().mean().backward()
+            t2 = time.perf_counter()
+        for p, g in zip(self.stage.parameters(), saved):
+            p.grad = g
+        self._fwd_s_per_sample = (t1 - t0) / batch_size
+        self._bwd_s_per_sample = (t2 - t1) / batch_size
+        return self.throughput
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, microbatch_id: str, x: torch.Tensor, *, keep: bool) -> torch.Tensor:
+        """Run the stage. With ``keep``, hold what backward needs: the graph while the graph budget
+        allows, else just the inputs (backward then recomputes)."""
+        self._check_input(x)
+        t0 = time.perf_counter()
+        if not keep:
+            with torch.no_grad():
+                out = self.stage(x)
+        elif self._graphs_kept() < self.cache_config.graph_cache_size:
+            leaf = self._leaf(x)
+            with torch.enable_grad():
+                out = self.stage(leaf)
+            self._remember(microbatch_id, _Cached(x, (leaf, out)))
+            out = out.detach()
+        else:
+            with torch.no_grad():
+                out = self.stage(x)
+            self._remember(microbatch_id, _Cached(x, None))
+        self._observe("_fwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
+        return out
+
+    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> float:
+        self._check_input(x)
+        self._check_targets(x, targets)
+        with torch.no_grad():
+            return float(self.stage.loss(x, targets))
+
+    # ---------------------------------------------------------------- backward
+
+    def forward_loss_backward(self, microbatch_id: str, x: torch.Tensor, targets: torch.Tensor,
+                              num_samples: int, *, deadline: float | None = None
+                              ) -> tuple[float, torch.Tensor | None]:
+        """Last stage: loss and input gradient in one call; parameter gradients are accumulated."""
+        if microbatch_id in self._replies:
+            return self._replies[microbatch_id]
+        self._refuse_if_applied(microbatch_id)
+        self._check_input(x)
+        self._check_targets(x, targets)
+        t0 = time.perf_counter()
+        leaf = self._leaf(x)
+        with torch.enable_grad():
+            loss = self.stage.loss(leaf, targets)
+        if not torch.isfinite(loss):
+            raise InvalidRequest(f"microbatch {microbatch_id}: the loss is {float(loss)}; the inputs drove the "
+                                 f"model to a non-finite value, nothing was accumulated")
+        # Weight by samples: after dividing by the samples of the global batch at step time, the gradient
+        # is that of the mean loss over the global batch, however it was cut into microbatches.
+        grad_input = self._accumulate(microbatch_id, loss * num_samples, None, leaf, deadline)
+        reply = (float(loss), grad_input)
+        self._applied_now(microbatch_id, reply, num_samples)
+        self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
+        return reply
+
+    def backward(self, microbatch_id: str, grad_output: torch.Tensor, inputs: torch.Tensor | None,
+                 num_samples: int, *, deadline: float | None = None) -> torch.Tensor | None:
+        """Accumulate this microbatch's parameter gradients; return the gradient of the stage input
+        (None on the first stage, whose input is token ids). Raises NotCached if this peer holds neither
+        the graph nor the inputs and none were sent."""
+        if microbatch_id in self._replies:
+            return self._replies[microbatch_id]
+        self._refuse_if_applied(microbatch_id)
+        cached = self._cache.get(microbatch_id)
+        if cached is None and inputs is None:
+            raise NotCached(f"microbatch {microbatch_id} is not cached here (evicted, or served by another "
+                            f"peer); resend it with its inputs")
+        if inputs is not None:
+            self._check_input(inputs)
+        x = cached.inputs if cached is not None else inputs
+        expected = (*x.shape[:2], self.stage.output_width)
+        if tuple(grad_output.shape) != expected or grad_output.dtype != torch.float32:
+            raise InvalidRequest(f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
+                                 f"got {grad_output.dtype} {list(grad_output.shape)}")
+        t0 = time.perf_counter()
+        if cached is not None and cached.graph is not None:
+            leaf, out = cached.graph
+            cached.graph = None  # autograd frees it below; a retry after a failure recomputes
+        else:  # recompute from the inputs
+            leaf = self._leaf(x)
+            with torch.enable_grad():
+                out = self.stage(leaf)
+        grad_input = self._accumulate(microbatch_id, out, grad_output, leaf, deadline)
+        self._forget(microbatch_id)
+        self._applied_now(microbatch_id, grad_input, num_samples)
+        self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
+        return grad_input
+
+    def _accumulate(self, microbatch_id: str, out: torch.Tensor, grad_output: torch.Tensor | None,
+                    leaf: torch.Tensor, deadline: float | None) -> torch.Tensor | None:
+        """Compute parameter and input gradients, then add them to the accumulators all at once, and only
+        if the caller is still waiting: a caller whose deadline passed has retried at another peer, and
+        applying it here too would count the microbatch twice in this stage."""
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        wrt = params + ([leaf] if leaf.requires_grad else [])
+        grads = torch.autograd.grad(out, wrt, grad_output, allow_unused=True)
+        if deadline is not None and time.monotonic() > deadline:
+            raise DeadlineExpired(f"microbatch {microbatch_id} finished after its caller's deadline; its "
+                                  f"gradient was discarded here (the caller retries elsewhere)")
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        return grads[-1] if leaf.requires_grad else None
+
+    # ---------------------------------------------------------------- optimizer
+
+    def _applied_now(self, microbatch_id: str, reply, num_samples: int) -> None:
+        self._replies[microbatch_id] = reply
+        while len(self._replies) > self.cache_config.reply_cache_size:
+            self._replies.popitem(last=False)
+        self._applied[microbatch_id] = None
+        while len(self._applied) > self.cache_config.applied_ids_size:
+            self._applied.popitem(last=False)
+        self.samples_accumulated += num_samples
+        self.microbatches_applied += 1
+        if self.samples_accumulated >= self.run.target_batch_size:
+            self.optimizer_step()
+
+    def optimizer_step(self) -> None:
+        """Average the accumulated gradients over the samples seen, clip, step, and reset."""
+        scale = 1.0 / max(self.samples_accumulated, 1)
+        params = [p for p in self.stage.parameters() if p.grad is not None]
+        for p in params:
+            p.grad.mul_(scale)
+        if self.run.max_grad_norm > 0 and params:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.run.max_grad_norm)
+            if not math.isfinite(float(norm)):
+                logger.error("gradient norm is %s at step %d: skipping this step", float(norm), self.step)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.samples_accumulated = 0
+                return
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.run.lr_at(self.step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples_accumulated = 0
+        self.step += 1
+        # Kept graphs reference the parameters before this step (autograd would refuse them): keep only
+        # the inputs, so pending backwards recompute against the new parameters.
+        for entry in self._cache.values():
+            entry.graph = None
+
+    # ---------------------------------------------------------------- helpers
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        try:
+            self.stage.check_input(x)
+        except ValueError as e:
+            raise InvalidRequest(f"stage {self.stage.index} input: {e}") from None
+
+    def _check_targets(self, x: torch.Tensor, targets: torch.Tensor) -> None:
+        if not self.stage.is_last:
+            raise InvalidRequest(f"stage {self.stage.index} is not the last stage; it computes no loss")
+        try:
+            self.stage.check_targets(x, targets)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+
+    def _refuse_if_applied(self, microbatch_id: str) -> None:
+        if microbatch_id in self._applied:
+            raise AlreadyApplied(f"microbatch {microbatch_id} was already applied by this peer and its reply "
+                                 f"is no longer cached; it counts once")
+
+    @staticmethod
+    def _leaf(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().requires_grad_() if x.is_floating_point() else x
+
+    def _graphs_kept(self) -> int:
+        return sum(entry.graph is not None for entry in self._cache.values())
+
+    def _remember(self, microbatch_id: str, entry: _Cached) -> None:
+        self._forget(microbatch_id)
+        self._cache[microbatch_id] = entry
+        self._cache_bytes += _nbytes(entry.inputs)
+        while self._cache_bytes > self.cache_config.input_cache_bytes and self._cache:
+            self._forget(next(iter(self._cache)))
+
+    def _forget(self, microbatch_id: str) -> None:
+        entry = self._cache.pop(microbatch_id, None)
+        if entry is not None:
+            self._cache_bytes -= _nbytes(entry.inputs)
+
+    @property
+    def cached_microbatches(self) -> int:
+        return len(self._cache)

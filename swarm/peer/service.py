@@ -1,0 +1,179 @@
+"""The StagePeer gRPC servicer: validates every request, runs compute on the peer's worker thread.
+
+Validation order matters for "bad input loses nothing": the request header (protocol, run, stage, codec,
+state) is checked first, tensor headers are checked before their payload is received, payloads are
+checked while decoding (lengths, finiteness), and only then does the executor touch any state.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from swarm.compression import CODEC_NAMES
+from swarm.errors import InvalidRequest, PeerDraining, WrongPeer
+from swarm.proto import PROTOCOL_VERSION
+from swarm.proto import swarm_pb2 as pb
+from swarm.proto import swarm_pb2_grpc as pb_grpc
+from swarm.transport.server import stream_handler, unary_handler
+from swarm.transport.tensors import FrameReader, StreamLimits, codec_or_invalid, tensor_frames
+
+if TYPE_CHECKING:
+    from swarm.peer.daemon import Peer
+
+logger = logging.getLogger(__name__)
+
+
+class StageService(pb_grpc.StagePeerServicer):
+    def __init__(self, peer: Peer):
+        self.peer = peer
+        self.executor = peer.executor
+        self.limits = StreamLimits()
+
+    # ------------------------------------------------------------------ RPCs
+
+    @stream_handler
+    async def Forward(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
+        reader = FrameReader(request_iterator, limits=self.limits)
+        meta = await reader.request()
+        self._admit(meta, new_work=not meta.eval_only)
+        codec = codec_or_invalid(meta.codec)
+        deadline = _deadline(context)
+        stage = self.executor.stage
+        with self._in_flight():
+            wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
+            tensors = await reader.tensors(check=self._header_check(
+                allowed={"input", "targets"} if wants_loss else {"input"}))
+            x = _require(tensors, "input")
+            if wants_loss:
+                targets = _require(tensors, "targets")
+                if meta.eval_only:
+                    loss = await self.peer.compute(self.executor.eval_loss, x, targets)
+                    yield self._reply(loss=loss)
+                    return
+                loss, grad_input = await self.peer.compute(
+                    self.executor.forward_loss_backward, meta.microbatch_id, x, targets,
+                    _num_samples(meta, x), deadline=deadline)
+                yield self._reply(loss=loss)
+                if grad_input is not None:
+                    async for frame in tensor_frames("grad_input", grad_input, codec):
+                        yield frame
+                return
+            if stage.is_last:
+                raise InvalidRequest("the last stage needs compute_loss (with targets) or eval_only")
+            output = await self.peer.compute(self.executor.forward, meta.microbatch_id, x, keep=not meta.eval_only)
+            yield self._reply()
+            async for frame in tensor_frames("output", output, codec):
+                yield frame
+
+    @stream_handler
+    async def Backward(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
+        reader = FrameReader(request_iterator, limits=self.limits)
+        meta = await reader.request()
+        # A draining peer still finishes backward for microbatches it ran forward for.
+        self._admit(meta, new_work=meta.include_inputs)
+        codec = codec_or_invalid(meta.codec)
+        deadline = _deadline(context)
+        with self._in_flight():
+            tensors = await reader.tensors(check=self._header_check(
+                allowed={"grad_output", "input"} if meta.include_inputs else {"grad_output"}))
+            grad_output = _require(tensors, "grad_output")
+            inputs = _require(tensors, "input") if meta.include_inputs else None
+            grad_input = await self.peer.compute(
+                self.executor.backward, meta.microbatch_id, grad_output, inputs,
+                _num_samples(meta, grad_output), deadline=deadline)
+            yield self._reply()
+            if grad_input is not None:
+                async for frame in tensor_frames("grad_input", grad_input, codec):
+                    yield frame
+
+    @unary_handler
+    async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        if request.run_id and request.run_id != self.peer.run_id:
+            raise WrongPeer(f"this peer serves run '{self.peer.run_id}', not '{request.run_id}'")
+        ex = self.executor
+        return pb.InfoResponse(
+            protocol_version=PROTOCOL_VERSION, run_id=self.peer.run_id, stage=ex.stage.index,
+            peer_id=self.peer.peer_id, state=self.peer.state, throughput=self.peer.throughput,
+            in_flight=self.peer.in_flight, step=ex.step, samples_accumulated=ex.samples_accumulated,
+            microbatches_applied=ex.microbatches_applied, codecs=list(CODEC_NAMES))
+
+    # ------------------------------------------------------------------ checks
+
+    def _admit(self, meta: pb.RequestMeta, *, new_work: bool) -> None:
+        if meta.protocol_version != PROTOCOL_VERSION:
+            raise InvalidRequest(f"protocol version {meta.protocol_version} is not supported by this peer "
+                                 f"(it speaks {PROTOCOL_VERSION}); upgrade the older side")
+        if meta.run_id != self.peer.run_id:
+            raise WrongPeer(f"this peer serves run '{self.peer.run_id}', not '{meta.run_id}'")
+        if meta.stage != self.executor.stage.index:
+            raise WrongPeer(f"this peer serves stage {self.executor.stage.index} of run '{self.peer.run_id}', "
+                            f"not stage {meta.stage}; refresh the peer list from the DHT")
+        if not meta.microbatch_id or len(meta.microbatch_id) > 256:
+            raise InvalidRequest("microbatch_id must be a non-empty string of at most 256 characters")
+        if new_work and self.peer.state == "draining":
+            raise PeerDraining(f"peer {self.peer.peer_id} is draining (shutting down) and takes no new work; "
+                               f"send it to another peer of stage {meta.stage}")
+
+    def _header_check(self, *, allowed: set[str]) -> Callable:
+        stage = self.executor.stage
+        max_batch = self.peer.config.max_microbatch_size
+
+        def check(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str) -> None:
+            if name not in allowed:
+                raise InvalidRequest(f"unexpected tensor '{name}' in this call; expected {sorted(allowed)}")
+            if shape and shape[0] > max_batch:
+                raise InvalidRequest(f"tensor '{name}' has {shape[0]} samples, more than the "
+                                     f"{max_batch} this peer accepts per microbatch; split it")
+            if name == "targets":
+                want_dtype, want_ndim = torch.int64, 2
+            elif name == "input":
+                want_dtype, want_ndim = (torch.int64, 2) if stage.is_first else (torch.float32, 3)
+            else:
+                want_dtype, want_ndim = torch.float32, 3
+            if dtype != want_dtype or len(shape) != want_ndim:
+                raise InvalidRequest(f"tensor '{name}' for stage {stage.index} must be {want_dtype} with "
+                                     f"{want_ndim} dims, got {dtype} of shape {list(shape)}")
+
+        return check
+
+    def _reply(self, *, loss: float | None = None) -> pb.Frame:
+        meta = pb.ReplyMeta(step=self.executor.step, state=self.peer.state)
+        if loss is not None:
+            meta.loss, meta.has_loss = loss, True
+        return pb.Frame(reply=meta)
+
+    @contextlib.contextmanager
+    def _in_flight(self):
+        self.peer.in_flight += 1
+        try:
+            yield
+        finally:
+            self.peer.in_flight -= 1
+            self.peer.idle.set() if self.peer.in_flight == 0 else self.peer.idle.clear()
+
+
+def _require(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise InvalidRequest(f"the call carries no '{name}' tensor (got {sorted(tensors)})")
+    return tensors[name]
+
+
+def _num_samples(meta: pb.RequestMeta, x: torch.Tensor) -> int:
+    batch = x.shape[0] if x.ndim else 0
+    if meta.num_samples and meta.num_samples != batch:
+        raise InvalidRequest(f"num_samples={meta.num_samples} but the tensor holds {batch} samples")
+    return batch
+
+
+def _deadline(context) -> float | None:
+    """The caller's deadline on this machine's monotonic clock, minus a margin for the reply's flight."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    return time.monotonic() + remaining * 0.9

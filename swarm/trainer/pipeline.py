@@ -1,0 +1,270 @@
+"""Sends microbatches through the stages: forward chain, loss at the last stage, backward in reverse.
+
+Every remote call goes through one retry helper (:meth:`Pipeline._call`): it picks a peer with the
+routing policy, applies the peer's deadline, retries transport failures at another peer of the same stage
+with a finite budget, bans failed peers, and never retries a request the peer rejected as invalid.
+Backward goes first to the peer that ran the forward (it holds the inputs or the graph, so only the
+output gradient travels); if that peer is gone or no longer has them, another peer gets the inputs too
+and recomputes, so no microbatch is lost to a failed peer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm.compression import get_codec
+from swarm.config import RunConfig
+from swarm.discovery.dht import RunDirectory
+from swarm.discovery.records import StageRecord
+from swarm.errors import NotCached, StageUnavailable, SwarmError
+from swarm.proto import PROTOCOL_VERSION
+from swarm.proto import swarm_pb2 as pb
+from swarm.routing import NoPeersAvailable, Router, RoutingConfig
+from swarm.transport.client import ClientPool, Reply
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    refresh_s: float = 1.0  # seconds between refreshes of the peer lists from the DHT
+    empty_stage_wait_s: float = 120.0  # how long a request waits for a stage with no live peer
+    segment_bytes: int = 1 << 20  # raw bytes per streamed chunk
+
+    def __post_init__(self):
+        if self.refresh_s <= 0 or self.empty_stage_wait_s < 0 or self.segment_bytes < 1024:
+            raise ValueError(f"need refresh_s > 0, empty_stage_wait_s >= 0, segment_bytes >= 1024; got "
+                             f"{self.refresh_s}, {self.empty_stage_wait_s}, {self.segment_bytes}")
+
+
+@dataclass
+class MicrobatchResult:
+    loss: float
+    samples: int
+    tokens: int
+    attempts_failed: int  # calls that failed and were retried elsewhere
+
+
+class Pipeline:
+    """Routes calls for one run. Owns the peer lists (refreshed from the DHT) and one channel per peer."""
+
+    def __init__(self, directory: RunDirectory, run: RunConfig, *, config: PipelineConfig = PipelineConfig(),
+                 routing: RoutingConfig = RoutingConfig(), seed: int = 0):
+        self.directory = directory
+        self.run = run
+        self.config = config
+        self.num_stages = run.model.num_stages
+        self.codec = get_codec(run.codec)
+        self.router = Router(routing)
+        self.rng = random.Random(seed)
+        self.clients = ClientPool(segment_bytes=config.segment_bytes)
+        # every record seen recently, draining ones included (backward may still go there)
+        self.records: list[dict[str, StageRecord]] = [{} for _ in range(self.num_stages)]
+        self.draining: set[str] = set()
+        self.failed_calls = 0
+        self._refreshed = asyncio.Event()
+        self._refresh_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ peers
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresh_task = asyncio.create_task(self._refresh_loop(), name="peer-refresh")
+
+    async def close(self) -> None:
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            await asyncio.gather(self._refresh_task, return_exceptions=True)
+        await self.clients.close()
+
+    async def refresh(self) -> None:
+        fingerprint = self.run.fingerprint()
+        stages = await self.directory.all_stages(self.num_stages)
+        now = time.monotonic()
+        for stage, found in enumerate(stages):
+            compatible = {pid: r for pid, r in found.items() if r.config_hash == fingerprint}
+            self.records[stage] = compatible
+            for pid, r in compatible.items():
+                if r.state == "draining":
+                    self.draining.add(pid)
+            serving = {pid: r.throughput for pid, r in compatible.items()
+                       if r.state == "serving" and pid not in self.draining}
+            self.router.update_peers(stage, serving, now)
+        self._refreshed.set()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as e:  # keep routing on the last known lists
+                logger.warning("refreshing peers from the DHT failed: %s", e)
+
+    async def wait_for_peers(self, *, timeout_s: float) -> None:
+        """Wait until every stage has at least one serving peer."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            empty = [s for s in range(self.num_stages) if not self.router.peers(s)]
+            if not empty:
+                return
+            if time.monotonic() > deadline:
+                raise StageUnavailable(f"no peer serves stage(s) {empty} of run '{self.run_id}' after "
+                                       f"{timeout_s:.0f}s; start `swarm peer --run-id {self.run_id} --stage "
+                                       f"{empty[0]}`")
+            self._refreshed.clear()
+            await asyncio.wait({asyncio.ensure_future(self._refreshed.wait())}, timeout=self.config.refresh_s * 2)
+
+    @property
+    def run_id(self) -> str:
+        return self.directory.run_id
+
+    # ------------------------------------------------------------------ one microbatch
+
+    async def train_microbatch(self, microbatch_id: str, tokens: torch.Tensor) -> MicrobatchResult:
+        """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss."""
+        x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
+        samples = x.shape[0]
+        failures_before = self.failed_calls
+        stage_inputs: list[torch.Tensor] = []
+        forward_peers: list[str] = []
+        h = x
+        for stage in range(self.num_stages - 1):
+            stage_inputs.append(h)
+            reply, peer = await self._call(stage, samples, self._forward_attempt(stage, microbatch_id, h))
+            h = _tensor(reply, "output", peer)
+            forward_peers.append(peer)
+        last = self.num_stages - 1
+        reply, _ = await self._call(last, samples, self._forward_attempt(last, microbatch_id, h, targets=targets))
+        loss = reply.meta.loss
+        grad = reply.tensors.get("grad_input")
+        for stage in reversed(range(self.num_stages - 1)):
+            if grad is None:
+                raise SwarmError(f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}")
+            reply, _ = await self._call(
+                stage, samples, self._backward_attempt(stage, microbatch_id, grad, stage_inputs[stage],
+                                                       forward_peers[stage]),
+                preferred=forward_peers[stage])
+            grad = reply.tensors.get("grad_input")
+        return MicrobatchResult(loss=loss, samples=samples, tokens=targets.numel(),
+                                attempts_failed=self.failed_calls - failures_before)
+
+    async def eval_microbatch(self, tokens: torch.Tensor) -> float:
+        """Validation loss of one batch: forward only, nothing kept or accumulated by the peers."""
+        x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        h, samples = x, x.shape[0]
+        for stage in range(self.num_stages):
+            is_last = stage == self.num_stages - 1
+            reply, peer = await self._call(stage, samples, self._forward_attempt(
+                stage, "eval", h, targets=targets if is_last else None, eval_only=True))
+            if is_last:
+                return reply.meta.loss
+            h = _tensor(reply, "output", peer)
+        raise AssertionError("unreachable")
+
+    def _meta(self, stage: int, microbatch_id: str, samples: int, **flags) -> pb.RequestMeta:
+        return pb.RequestMeta(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=stage,
+                              microbatch_id=microbatch_id, codec=self.codec.name, num_samples=samples, **flags)
+
+    def _forward_attempt(self, stage, microbatch_id, h, *, targets=None, eval_only=False):
+        tensors = [("input", h)] + ([("targets", targets)] if targets is not None else [])
+        meta = self._meta(stage, microbatch_id, h.shape[0], compute_loss=targets is not None and not eval_only,
+                          eval_only=eval_only)
+
+        async def attempt(endpoint: str, timeout_s: float) -> Reply:
+            return await self.clients.get(endpoint).forward(meta, tensors, self.codec, timeout_s=timeout_s)
+
+        return attempt
+
+    def _backward_attempt(self, stage, microbatch_id, grad, inputs, forward_peer):
+        async def attempt(endpoint: str, timeout_s: float) -> Reply:
+            client = self.clients.get(endpoint)
+            holder = self.records[stage].get(forward_peer)
+            if holder is not None and holder.endpoint == endpoint:
+                try:
+                    meta = self._meta(stage, microbatch_id, grad.shape[0])
+                    return await client.backward(meta, [("grad_output", grad)], self.codec, timeout_s=timeout_s)
+                except NotCached:
+                    pass  # evicted there: send the inputs along for a recompute at the same peer
+            meta = self._meta(stage, microbatch_id, grad.shape[0], include_inputs=True)
+            return await client.backward(meta, [("grad_output", grad), ("input", inputs)], self.codec,
+                                         timeout_s=timeout_s)
+
+        return attempt
+
+    # ------------------------------------------------------------------ the one retry helper
+
+    async def _call(self, stage: int, samples: int, attempt: Callable[[str, float], Awaitable[Reply]],
+                    *, preferred: str | None = None) -> tuple[Reply, str]:
+        """Run ``attempt(endpoint, timeout_s)`` against a peer of ``stage`` until it succeeds, retrying
+        transport failures at other peers within the routing policy's finite budget."""
+        budget = self.router.retry_budget(stage)
+        while True:
+            if preferred is not None and preferred in self.records[stage] and \
+                    self.router.banned_until_s(preferred, time.monotonic()) is None:
+                peer = preferred
+            else:
+                peer = await self._choose(stage, budget.failed_peers)
+            preferred = None
+            endpoint = self.records[stage][peer].endpoint
+            timeout_s = self.router.deadline_s(stage, peer, samples)
+            started = time.monotonic()
+            self.router.on_start(stage, peer, started)
+            try:
+                reply = await attempt(endpoint, timeout_s)
+            except SwarmError as e:
+                if not e.retry_elsewhere:
+                    self.router.on_cancel(stage, peer, time.monotonic())
+                    raise
+                self.failed_calls += 1
+                self.router.on_failure(stage, peer, time.monotonic())
+                logger.info("stage %d peer %s failed (%s: %s); retrying elsewhere", stage, peer,
+                            type(e).__name__, e)
+                budget.record_failure(peer, e)  # raises RetriesExhausted naming the stage when spent
+                continue
+            except BaseException:
+                self.router.on_cancel(stage, peer, time.monotonic())
+                raise
+            now = time.monotonic()
+            self.router.on_success(stage, peer, samples, max(now - started, 1e-6), now)
+            if reply.meta.state == "draining" and peer not in self.draining:
+                self.draining.add(peer)
+                self.router.update_peers(stage, {p: r.throughput for p, r in self.records[stage].items()
+                                                 if p not in self.draining and r.state == "serving"}, now)
+            return reply, peer
+
+    async def _choose(self, stage: int, exclude: frozenset[str]) -> str:
+        """A peer for ``stage``; when none is eligible, wait (bounded) for one to appear or a ban to end."""
+        deadline = time.monotonic() + self.config.empty_stage_wait_s
+        warned = False
+        while True:
+            now = time.monotonic()
+            try:
+                return self.router.choose(stage, now, self.rng, exclude=exclude)
+            except NoPeersAvailable as e:
+                if exclude and e.num_excluded:
+                    exclude = frozenset()  # every peer failed this request once: allow retries after bans
+                    continue
+                if now > deadline:
+                    raise StageUnavailable(f"stage {stage} of run '{self.run_id}' has had no live peer for "
+                                           f"{self.config.empty_stage_wait_s:.0f}s ({e}); start a peer with "
+                                           f"`swarm peer --run-id {self.run_id} --stage {stage}`") from None
+                if not warned:
+                    logger.warning("stage %d has no live peer right now (%s); waiting up to %.0fs",
+                                   stage, e, self.config.empty_stage_wait_s)
+                    warned = True
+                wake = min(deadline, e.retry_at_s) if e.retry_at_s else deadline
+                self._refreshed.clear()
+                await asyncio.wait({asyncio.ensure_future(self._refreshed.wait())},
+                                   timeout=max(0.05, min(wake - now, self.config.refresh_s * 2)))
+
+
+def _tensor(reply: Reply, name: str, peer: str) -> torch.Tensor:
+    if name not in reply.tensors:
+        raise SwarmError(f"peer {peer} replied without the '{name}' tensor")
+    return reply.tensors[name]

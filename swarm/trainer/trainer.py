@@ -1,0 +1,202 @@
+"""``swarm train``: reads data, keeps several microbatches in flight, reports loss and tokens/s.
+
+A training "step" here is one global batch (``target_batch_size`` samples) sent through the swarm; the
+peers of each stage step their optimizers when they have accumulated that many samples.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.data import ByteCorpus, DataConfig
+from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
+from swarm.routing import RoutingConfig
+from swarm.trainer.pipeline import MicrobatchResult, Pipeline, PipelineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    run_id: str = "demo"  # the run to train
+    host: str = "127.0.0.1"  # address this trainer's DHT node listens on
+    microbatch_size: int = 8  # sequences per microbatch
+    in_flight: int = 4  # microbatches in the pipeline at once
+    steps: int = 100  # global batches to train (0 = until interrupted)
+    eval_every_steps: int = 25  # validation every this many steps (0 = only at the end)
+    eval_batches: int = 4  # validation batches (of microbatch_size sequences)
+    seed: int = 0  # data sampling seed
+    peers_wait_s: float = 120.0  # how long to wait at start for every stage to have a peer
+    log_every_s: float = 2.0  # seconds between progress lines
+    metrics_path: str | None = None  # append one JSON line per step and per validation here
+    data: DataConfig = field(default_factory=DataConfig)
+    dht: DHTConfig = field(default_factory=DHTConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+    def __post_init__(self):
+        if self.microbatch_size < 1 or self.in_flight < 1 or self.eval_batches < 1:
+            raise ValueError(f"microbatch_size ({self.microbatch_size}), in_flight ({self.in_flight}) and "
+                             f"eval_batches ({self.eval_batches}) must be >= 1")
+        if self.steps < 0 or self.eval_every_steps < 0:
+            raise ValueError(f"steps ({self.steps}) and eval_every_steps ({self.eval_every_steps}) must be >= 0")
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    samples: int
+    microbatches: int
+    failed_calls: int
+    initial_loss: float  # mean training loss over the first step
+    final_loss: float  # mean training loss over the last step
+    val_loss: float
+    tokens_per_s: float
+    seconds: float
+    losses: list[float]  # mean training loss of each step
+
+    def describe(self) -> str:
+        return (f"trained {self.steps} steps ({self.samples} samples, {self.microbatches} microbatches) in "
+                f"{self.seconds:.0f}s | initial loss {self.initial_loss:.3f} -> final loss "
+                f"{self.final_loss:.3f} | validation loss {self.val_loss:.3f} | {self.tokens_per_s:,.0f} tokens/s"
+                f" | {self.failed_calls} calls retried elsewhere")
+
+
+class Trainer:
+    def __init__(self, config: TrainerConfig, pipeline: Pipeline, corpus: ByteCorpus, run: RunConfig):
+        self.config = config
+        self.pipeline = pipeline
+        self.corpus = corpus
+        self.run = run
+        self.trainer_id = uuid.uuid4().hex[:8]
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._next_microbatch = 0
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, config: TrainerConfig, *, dht=None):
+        """Join the DHT (unless given one), read the run config, load data, connect to the stages."""
+        async with contextlib.AsyncExitStack() as stack:
+            if dht is None:
+                dht = await asyncio.to_thread(start_dht, config.dht, host=config.host, client_mode=True)
+                stack.callback(dht.shutdown)
+            directory = RunDirectory(dht, config.run_id)
+            run = await directory.wait_for_run(timeout_s=config.peers_wait_s)
+            corpus = await asyncio.to_thread(ByteCorpus.load, config.data)
+            pipeline = Pipeline(directory, run, config=config.pipeline, routing=config.routing, seed=config.seed)
+            stack.push_async_callback(pipeline.close)
+            await pipeline.start()
+            await pipeline.wait_for_peers(timeout_s=config.peers_wait_s)
+            yield cls(config, pipeline, corpus, run)
+
+    # ------------------------------------------------------------------ training
+
+    async def train(self) -> TrainSummary:
+        """Stream microbatches through the swarm, ``in_flight`` at a time, with no pause between steps."""
+        cfg, run = self.config, self.run
+        per_step = math.ceil(run.target_batch_size / cfg.microbatch_size)
+        total = cfg.steps * per_step if cfg.steps else math.inf
+        step_losses: list[float] = []
+        bucket: list[MicrobatchResult] = []
+        val_loss = float("nan")
+        launched = done_samples = done_microbatches = done_tokens = 0
+        started = last_log = time.monotonic()
+        pending: set[asyncio.Task] = set()
+        try:
+            while launched < total or pending:
+                while len(pending) < cfg.in_flight and launched < total:
+                    tokens = self.corpus.sample("train", cfg.microbatch_size, run.model.seq_len, self._generator)
+                    pending.add(asyncio.create_task(self.pipeline.train_microbatch(self._microbatch_id(), tokens)))
+                    launched += 1
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    result = task.result()  # a microbatch that exhausted its retries ends training here
+                    bucket.append(result)
+                    done_samples += result.samples
+                    done_tokens += result.tokens
+                    done_microbatches += 1
+                    if len(bucket) < per_step:
+                        continue
+                    step_loss = sum(r.loss * r.samples for r in bucket) / sum(r.samples for r in bucket)
+                    bucket = []
+                    step_losses.append(step_loss)
+                    step = len(step_losses)
+                    elapsed = time.monotonic() - started
+                    self._metric({"step": step, "loss": step_loss, "tokens_per_s": done_tokens / elapsed,
+                                  "time_s": elapsed})
+                    if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step != cfg.steps:
+                        val_loss = await self.validate()
+                        self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})
+                        self._progress(step, step_loss, done_tokens / elapsed, val_loss, final=True)
+                    elif time.monotonic() - last_log >= cfg.log_every_s:
+                        self._progress(step, step_loss, done_tokens / elapsed, val_loss)
+                        last_log = time.monotonic()
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        elapsed = time.monotonic() - started
+        val_loss = await self.validate()
+        step = len(step_losses)
+        self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})
+        if step_losses:
+            self._progress(step, step_losses[-1], done_tokens / elapsed, val_loss, final=True)
+        return TrainSummary(steps=step, samples=done_samples, microbatches=done_microbatches,
+                            failed_calls=self.pipeline.failed_calls,
+                            initial_loss=step_losses[0] if step_losses else float("nan"),
+                            final_loss=step_losses[-1] if step_losses else float("nan"),
+                            val_loss=val_loss, tokens_per_s=done_tokens / max(elapsed, 1e-9), seconds=elapsed,
+                            losses=step_losses)
+
+    async def validate(self) -> float:
+        """Mean validation loss over the fixed validation batches (the same on every machine)."""
+        batches = self.corpus.val_batches(self.config.microbatch_size, self.run.model.seq_len,
+                                          self.config.eval_batches)
+        sem = asyncio.Semaphore(self.config.in_flight)
+
+        async def one(tokens):
+            async with sem:
+                return await self.pipeline.eval_microbatch(tokens)
+
+        losses = await _gather_or_cancel([one(b) for b in batches])
+        return sum(losses) / len(losses)
+
+    def _microbatch_id(self) -> str:
+        self._next_microbatch += 1
+        return f"{self.trainer_id}-{self._next_microbatch}"
+
+    def _metric(self, record: dict) -> None:
+        if self.config.metrics_path:
+            with open(self.config.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _progress(self, step: int, loss: float, tokens_per_s: float, val_loss: float, *, final=False) -> None:
+        total = f"/{self.config.steps}" if self.config.steps else ""
+        val = f" | val {val_loss:.3f}" if math.isfinite(val_loss) else ""
+        line = f"step {step}{total} | loss {loss:.3f}{val} | {tokens_per_s:,.0f} tok/s"
+        if sys.stdout.isatty() and not final:
+            print("\r" + line, end="", flush=True)
+        else:
+            print(("\r" if sys.stdout.isatty() else "") + line, flush=True)
+
+
+async def _gather_or_cancel(coros):
+    """Like ``asyncio.gather`` but cancels the rest when one fails (Python 3.10 has no TaskGroup)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

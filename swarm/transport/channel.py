@@ -1,0 +1,18 @@
+"""gRPC options shared by servers and clients."""
+from __future__ import annotations
+
+# One chunk frame holds at most a few MiB (segments default to 1 MiB raw); leave room for headers.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Detect dead connections (a peer host that vanished) without waiting for TCP timeouts.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # A new peer replacing a dead one at the same address should be reachable at once.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]

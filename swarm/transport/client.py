@@ -1,0 +1,100 @@
+"""Client side of the stage protocol: one channel per peer endpoint, typed errors, deadlines on every call."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from swarm.compression import Codec
+from swarm.errors import InvalidRequest, SwarmError, TransportError, error_from_status
+from swarm.proto import swarm_pb2 as pb
+from swarm.proto import swarm_pb2_grpc as pb_grpc
+from swarm.transport.channel import GRPC_OPTIONS
+from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
+
+
+@dataclass
+class Reply:
+    meta: pb.ReplyMeta
+    tensors: dict[str, torch.Tensor]
+
+
+class PeerClient:
+    """Calls one peer. Every call takes a deadline; failures surface as :class:`SwarmError` subclasses."""
+
+    def __init__(self, endpoint: str, *, segment_bytes: int = 1 << 20, limits: StreamLimits = StreamLimits()):
+        self.endpoint = endpoint
+        self._segment_bytes = segment_bytes
+        self._limits = limits
+        self._channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.StagePeerStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+    async def forward(self, meta: pb.RequestMeta, tensors: Sequence[tuple[str, torch.Tensor]], codec: Codec,
+                      *, timeout_s: float) -> Reply:
+        return await self._stream(self._stub.Forward, meta, tensors, codec, timeout_s)
+
+    async def backward(self, meta: pb.RequestMeta, tensors: Sequence[tuple[str, torch.Tensor]], codec: Codec,
+                       *, timeout_s: float) -> Reply:
+        return await self._stream(self._stub.Backward, meta, tensors, codec, timeout_s)
+
+    async def info(self, run_id: str = "", *, timeout_s: float) -> pb.InfoResponse:
+        try:
+            return await self._stub.Info(pb.InfoRequest(run_id=run_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_status(e.code(), e.details(), peer=self.endpoint) from None
+
+    async def _stream(self, method, meta, tensors, codec, timeout_s) -> Reply:
+        async def frames() -> AsyncIterator[pb.Frame]:
+            yield pb.Frame(request=meta)
+            for name, tensor in tensors:
+                async for frame in tensor_frames(name, tensor, codec, segment_bytes=self._segment_bytes):
+                    yield frame
+
+        call = method(frames(), timeout=timeout_s)
+        try:
+            reader = FrameReader(call, limits=self._limits)
+            reply_meta = await reader.reply()
+            return Reply(reply_meta, await reader.tensors())
+        except grpc.aio.AioRpcError as e:
+            raise error_from_status(e.code(), e.details(), peer=self.endpoint) from None
+        except InvalidRequest as e:
+            # A malformed reply is the peer's fault, not ours: treat it like a transport failure.
+            raise TransportError(f"peer {self.endpoint} sent a malformed reply: {e}") from None
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        finally:
+            if not call.done():
+                call.cancel()
+
+
+class ClientPool:
+    """Reuses one :class:`PeerClient` per endpoint; closes them all on :meth:`close`."""
+
+    def __init__(self, **client_kwargs):
+        self._clients: dict[str, PeerClient] = {}
+        self._kwargs = client_kwargs
+
+    def get(self, endpoint: str) -> PeerClient:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = self._clients[endpoint] = PeerClient(endpoint, **self._kwargs)
+        return client
+
+    async def discard(self, endpoint: str) -> None:
+        client = self._clients.pop(endpoint, None)
+        if client is not None:
+            await client.close()
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+__all__ = ["PeerClient", "ClientPool", "Reply", "SwarmError"]

@@ -1,0 +1,61 @@
+"""Server side: start a grpc.aio server for a StagePeer servicer and map typed errors to statuses."""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from swarm.errors import SwarmError
+from swarm.proto import swarm_pb2 as pb
+from swarm.proto import swarm_pb2_grpc as pb_grpc
+from swarm.transport.channel import GRPC_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+
+async def start_server(servicer: pb_grpc.StagePeerServicer, *, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start serving on ``host:port`` (port 0 picks a free one); return the server and the bound port."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_StagePeerServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}: the port is taken or the address is not local; "
+                      f"pick another --port or --host")
+    await server.start()
+    return server, bound
+
+
+def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
+    """Wrap a streaming handler so that a :class:`SwarmError` ends the call with its status and message,
+    and any other exception with INTERNAL (logged with its traceback, never shown raw to the caller)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, request_iterator, context: grpc.aio.ServicerContext):
+        try:
+            async for frame in fn(self, request_iterator, context):
+                yield frame
+        except SwarmError as e:
+            await context.abort(e.code, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # a bug in our handler: log it, answer with a sentence, keep serving
+            logger.exception("internal error while handling %s", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in peer ({type(e).__name__}: {e}); "
+                                                          f"see the peer's log")
+
+    return wrapper
+
+
+def unary_handler(fn: Callable[..., Awaitable]):
+    """Same as :func:`stream_handler` for unary calls."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await fn(self, request, context)
+        except SwarmError as e:
+            await context.abort(e.code, str(e))
+
+    return wrapper

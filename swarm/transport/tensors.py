@@ -1,0 +1,165 @@
+"""Chunked tensor streams: a tensor travels as one header frame and then one chunk frame per segment.
+
+Each segment of the tensor's flat data is encoded on its own (segment sizes are multiples of the codec's
+alignment, so the result equals encoding the whole tensor). The sender encodes segment i+1 in a worker
+thread while segment i is on the wire, and the receiver decodes segment i while segment i+1 arrives, so
+encode, transfer and decode overlap for large tensors and the event loop never does the CPU work.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm.compression import Codec, CodecError, dtype_from_name, get_codec, wire_dtype_name
+from swarm.errors import InvalidRequest
+from swarm.proto import swarm_pb2 as pb
+
+# Segments below this many raw bytes are encoded/decoded inline: a thread hop costs more than the work.
+_INLINE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamLimits:
+    """What a receiver accepts, so a hostile or buggy sender cannot make it allocate without bound."""
+
+    max_numel: int = 1 << 28  # elements in one tensor (1 GiB of fp32)
+    max_segment_numel: int = 1 << 24  # elements in one chunk (the gRPC message cap bounds it anyway)
+
+    def __post_init__(self):
+        if self.max_numel < 1 or self.max_segment_numel < 1:
+            raise ValueError(f"limits must be positive, got max_numel={self.max_numel}, "
+                             f"max_segment_numel={self.max_segment_numel}")
+
+
+def segment_numel_for(codec: Codec, dtype: torch.dtype, segment_bytes: int) -> int:
+    """Elements per chunk: about ``segment_bytes`` of raw data, rounded down to the codec's alignment."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    align = codec.segment_alignment
+    return max(align, (segment_bytes // element_size) // align * align)
+
+
+async def _maybe_offload(nbytes: int, fn: Callable, *args):
+    if nbytes < _INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def tensor_frames(name: str, tensor: torch.Tensor, codec: Codec, *,
+                        segment_bytes: int = 1 << 20) -> AsyncIterator[pb.Frame]:
+    """Yield the header and chunk frames of ``tensor``; the next segment encodes while one is sent."""
+    flat = tensor.detach().to("cpu").contiguous().view(-1)
+    seg = segment_numel_for(codec, flat.dtype, segment_bytes)
+    yield pb.Frame(tensor=pb.TensorHeader(
+        name=name, dtype=wire_dtype_name(flat.dtype), shape=list(tensor.shape), codec=codec.name,
+        segment_numel=seg))
+    starts = range(0, flat.numel(), seg)
+    seg_bytes = seg * flat.element_size()
+    pending = None
+    for start in starts:
+        task = asyncio.ensure_future(_maybe_offload(seg_bytes, codec.encode, flat[start:start + seg]))
+        if pending is not None:
+            yield pb.Frame(chunk=await pending)
+        pending = task
+    if pending is not None:
+        yield pb.Frame(chunk=await pending)
+
+
+class FrameReader:
+    """Reads a call's frames in protocol order and rebuilds tensors, validating everything it reads.
+
+    Every malformed input raises :class:`InvalidRequest` with a sentence naming what was wrong.
+    """
+
+    def __init__(self, frames: AsyncIterator[pb.Frame], *, limits: StreamLimits = StreamLimits()):
+        self._frames = frames.__aiter__()
+        self._limits = limits
+        self._peeked: pb.Frame | None = None
+
+    async def _next(self) -> pb.Frame | None:
+        if self._peeked is not None:
+            frame, self._peeked = self._peeked, None
+            return frame
+        try:
+            return await self._frames.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def _expect(self, kind: str, context: str) -> pb.Frame:
+        frame = await self._next()
+        if frame is None:
+            raise InvalidRequest(f"stream ended early: expected a '{kind}' frame {context}; "
+                                 f"the sender was cut off or speaks another protocol version")
+        got = frame.WhichOneof("kind")
+        if got != kind:
+            raise InvalidRequest(f"expected a '{kind}' frame {context}, got '{got}'")
+        return frame
+
+    async def request(self) -> pb.RequestMeta:
+        return (await self._expect("request", "to open the call")).request
+
+    async def reply(self) -> pb.ReplyMeta:
+        return (await self._expect("reply", "to open the reply")).reply
+
+    async def tensors(self, check: Callable[[str, tuple[int, ...], torch.dtype, str], None] | None = None
+                      ) -> dict[str, torch.Tensor]:
+        """Read tensors until the stream ends. ``check(name, shape, dtype, codec)`` may raise
+        InvalidRequest to reject a tensor from its header, before any payload is received."""
+        out: dict[str, torch.Tensor] = {}
+        while (frame := await self._next()) is not None:
+            self._peeked = frame
+            header = (await self._expect("tensor", "(a tensor header)")).tensor
+            if header.name in out:
+                raise InvalidRequest(f"tensor '{header.name}' was sent twice in one call")
+            out[header.name] = await self._read_tensor(header, check)
+        return out
+
+    async def _read_tensor(self, header: pb.TensorHeader, check) -> torch.Tensor:
+        try:
+            codec = get_codec(header.codec)
+            dtype = dtype_from_name(header.dtype)
+        except CodecError as e:
+            raise InvalidRequest(f"tensor '{header.name}': {e}") from None
+        shape = tuple(int(s) for s in header.shape)
+        numel = math.prod(shape)
+        if numel > self._limits.max_numel:
+            raise InvalidRequest(f"tensor '{header.name}' of shape {list(shape)} has {numel} elements, "
+                                 f"more than the {self._limits.max_numel} this receiver accepts")
+        seg = int(header.segment_numel)
+        if seg < 1 or seg > self._limits.max_segment_numel or (seg % codec.segment_alignment):
+            raise InvalidRequest(f"tensor '{header.name}': segment_numel={seg} must be in [1, "
+                                 f"{self._limits.max_segment_numel}] and a multiple of {codec.segment_alignment} "
+                                 f"for codec '{codec.name}'")
+        if check is not None:
+            check(header.name, shape, dtype, codec.name)
+        flat = torch.empty(numel, dtype=dtype)
+        seg_bytes = seg * flat.element_size()
+        decodes = []
+        try:
+            for index, start in enumerate(range(0, numel, seg)):
+                payload = (await self._expect("chunk", f"(chunk {index} of tensor '{header.name}')")).chunk
+                count = min(seg, numel - start)
+                decodes.append(asyncio.ensure_future(
+                    _maybe_offload(seg_bytes, _decode_into, codec, payload, flat, start, count)))
+            await asyncio.gather(*decodes)
+        except CodecError as e:
+            raise InvalidRequest(f"tensor '{header.name}': {e}") from None
+        finally:
+            for task in decodes:
+                task.cancel()
+        return flat.view(shape)
+
+
+def _decode_into(codec: Codec, payload: bytes, out: torch.Tensor, start: int, count: int) -> None:
+    out[start:start + count] = codec.decode(payload, count, out.dtype)
+
+
+def codec_or_invalid(name: str) -> Codec:
+    """The codec called ``name``, or InvalidRequest saying which codecs exist."""
+    try:
+        return get_codec(name)
+    except CodecError as e:
+        raise InvalidRequest(str(e)) from None

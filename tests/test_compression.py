@@ -1,0 +1,387 @@
+"""Unit tests for swarm.compression: error bounds, exact sizes, segmenting, pass-through, NaN/Inf, bad payloads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from swarm.compression import (
+    CODEC_NAMES,
+    WIRE_DTYPE_NAMES,
+    CodecError,
+    CodecOverflowError,
+    NonFiniteTensorError,
+    UnknownCodecError,
+    dtype_from_name,
+    get_codec,
+    segment_ranges,
+    wire_dtype_name,
+)
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+NUMEL = 1 << 16
+
+
+def _sample(distribution: str, numel: int = NUMEL, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(numel, generator=generator)  # (N,)
+    if distribution == "normal":
+        return normal
+    if distribution == "student_t2":
+        # t(2) = Z / sqrt(chi2(2) / 2), chi2(2) = -2 log U: heavy tails with infinite variance
+        uniform = torch.rand(numel, generator=generator).clamp_min_(1e-12)
+        return normal / torch.sqrt(-torch.log(uniform))
+    if distribution == "lognormal":
+        return normal.exp()
+    raise AssertionError(distribution)
+
+
+def _relative_error(original: torch.Tensor, decoded: torch.Tensor) -> float:
+    original, decoded = original.double(), decoded.double()
+    return float((original - decoded).norm() / original.norm())
+
+
+# --- round-trip error bounds ---------------------------------------------------------------------------------------
+
+# upper bounds on ||x - dec(enc(x))|| / ||x|| for float32 inputs; measured values are ~2/3 of these
+ERROR_BOUNDS = {
+    ("none", "normal"): 0.0,
+    ("none", "student_t2"): 0.0,
+    ("none", "lognormal"): 0.0,
+    ("fp16", "normal"): 3e-4,
+    ("fp16", "student_t2"): 3e-4,
+    ("fp16", "lognormal"): 3e-4,
+    ("bf16", "normal"): 2.5e-3,
+    ("bf16", "student_t2"): 2.5e-3,
+    ("bf16", "lognormal"): 2.5e-3,
+    ("int8", "normal"): 7e-3,
+    ("int8", "student_t2"): 1.5e-2,
+    ("int8", "lognormal"): 1.2e-2,
+}
+
+
+@pytest.mark.parametrize(("codec_name", "distribution"), sorted(ERROR_BOUNDS))
+def test_round_trip_error_is_bounded(codec_name: str, distribution: str) -> None:
+    codec = get_codec(codec_name)
+    flat = _sample(distribution)
+    decoded = codec.decode(codec.encode(flat), flat.numel(), flat.dtype)
+    assert decoded.shape == flat.shape and decoded.dtype == flat.dtype
+    error = _relative_error(flat, decoded)
+    assert error <= ERROR_BOUNDS[codec_name, distribution]
+    if codec_name == "none":
+        assert torch.equal(decoded, flat)
+
+
+@pytest.mark.parametrize("distribution", ["normal", "student_t2", "lognormal"])
+def test_int8_error_per_element_is_half_a_step_of_its_block(distribution: str) -> None:
+    codec = get_codec("int8")
+    block = codec.segment_alignment
+    flat = _sample(distribution, numel=block * 1000)
+    decoded = codec.decode(codec.encode(flat), flat.numel(), flat.dtype)
+    absmax = flat.view(-1, block).abs().amax(dim=1, keepdim=True)  # (nb, 1)
+    error = (flat - decoded).view(-1, block).abs()  # (nb, b)
+    # half a quantization step; the bfloat16 scale is rounded up by less than 2**-7, float32 math adds a few ulps
+    assert bool((error <= absmax / 127 / 2 * (1 + 2**-7) * (1 + 1e-5)).all())
+    # the maximum of each block is reproduced to float32 rounding: the scale never clips it
+    maxima = flat.view(-1, block).abs().argmax(dim=1, keepdim=True)
+    assert torch.allclose(decoded.view(-1, block).gather(1, maxima), flat.view(-1, block).gather(1, maxima), rtol=5e-3)
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_every_float_dtype_round_trips_to_its_own_dtype(codec_name: str, dtype: torch.dtype) -> None:
+    codec = get_codec(codec_name)
+    flat = _sample("normal", numel=1000).to(dtype)
+    decoded = codec.decode(codec.encode(flat), flat.numel(), dtype)
+    assert decoded.dtype == dtype
+    assert _relative_error(flat, decoded) <= 7e-3
+
+
+@pytest.mark.parametrize("codec_name", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sixteen_bit_inputs_travel_raw_in_sixteen_bit_codecs(codec_name: str, dtype: torch.dtype) -> None:
+    codec = get_codec(codec_name)
+    flat = _sample("normal", numel=1000).to(dtype)
+    payload = codec.encode(flat)
+    assert payload == flat.view(torch.uint8).numpy().tobytes()
+    assert torch.equal(codec.decode(payload, flat.numel(), dtype), flat)
+
+
+def test_int8_keeps_tiny_gradients_and_zero_blocks() -> None:
+    codec = get_codec("int8")
+    block = codec.segment_alignment
+    tiny = _sample("normal", numel=block) * 1e-30  # far below float16's range, inside bfloat16's
+    flat = torch.cat([tiny, torch.zeros(block), torch.tensor([0.0, -0.0])])  # (2b + 2,)
+    decoded = codec.decode(codec.encode(flat), flat.numel(), flat.dtype)
+    assert _relative_error(tiny, decoded[:block]) <= 7e-3
+    assert torch.equal(decoded[block:], torch.zeros(block + 2))
+
+
+def test_fp16_flushes_values_below_its_range_but_bf16_keeps_them() -> None:
+    flat = torch.full((8,), 1e-9)
+    assert torch.equal(get_codec("fp16").decode(get_codec("fp16").encode(flat), 8, flat.dtype), torch.zeros(8))
+    assert _relative_error(flat, get_codec("bf16").decode(get_codec("bf16").encode(flat), 8, flat.dtype)) < 4e-3
+
+
+# --- exact byte counts ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [0, 1, 31, 32, 33, 1000])
+def test_encode_returns_exactly_encoded_size_bytes(codec_name: str, dtype: torch.dtype, numel: int) -> None:
+    codec = get_codec(codec_name)
+    flat = (_sample("normal", numel=numel) * 3).to(dtype)
+    payload = codec.encode(flat)
+    assert isinstance(payload, bytes)
+    assert len(payload) == codec.encoded_size(numel, dtype)
+    assert codec.decode(payload, numel, dtype).shape == (numel,)
+
+
+@pytest.mark.parametrize(
+    ("codec_name", "dtype", "numel", "expected"),
+    [
+        ("none", torch.float32, 4096, 16384),
+        ("none", torch.float64, 10, 80),
+        ("fp16", torch.float32, 4096, 8192),
+        ("bf16", torch.float64, 4096, 8192),
+        ("int8", torch.float32, 4096, 4096 + 2 * 128),  # one 2-byte scale per 32 elements
+        ("int8", torch.float32, 33, 33 + 2 * 2),  # a partial tail block has its own scale
+        ("int8", torch.float16, 64, 64 + 2 * 2),
+        ("int8", torch.int64, 4096, 8 * 4096),  # integers travel raw
+        ("fp16", torch.bool, 5, 5),
+    ],
+)
+def test_encoded_size_formula(codec_name: str, dtype: torch.dtype, numel: int, expected: int) -> None:
+    assert get_codec(codec_name).encoded_size(numel, dtype) == expected
+
+
+# --- segments --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+@pytest.mark.parametrize("max_segment_bytes", [100, 1000, 4096])
+def test_segmentwise_encoding_equals_whole_tensor_encoding(
+    codec_name: str, dtype: torch.dtype, max_segment_bytes: int
+) -> None:
+    codec = get_codec(codec_name)
+    flat = (_sample("student_t2", numel=5003) * 10).to(dtype)  # not a multiple of any alignment
+    ranges = segment_ranges(codec, flat.numel(), dtype, max_segment_bytes)
+    assert ranges[0][0] == 0 and ranges[-1][1] == flat.numel()
+    assert all(stop == next_start for (_, stop), (next_start, _) in zip(ranges, ranges[1:]))
+    assert all(start % codec.alignment(dtype) == 0 for start, _ in ranges)
+
+    payloads = [codec.encode(flat[start:stop]) for start, stop in ranges]
+    assert all(len(payload) <= max_segment_bytes for payload in payloads)
+    whole = codec.encode(flat)
+    assert b"".join(payloads) == whole
+
+    pieces = [codec.decode(payload, stop - start, dtype) for payload, (start, stop) in zip(payloads, ranges)]
+    assert torch.equal(torch.cat(pieces), codec.decode(whole, flat.numel(), dtype))
+
+
+def test_segment_ranges_edge_cases() -> None:
+    int8 = get_codec("int8")
+    assert segment_ranges(int8, 0, torch.float32, 1000) == []
+    assert segment_ranges(int8, 10, torch.float32, 1000) == [(0, 10)]
+    # one aligned unit of int8 is 32 + 2 bytes
+    assert segment_ranges(int8, 100, torch.float32, 34) == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    with pytest.raises(ValueError, match="below one int8 unit"):
+        segment_ranges(int8, 100, torch.float32, 33)
+
+
+# --- integer pass-through ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
+def test_non_float_dtypes_pass_through_as_little_endian_bytes(codec_name: str, dtype: torch.dtype) -> None:
+    codec = get_codec(codec_name)
+    if dtype == torch.bool:
+        flat = torch.tensor([True, False, True, True, False])
+    else:
+        info = torch.iinfo(dtype)
+        flat = torch.tensor([info.min, info.max, 0, 1, 255 % info.max, 12345 % info.max], dtype=dtype)
+    payload = codec.encode(flat)
+    numpy_dtype = flat.numpy().dtype.newbyteorder("<")
+    assert payload == np.asarray(flat.numpy(), dtype=numpy_dtype).tobytes()
+    decoded = codec.decode(payload, flat.numel(), dtype)
+    assert decoded.dtype == dtype and torch.equal(decoded, flat)
+
+
+def test_token_ids_survive_int8_codec_exactly() -> None:
+    tokens = torch.randint(0, 2**40, (4096,), generator=torch.Generator().manual_seed(1))
+    codec = get_codec("int8")
+    assert torch.equal(codec.decode(codec.encode(tokens), tokens.numel(), torch.int64), tokens)
+
+
+# --- NaN / Inf -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_encode_rejects_non_finite_values(codec_name: str, dtype: torch.dtype, bad_value: float) -> None:
+    flat = _sample("normal", numel=100).to(dtype)
+    flat[77] = bad_value
+    with pytest.raises(NonFiniteTensorError, match="first at element 77"):
+        get_codec(codec_name).encode(flat)
+
+
+def test_fp16_overflow_is_reported_as_overflow_not_as_nan() -> None:
+    flat = torch.tensor([1.0, 70000.0, -2.0])
+    with pytest.raises(CodecOverflowError, match="7e\\+04.*bf16 or int8"):
+        get_codec("fp16").encode(flat)
+    assert get_codec("bf16").decode(get_codec("bf16").encode(flat), 3, flat.dtype)[1] == 70144.0
+
+
+def test_int8_overflow_of_float64_beyond_scale_range() -> None:
+    flat = torch.tensor([1e300, 1.0], dtype=torch.float64)
+    with pytest.raises(CodecOverflowError, match="scale the tensor down"):
+        get_codec("int8").encode(flat)
+
+
+@pytest.mark.parametrize(
+    ("codec_name", "dtype", "payload"),
+    [
+        ("none", torch.float32, np.array([1.0, np.nan], dtype="<f4").tobytes()),
+        ("none", torch.float16, np.array([1.0, -np.inf], dtype="<f2").tobytes()),
+        ("fp16", torch.float32, np.array([np.nan, 1.0], dtype="<f2").tobytes()),
+        ("fp16", torch.float32, bytes.fromhex("007c0000")),  # +Inf, 0 in float16
+        ("bf16", torch.float32, bytes.fromhex("c07f0000")),  # NaN, 0 in bfloat16
+        ("int8", torch.float32, bytes.fromhex("c07f") + bytes([1, 2])),  # NaN scale
+        ("int8", torch.float32, bytes.fromhex("807f") + bytes([1, 0])),  # +Inf scale, 0 * Inf is NaN too
+        ("int8", torch.float16, bytes.fromhex("7f7f") + bytes([127, 0])),  # huge scale overflows float16
+    ],
+)
+def test_decode_rejects_payloads_that_decode_to_non_finite(codec_name: str, dtype: torch.dtype, payload: bytes) -> None:
+    with pytest.raises(NonFiniteTensorError, match="payload is corrupt or the sender shipped NaN/Inf"):
+        get_codec(codec_name).decode(payload, 2, dtype)
+
+
+# --- bad payloads --------------------------------------------------------------------------------------------------
+
+
+def test_truncated_payload_message_names_sizes_and_cause() -> None:
+    codec = get_codec("int8")
+    payload = codec.encode(_sample("normal", numel=4096))
+    with pytest.raises(CodecError) as caught:
+        codec.decode(payload[:4000], 4096, torch.float32)
+    assert str(caught.value) == (
+        "int8 payload for 4096 float32 elements must be 4352 bytes, got 4000: "
+        "the stream was truncated or the sender used another codec"
+    )
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+def test_wrong_length_payloads_raise_codec_error(codec_name: str, dtype: torch.dtype) -> None:
+    codec = get_codec(codec_name)
+    payload = codec.encode((_sample("normal", numel=100) * 5).to(dtype))
+    for bad in (payload[:-1], payload + b"\0", b"", payload[: len(payload) // 2]):
+        with pytest.raises(CodecError, match="must be"):
+            codec.decode(bad, 100, dtype)
+
+
+def test_payload_from_another_codec_is_rejected() -> None:
+    flat = _sample("normal", numel=1024)
+    with pytest.raises(CodecError, match="sender used another codec"):
+        get_codec("int8").decode(get_codec("fp16").encode(flat), 1024, torch.float32)
+
+
+def test_int8_negative_scale_is_garbage() -> None:
+    payload = bytes.fromhex("80bf") + bytes([1, 2])  # scale -1.0
+    with pytest.raises(CodecError, match="negative block scale"):
+        get_codec("int8").decode(payload, 2, torch.float32)
+
+
+def test_bool_payload_with_other_bytes_is_garbage() -> None:
+    with pytest.raises(CodecError, match="other than 0 and 1"):
+        get_codec("none").decode(bytes([0, 1, 7]), 3, torch.bool)
+
+
+def test_random_garbage_never_escapes_as_anything_but_codec_error() -> None:
+    generator = np.random.default_rng(0)
+    for codec_name in CODEC_NAMES:
+        codec = get_codec(codec_name)
+        for _ in range(50):
+            numel = int(generator.integers(1, 200))
+            size = codec.encoded_size(numel, torch.float32)
+            garbage = generator.integers(0, 256, size=size, dtype=np.uint8).tobytes()
+            try:
+                decoded = codec.decode(garbage, numel, torch.float32)
+            except CodecError:
+                continue
+            assert bool(torch.isfinite(decoded).all())
+
+
+@pytest.mark.parametrize("numel", [-1, 1.5, "3"])
+def test_bad_element_counts_raise_codec_error(numel: object) -> None:
+    with pytest.raises(CodecError, match="non-negative int"):
+        get_codec("none").decode(b"", numel, torch.float32)  # type: ignore[arg-type]
+
+
+# --- ownership, input contract -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+def test_decode_returns_a_tensor_that_owns_its_memory(codec_name: str) -> None:
+    codec = get_codec(codec_name)
+    flat = _sample("normal", numel=100)
+    buffer = bytearray(b"xyz" + codec.encode(flat) + b"tail")
+    window = memoryview(buffer)[3 : len(buffer) - 4]
+    decoded = codec.decode(window, 100, torch.float32)
+    expected = decoded.clone()
+    buffer[3 : len(buffer) - 4] = bytes(len(buffer) - 7)  # the transport reuses its buffer
+    assert torch.equal(decoded, expected)
+    decoded.add_(1.0)  # writable, no read-only buffer underneath
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+def test_encode_leaves_input_untouched_and_accepts_grad_tensors(codec_name: str) -> None:
+    flat = _sample("normal", numel=100).requires_grad_()
+    before = flat.detach().clone()
+    payload = get_codec(codec_name).encode(flat)
+    assert torch.equal(flat.detach(), before)
+    assert len(payload) == get_codec(codec_name).encoded_size(100, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "message"),
+    [
+        (torch.zeros(2, 3), "reshape"),
+        (torch.zeros(10)[::2], "contiguous"),
+        (torch.zeros(4, dtype=torch.complex64), "cannot be sent over the wire"),
+    ],
+)
+def test_encode_rejects_tensors_outside_the_contract(tensor: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        get_codec("none").encode(tensor)
+
+
+# --- names ---------------------------------------------------------------------------------------------------------
+
+
+def test_codec_names_and_unknown_codec() -> None:
+    assert CODEC_NAMES == ("none", "fp16", "bf16", "int8")
+    assert all(get_codec(name).name == name for name in CODEC_NAMES)
+    with pytest.raises(UnknownCodecError) as caught:
+        get_codec("int4")
+    assert isinstance(caught.value, CodecError) and isinstance(caught.value, ValueError)
+    assert "'int4'" in str(caught.value) and "none, fp16, bf16, int8" in str(caught.value)
+    with pytest.raises(UnknownCodecError):
+        get_codec(None)  # type: ignore[arg-type]
+
+
+def test_wire_dtype_names_round_trip_and_reject_unknown_names() -> None:
+    for name in WIRE_DTYPE_NAMES:
+        assert wire_dtype_name(dtype_from_name(name)) == name
+    assert wire_dtype_name(torch.float32) == "float32" and dtype_from_name("int64") is torch.int64
+    for bad in ("float8", "nn", "torch.float32", "", None):
+        with pytest.raises(CodecError, match="allowed: float32, float64"):
+            dtype_from_name(bad)  # type: ignore[arg-type]
+    with pytest.raises(CodecError, match="supported dtypes: float32"):
+        wire_dtype_name(torch.complex64)

@@ -82,17 +82,23 @@ def measure(
         encode_s, payload = best_time_s(lambda: encode(flat), repeats)
     except Exception as error:  # noqa: BLE001 - the benchmark reports every failure as a table cell
         return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=None, encode_mb_s=None, decode_mb_s=None,
-                   round_trip_mb_s=None, relative_error=None, note=f"encode fails: {type(error).__name__}: {error}")
+                   round_trip_mb_s=None, relative_error=None, note=f"encode fails: {describe(error)}")
     bytes_per_value = size(payload) / flat.numel()
     try:
         decode_s, decoded = best_time_s(lambda: decode(payload), repeats)
     except Exception as error:  # noqa: BLE001
         return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=bytes_per_value,
                    encode_mb_s=input_mb / encode_s, decode_mb_s=None, round_trip_mb_s=None, relative_error=None,
-                   note=f"decode fails: {type(error).__name__}: {error}")
+                   note=f"decode fails: {describe(error)}")
     return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=bytes_per_value, encode_mb_s=input_mb / encode_s,
                decode_mb_s=input_mb / decode_s, round_trip_mb_s=input_mb / (encode_s + decode_s),
                relative_error=relative_error(flat, decoded))
+
+
+def describe(error: Exception) -> str:
+    """``Type: first sentence`` of an exception, short enough for a table cell."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first_line[:120]}"
 
 
 def swarm_rows(tensor_name: str, flat: torch.Tensor, repeats: int) -> list[Row]:
@@ -161,13 +167,14 @@ def git_revision() -> str:
     return completed.stdout.strip()
 
 
-def environment() -> str:
+def environment(load_before: float) -> str:
     import hivemind
 
     return "\n".join([
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- git: {git_revision()}",
-        f"- os.cpu_count(): {os.cpu_count()}, torch threads: {torch.get_num_threads()}",
+        f"- os.cpu_count(): {os.cpu_count()}, torch threads: {torch.get_num_threads()}, load average (1 min) "
+        f"before/after: {load_before:.2f}/{os.getloadavg()[0]:.2f} (other processes share these cores)",
         f"- python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
         f"hivemind {hivemind.__version__}, {platform.machine()}",
     ])
@@ -175,11 +182,15 @@ def environment() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the best one counts")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per measurement; the best one counts")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "codecs.md")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     warnings.filterwarnings("ignore")  # torch.jit/quantize deprecation noise from hivemind's import and codecs
 
     rows: list[Row] = []
@@ -195,8 +206,8 @@ def main() -> None:
 
     report = "\n\n".join([
         "# Codec benchmark: swarm.compression vs hivemind.compression",
-        f"Reproduce: `.venv/bin/python bench/codecs.py` (from the repository root; about a minute on 2 cores).",
-        environment(),
+        "Reproduce: `.venv/bin/python bench/codecs.py` (from the repository root; under a minute on 2 cores).",
+        environment(load_before),
         "Tensors are float32: `normal` is N(0, 1); `student_t2` is Student-t with 2 degrees of freedom (heavy "
         "tails, infinite variance). MB/s counts 10^6 bytes of float32 input per second, best of "
         f"{args.repeats} runs. bytes/value is the payload size per element (float32 = 4). relative error is "

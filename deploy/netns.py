@@ -65,10 +65,12 @@ class NetworkConfig:
     """Shape of one emulated network. Rates are per host and per direction."""
 
     num_hosts: int  # hosts, one namespace + one address each
-    rate_mbit: float | None | tuple[float | None, ...] = None  # link rate of every host (or one per host), 10^6 bit/s of Ethernet frames; None = unlimited
+    # Rate of each host's uplink and downlink in 10^6 bit/s of Ethernet frames; one value for
+    # every host or one per host; None = unlimited.
+    rate_mbit: float | None | tuple[float | None, ...] = None
     name_prefix: str = "sw"  # start of every name made; cleanup_stale(prefix) finds leftovers by it
-    subnet: str = "10.213.0.0/24"  # private subnet host i gets address i+1 from; exists only inside the namespaces
-    burst_bytes: int | None = None  # tbf bucket size; None = max(32 KiB, 4 ms at the rate), enough for one GSO segment
+    subnet: str = "10.213.0.0/24"  # host i gets address i+1; exists only inside the namespaces
+    burst_bytes: int | None = None  # tbf bucket size; None = max(32 KiB, 4 ms at the rate)
     queue_latency_ms: float = 50.0  # tbf queue bound: the longest a packet waits before it is dropped
     mtu_bytes: int = 1500  # MTU of the veths and the bridge
     terminate_timeout_s: float = 5.0  # how long popen'ed processes get after SIGTERM before SIGKILL
@@ -88,7 +90,8 @@ class NetworkConfig:
         if net.version != 4 or not net.is_private or net.is_loopback:
             raise ValueError(f"subnet must be a private, non-loopback IPv4 network, got {self.subnet}")
         if net.num_addresses - 2 < self.num_hosts:
-            raise ValueError(f"subnet {self.subnet} has {net.num_addresses - 2} host addresses for {self.num_hosts} hosts")
+            raise ValueError(f"subnet {self.subnet} has {net.num_addresses - 2} host addresses "
+                             f"for {self.num_hosts} hosts")
         if self.burst_bytes is not None and self.burst_bytes < self.mtu_bytes + 14:
             raise ValueError(f"burst_bytes={self.burst_bytes} is below one frame ({self.mtu_bytes + 14} bytes)")
         if self.queue_latency_ms <= 0:
@@ -175,10 +178,11 @@ def _allocate_tag(prefix: str) -> str:
 class EmulatedHost:
     """One host: a namespace, its address, its two rate limits and the processes it runs."""
 
-    def __init__(self, *, index: int, namespace: str, bridge_veth: str, address: str, config: NetworkConfig) -> None:
+    def __init__(self, *, index: int, namespace: str, bridge_veth: str, address: str,
+                 config: NetworkConfig) -> None:
         self.index = index
         self.namespace = namespace  # name for `ip netns exec`
-        self.bridge_veth = bridge_veth  # veth end on the bridge (root namespace); its egress = this host's downlink
+        self.bridge_veth = bridge_veth  # veth end on the bridge side; its egress is this host's downlink
         self.address = address  # IPv4 address of NAMESPACE_IFNAME inside the namespace
         self.send_rate_mbit: float | None = None
         self.receive_rate_mbit: float | None = None
@@ -236,8 +240,8 @@ class EmulatedHost:
                 _cmd(["tc", *netns_args, "qdisc", "del", "dev", dev, "root"])
             return
         rate_bit = int(rate_mbit * 1e6)
-        # The bucket must hold at least one GSO super-frame's worth at high rates, or tbf
-        # splits/drops more than needed; 4 ms of traffic keeps bursts short at low rates.
+        # A bucket below a few frames stalls TCP; 32 KiB is ~13 ms at 20 Mbit/s. At high rates
+        # the kernel tick and GSO super-frames need more, so it grows to 4 ms of traffic.
         burst = self._config.burst_bytes or max(32 * 1024, rate_bit // 8 * 4 // 1000)
         _cmd(["tc", *netns_args, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bit}bit",
               "burst", str(burst), "latency", f"{self._config.queue_latency_ms}ms"])

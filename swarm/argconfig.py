@@ -28,7 +28,7 @@ def _field_comments(cls: type) -> dict[str, str]:
         if stripped.startswith("#"):
             above.append(stripped.lstrip("# "))
             continue
-        match = re.match(r"(\w+)\s*:[^=#]+(?:=[^#]*)?(?:#\s*(.*))?$", stripped)
+        match = re.match(r"(\w+)\s*:[^=#]+(?:=.*?)?(?:#\s*(.*))?$", stripped)
         if match:
             comments[match.group(1)] = match.group(2) or " ".join(above)
         above = []
@@ -66,18 +66,20 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, *, skip: typing.
         if nested is not None:
             add_config_args(parser, nested, skip=skip)
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
         default = field.default if field.default is not dataclasses.MISSING else None
         kind, optional = _base_type(field.type)
         help_text = comments.get(field.name, "").replace("%", "%%")
         if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text,
+                               dest=field.name)
         elif kind == "tuple":
-            group.add_argument(flag, nargs="+", default=default, metavar=field.name.upper(), help=help_text)
+            group.add_argument(flag, nargs="+", default=default, metavar=field.name.upper(), help=help_text,
+                               dest=field.name)
         else:
             shown = "" if default is None else f" (default: {default})"
             group.add_argument(flag, type=_SCALARS[kind], default=default, help=help_text + shown,
-                               required=default is None and not optional)
+                               required=default is None and not optional, dest=field.name)
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any):

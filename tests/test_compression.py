@@ -119,6 +119,29 @@ def test_int8_keeps_tiny_gradients_and_zero_blocks() -> None:
     assert torch.equal(decoded[block:], torch.zeros(block + 2))
 
 
+def test_int8_blocks_of_any_magnitude_encode_the_same_alone_or_together() -> None:
+    codec = get_codec("int8")
+    block = codec.segment_alignment
+    # magnitudes from float32 subnormals to near the bfloat16 maximum, one block each, plus a short tail
+    magnitudes = [1e-44, 1e-40, 1e-37, 1e-31, 1e-12, 1.0, 1e20, 1e38]
+    flat = torch.cat([_sample("normal", numel=block, seed=i) * m for i, m in enumerate(magnitudes)] + [torch.ones(3)])
+    whole = codec.encode(flat)
+    assert b"".join(codec.encode(flat[start : start + block]) for start in range(0, flat.numel(), block)) == whole
+    decoded = codec.decode(whole, flat.numel(), torch.float32)
+    for index, magnitude in enumerate(magnitudes[2:], start=2):  # normal float32 range: relative precision holds
+        piece = slice(index * block, (index + 1) * block)
+        assert _relative_error(flat[piece], decoded[piece]) < 1e-2, magnitude
+    # subnormal blocks keep only what float32 can hold, but never blow up
+    assert (decoded[: 2 * block] - flat[: 2 * block]).abs().max() < 1e-41
+
+
+def test_int8_saturates_float16_at_its_limit_instead_of_overflowing() -> None:
+    limit = torch.finfo(torch.float16).max
+    flat = torch.tensor([limit, -limit, 1.0, 0.0], dtype=torch.float16)  # bfloat16 scale rounds up to 65536
+    decoded = get_codec("int8").decode(get_codec("int8").encode(flat), 4, torch.float16)
+    assert decoded[0] == limit and decoded[1] == -limit
+
+
 def test_fp16_flushes_values_below_its_range_but_bf16_keeps_them() -> None:
     flat = torch.full((8,), 1e-9)
     assert torch.equal(get_codec("fp16").decode(get_codec("fp16").encode(flat), 8, flat.dtype), torch.zeros(8))
@@ -231,6 +254,26 @@ def test_encode_rejects_non_finite_values(codec_name: str, dtype: torch.dtype, b
         get_codec(codec_name).encode(flat)
 
 
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@pytest.mark.parametrize("position", [0, 50_001, 100_002])
+def test_encode_finds_a_single_nan_anywhere_in_a_large_tensor(codec_name: str, position: int) -> None:
+    flat = _sample("normal", numel=100_003)
+    flat[position] = float("nan")
+    with pytest.raises(NonFiniteTensorError, match=f"1 non-finite values .* first at element {position}:"):
+        get_codec(codec_name).encode(flat)
+
+
+def test_opposite_infinities_are_caught_and_huge_finite_values_are_not() -> None:
+    flat = torch.zeros(1000)
+    flat[10], flat[900] = float("inf"), float("-inf")  # their sum is NaN, not Inf
+    with pytest.raises(NonFiniteTensorError, match="2 non-finite values"):
+        get_codec("none").encode(flat)
+    huge = torch.full((1000,), 3e38)  # finite values whose float32 sum overflows
+    assert torch.equal(get_codec("none").decode(get_codec("none").encode(huge), 1000, torch.float32), huge)
+    decoded = get_codec("int8").decode(get_codec("int8").encode(huge), 1000, torch.float32)
+    assert _relative_error(huge, decoded) < 1e-2
+
+
 def test_fp16_overflow_is_reported_as_overflow_not_as_nan() -> None:
     flat = torch.tensor([1.0, 70000.0, -2.0])
     with pytest.raises(CodecOverflowError, match="7e\\+04.*bf16 or int8"):
@@ -254,7 +297,7 @@ def test_int8_overflow_of_float64_beyond_scale_range() -> None:
         ("bf16", torch.float32, bytes.fromhex("c07f0000")),  # NaN, 0 in bfloat16
         ("int8", torch.float32, bytes.fromhex("c07f") + bytes([1, 2])),  # NaN scale
         ("int8", torch.float32, bytes.fromhex("807f") + bytes([1, 0])),  # +Inf scale, 0 * Inf is NaN too
-        ("int8", torch.float16, bytes.fromhex("7f7f") + bytes([127, 0])),  # huge scale overflows float16
+        ("int8", torch.bfloat16, bytes.fromhex("807f") + bytes([0, 1])),  # +Inf scale into bfloat16
     ],
 )
 def test_decode_rejects_payloads_that_decode_to_non_finite(codec_name: str, dtype: torch.dtype, payload: bytes) -> None:
@@ -338,6 +381,28 @@ def test_decode_returns_a_tensor_that_owns_its_memory(codec_name: str) -> None:
     buffer[3 : len(buffer) - 4] = bytes(len(buffer) - 7)  # the transport reuses its buffer
     assert torch.equal(decoded, expected)
     decoded.add_(1.0)  # writable, no read-only buffer underneath
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64], ids=str)
+def test_decode_into_fills_a_slice_of_a_larger_tensor_like_decode(codec_name: str, dtype: torch.dtype) -> None:
+    codec = get_codec(codec_name)
+    flat = (_sample("normal", numel=1000) * 100).to(dtype)
+    ranges = segment_ranges(codec, flat.numel(), dtype, 700)
+    assert len(ranges) > 1
+    received = torch.full((flat.numel(),), 7, dtype=dtype)
+    for start, stop in reversed(ranges):  # segments may be decoded in any order
+        codec.decode_into(memoryview(codec.encode(flat[start:stop])), received[start:stop])
+    assert torch.equal(received, codec.decode(codec.encode(flat), flat.numel(), dtype))
+
+
+def test_decode_into_rejects_bad_targets() -> None:
+    codec = get_codec("int8")
+    payload = codec.encode(torch.ones(64))
+    with pytest.raises(ValueError, match="1-D contiguous CPU tensor"):
+        codec.decode_into(payload, torch.empty(128)[::2])
+    with pytest.raises(CodecError, match="must be 8 bytes, got 68"):  # 32 elements read as int16
+        codec.decode_into(payload, torch.empty(4, dtype=torch.int16))
 
 
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)

@@ -121,7 +121,8 @@ def test_set_rate_changes_each_direction_at_run_time():
         assert res.mbit_per_s >= UNLIMITED_FLOOR_MBIT, res
 
 
-_IGNORE_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+_IGNORE_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "print('up', flush=True); time.sleep(600)")
 
 
 @needs_netns

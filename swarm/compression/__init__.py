@@ -1,10 +1,10 @@
 """Tensor codecs for the wire: ``none``, ``fp16``, ``bf16`` and blockwise ``int8``.
 
 Usage: ``codec = get_codec(request.codec)``; ``payload = codec.encode(flat)`` on the sender and
-``codec.decode(payload, numel, dtype_from_name(request.dtype))`` on the receiver. Codecs work on flat 1-D CPU
-tensors so the transport can cut a tensor into segments (``segment_ranges``) and overlap encode, transfer and
-decode; encoding run off the event loop is the caller's job (the work is CPU-bound torch code that releases the
-GIL).
+``codec.decode(payload, numel, dtype_from_name(request.dtype))`` (or ``codec.decode_into(payload, out_slice)``) on
+the receiver. Codecs work on flat 1-D CPU tensors so the transport can cut a tensor into segments
+(``segment_ranges``, multiples of ``segment_alignment``) and overlap encode, transfer and decode; running them off
+the event loop is the caller's job (the work is CPU-bound torch code that mostly releases the GIL).
 
 NaN/Inf policy, the same for every codec: ``encode`` raises ``NonFiniteTensorError`` for a tensor with NaN/±Inf
 and ``CodecOverflowError`` for finite values the format cannot hold; ``decode`` raises ``NonFiniteTensorError``

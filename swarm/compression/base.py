@@ -21,6 +21,7 @@ import abc
 import sys
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from swarm.compression.dtypes import wire_dtype_name
@@ -57,7 +58,22 @@ class Codec(abc.ABC):
         Raises ``CodecError`` if the payload length differs from ``encoded_size(numel, dtype)`` or its contents
         are impossible, and ``NonFiniteTensorError`` if it decodes to NaN/Inf.
         """
-        view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+        self.encoded_size(numel, dtype)  # validates numel and dtype before allocating
+        out = torch.empty(numel, dtype=dtype)
+        self.decode_into(payload, out)
+        return out
+
+    def decode_into(self, payload: Payload, out: torch.Tensor) -> None:
+        """Decode ``payload`` into ``out``, a 1-D contiguous CPU tensor (e.g. a slice of the whole tensor being
+        received) whose dtype and numel are those that were encoded. Saves ``decode``'s extra copy.
+
+        Raises like ``decode``; after an error ``out`` holds unspecified values. Never keeps a reference to
+        ``payload``.
+        """
+        if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError("decode_into writes into a 1-D contiguous CPU tensor: pass a slice of a flat buffer")
+        numel, dtype = out.numel(), out.dtype
+        view = payload if isinstance(payload, bytes) else memoryview(payload).cast("B")
         expected = self.encoded_size(numel, dtype)
         if len(view) != expected:
             raise CodecError(
@@ -65,12 +81,12 @@ class Codec(abc.ABC):
                 f"got {len(view)}: the stream was truncated or the sender used another codec"
             )
         if numel == 0:
-            return torch.empty(0, dtype=dtype)
+            return
         if not dtype.is_floating_point:
-            return tensor_from_raw(view, dtype)
-        decoded = self._decode_float(view, numel, dtype)
-        require_finite(decoded, f"decoded {self.name} payload", "the payload is corrupt or the sender shipped NaN/Inf")
-        return decoded
+            copy_raw_into(view, out)
+            return
+        self._decode_float_into(view, out)
+        require_finite(out, f"decoded {self.name} payload", "the payload is corrupt or the sender shipped NaN/Inf")
 
     def encoded_size(self, numel: int, dtype: torch.dtype) -> int:
         """Exact number of bytes ``encode`` returns for ``numel`` elements of ``dtype``."""
@@ -91,8 +107,8 @@ class Codec(abc.ABC):
         """Encode a validated 1-D contiguous floating tensor; must raise on NaN/Inf (see module docstring)."""
 
     @abc.abstractmethod
-    def _decode_float(self, payload: bytes | memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Decode a payload of the right length (``numel`` > 0) into a new floating tensor of ``dtype``."""
+    def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        """Decode a payload of the right length into ``out`` (1-D contiguous floating, numel > 0)."""
 
     @abc.abstractmethod
     def _encoded_float_size(self, numel: int, dtype: torch.dtype) -> int:
@@ -120,27 +136,35 @@ def raw_bytes(flat: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
+def copy_raw_into(payload: bytes | memoryview, out: torch.Tensor) -> None:
+    """Copy raw little-endian ``payload`` bytes into the 1-D contiguous tensor ``out`` of the same byte size."""
+    # through numpy: it reads a read-only buffer without copying it first (torch.frombuffer would warn about
+    # read-only memory), and the one copy lands in memory that ``out`` owns
+    target = out.view(torch.uint8).numpy()
+    target[:] = np.frombuffer(payload, dtype=np.uint8)
+    if out.dtype == torch.bool and bool((target > 1).any()):
+        raise CodecError("bool payload holds bytes other than 0 and 1: the payload is corrupt")
+
+
 def tensor_from_raw(payload: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A new 1-D tensor of ``dtype`` holding a copy of ``payload`` (whose length is a multiple of itemsize)."""
-    if len(payload) == 0:
-        return torch.empty(0, dtype=dtype)
-    # bytearray: a private, writable copy, so the tensor owns its memory and torch does not warn about
-    # read-only buffers; the tensor keeps the bytearray alive
-    owned = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    if dtype == torch.bool and bool((owned > 1).any()):
-        raise CodecError("bool payload holds bytes other than 0 and 1: the payload is corrupt")
-    return owned.view(dtype)
+    out = torch.empty(len(payload) // dtype.itemsize, dtype=dtype)
+    copy_raw_into(payload, out)
+    return out
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no NaN/±Inf."""
+    # fast path: a sum is finite only if every term is (NaN and ±Inf propagate, Inf - Inf is NaN), and summing is
+    # ~10x faster than isfinite(); a non-finite sum may still be an overflow of finite terms, so check exactly then
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def require_finite(tensor: torch.Tensor, what: str, hint: str) -> None:
     """Raise ``NonFiniteTensorError`` naming the count and first index of NaN/Inf values in ``tensor``."""
-    # fast path: a sum is finite only if every term is (NaN and ±Inf propagate, Inf - Inf is NaN), and summing is
-    # ~10x faster than isfinite(); a non-finite sum may still be an overflow of finite terms, so check exactly then
-    if bool(torch.isfinite(tensor.sum())):
+    if all_finite(tensor):
         return
     finite = torch.isfinite(tensor)
-    if bool(finite.all()):
-        return
     bad = (~finite).reshape(-1).nonzero()  # (k, 1)
     raise NonFiniteTensorError(
         f"{what} holds {bad.numel()} non-finite values (NaN/Inf) out of {tensor.numel()}, "

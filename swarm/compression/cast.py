@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from swarm.compression.base import Codec, raw_bytes, require_finite, tensor_from_raw
+from swarm.compression.base import Codec, all_finite, copy_raw_into, raw_bytes, require_finite, tensor_from_raw
 from swarm.compression.errors import CodecOverflowError
 
 _ENCODE_HINT = "find where the NaN/Inf appeared (loss scale, learning rate, bad batch) instead of shipping it"
@@ -28,8 +28,8 @@ class NoneCodec(Codec):
         require_finite(flat, "tensor to encode", _ENCODE_HINT)
         return raw_bytes(flat)
 
-    def _decode_float(self, payload: bytes | memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return tensor_from_raw(payload, dtype)
+    def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        copy_raw_into(payload, out)
 
     def _encoded_float_size(self, numel: int, dtype: torch.dtype) -> int:
         return numel * dtype.itemsize
@@ -48,7 +48,7 @@ class _HalfCastCodec(Codec):
         half = flat.to(self.wire_dtype)  # (N,)
         # checking the 2-byte result catches NaN/Inf inputs and overflow in one cheap pass; tell them apart
         # only on the failure path
-        if not bool(torch.isfinite(half).all()):
+        if not all_finite(half):
             require_finite(flat, "tensor to encode", _ENCODE_HINT)
             limit = torch.finfo(self.wire_dtype).max
             raise CodecOverflowError(
@@ -57,10 +57,11 @@ class _HalfCastCodec(Codec):
             )
         return raw_bytes(half)
 
-    def _decode_float(self, payload: bytes | memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if dtype.itemsize <= 2:
-            return tensor_from_raw(payload, dtype)
-        return tensor_from_raw(payload, self.wire_dtype).to(dtype)
+    def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        if out.dtype.itemsize <= 2:
+            copy_raw_into(payload, out)
+        else:
+            out.copy_(tensor_from_raw(payload, self.wire_dtype))  # widening is exact
 
     def _encoded_float_size(self, numel: int, dtype: torch.dtype) -> int:
         return numel * 2

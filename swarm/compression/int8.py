@@ -20,11 +20,12 @@ keeps |x| / scale <= 1, so nothing is clipped.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
 
-from swarm.compression.base import Codec, require_finite
+from swarm.compression.base import Codec, require_finite, tensor_from_raw
 from swarm.compression.errors import CodecError, CodecOverflowError
 
 _SCALE_BYTES = 2  # one bfloat16 per block
@@ -52,16 +53,23 @@ class BlockwiseInt8Codec(Codec):
             _quantize_into(blocks, rows, flat)
         return out.numpy().tobytes()
 
-    def _decode_float(self, payload: bytes | memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        # decode straight from the caller's bytes through a private copy (the payload may be read-only)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = torch.empty(numel, dtype=work_dtype)
-        for blocks, rows in self._block_views(out, data):
+    def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
+        # a private uint8 copy: the payload may be read-only, and the transport may reuse its buffer afterwards
+        data = tensor_from_raw(payload, torch.uint8)
+        work_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+        work = out if out.dtype == work_dtype else torch.empty(out.numel(), dtype=work_dtype)
+        for blocks, rows in self._block_views(work, data):
             _dequantize_into(rows, blocks)
-        return out if dtype == work_dtype else out.to(dtype)
+        if work is out:
+            return
+        if out.dtype == torch.float16:
+            # a block's largest value decodes up to half a step above it and its bfloat16 scale may exceed 65504:
+            # saturate, as a float16 near its limit should, instead of rounding to Inf
+            limit = torch.finfo(torch.float16).max
+            work.clamp_(-limit, limit)
+        out.copy_(work)
 
-    def _block_views(self, values: torch.Tensor, payload: torch.Tensor):
+    def _block_views(self, values: torch.Tensor, payload: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield matching ``(blocks (nb, b), rows (nb, 2 + b))`` views for the full blocks, then the tail."""
         block = self.BLOCK_SIZE
         num_full = values.numel() // block
@@ -77,14 +85,14 @@ class BlockwiseInt8Codec(Codec):
 def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Tensor) -> None:
     """Quantize ``blocks`` (nb, b) into payload ``rows`` (nb, 2 + b) uint8, in place."""
     # max(amax, -amin) is |x|'s maximum without materializing |x|; NaN propagates, Inf stays Inf
-    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # (nb,)
-    scale = _bfloat16_at_least(absmax.to(torch.float32))  # (nb,); Inf beyond the bfloat16 range
-    if not bool(torch.isfinite(scale).all()):
+    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).to(torch.float32)  # (nb,)
+    # check before rounding up: the bit trick below would turn some NaN bit patterns into finite numbers
+    if not bool(torch.isfinite(absmax).all()):
         require_finite(original, "tensor to encode", "find where the NaN/Inf appeared instead of shipping it")
-        raise CodecOverflowError(
-            f"tensor to encode has values up to {float(absmax.max()):.4g}, beyond the bfloat16 scales of the int8 "
-            f"codec ({torch.finfo(torch.bfloat16).max:.4g}): scale the tensor down before sending it"
-        )
+        _raise_scale_overflow(original)  # finite float64 values beyond the float32 range
+    scale = _bfloat16_at_least(absmax)  # (nb,); Inf where absmax exceeds the bfloat16 range
+    if not bool(torch.isfinite(scale).all()):
+        _raise_scale_overflow(original)
     wide_scale = scale.to(blocks.dtype)  # (nb,)
     # q = round(x / scale * 127), computed as x * (127 / scale): one multiply per element instead of a division.
     # 127 / scale overflows for scales below ~2**-120, so such blocks are first lifted by the exact factor 2**100.
@@ -101,13 +109,20 @@ def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Ten
     rows[:, _SCALE_BYTES:] = q.to(torch.int8).view(torch.uint8)
 
 
+def _raise_scale_overflow(original: torch.Tensor) -> None:
+    raise CodecOverflowError(
+        f"tensor to encode has values up to {float(original.abs().max()):.4g}, beyond the bfloat16 scales of the "
+        f"int8 codec ({torch.finfo(torch.bfloat16).max:.4g}): scale the tensor down before sending it"
+    )
+
+
 def _bfloat16_at_least(values: torch.Tensor) -> torch.Tensor:
-    """Round non-negative float32 ``values`` (n,) up to the nearest bfloat16 (Inf past its range, NaN stays NaN).
+    """Round finite non-negative float32 ``values`` (n,) up to the nearest bfloat16 (Inf past its range).
 
     Rounding up, not to nearest, keeps |x| / scale <= 1, so the largest value of a block maps to exactly ±127.
     """
     bits = values.view(torch.int32)  # bfloat16 is the upper half of float32
-    # adding 0xFFFF cannot overflow int32: the largest finite float32 is 0x7F7FFFFF and NaN payloads stay NaN
+    # adding 0xFFFF cannot overflow int32: the largest finite float32 is 0x7F7FFFFF (NaN bit patterns could wrap)
     upper = (bits + 0xFFFF).bitwise_right_shift_(16)  # (n,) int32 holding the bfloat16 bit pattern
     return upper.to(torch.int16).view(torch.bfloat16)
 

@@ -23,8 +23,8 @@ def segment_ranges(codec: Codec, numel: int, dtype: torch.dtype, max_segment_byt
     units_per_segment = max_segment_bytes // unit_bytes
     if units_per_segment < 1:
         raise ValueError(
-            f"max_segment_bytes={max_segment_bytes} is below one {codec.name} unit of {unit} {wire_dtype_name(dtype)} elements "
-            f"({unit_bytes} bytes): raise the segment size"
+            f"max_segment_bytes={max_segment_bytes} is below one {codec.name} unit of {unit} "
+            f"{wire_dtype_name(dtype)} elements ({unit_bytes} bytes): raise the segment size"
         )
     step = units_per_segment * unit
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]

@@ -55,7 +55,13 @@ class Proc:
                 self.changed.wait(left)
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        """SIGTERM and SIGINT go to the process alone, so it shuts down its children (the DHT process,
+        p2pd) in order; other signals (SIGKILL, SIGSTOP, SIGCONT) go to its whole process group."""
+        if not self.alive():
+            return
+        if sig in (signal.SIGTERM, signal.SIGINT):
+            self.popen.send_signal(sig)
+        else:
             os.killpg(self.popen.pid, sig)
 
 

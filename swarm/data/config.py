@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -14,7 +14,7 @@ class DataConfig:
     """
 
     # Files or folders of text (folders are walked recursively); empty = the Python stdlib sources.
-    paths: tuple[str, ...] = ()
+    paths: tuple[str, ...] = field(default=(), metadata={"flag": "--data"})
     # Approximate share of FILES (not bytes) held out for validation, chosen by a hash of each path.
     val_fraction: float = 0.02
     # Cap on the bytes loaded (split between train and val as val_fraction says); None = load all.

@@ -153,7 +153,7 @@ class StageExecutor:
         # Weight by samples: after dividing by the samples of the global batch at step time, the gradient
         # is that of the mean loss over the global batch, however it was cut into microbatches.
         grad_input = self._accumulate(microbatch_id, loss * num_samples, None, leaf, deadline)
-        reply = (float(loss), grad_input)
+        reply = (float(loss.detach()), grad_input)
         self._applied_now(microbatch_id, reply, num_samples)
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return reply
@@ -284,6 +284,15 @@ class StageExecutor:
         entry = self._cache.pop(microbatch_id, None)
         if entry is not None:
             self._cache_bytes -= _nbytes(entry.inputs)
+
+    def snapshot(self, *, include_grads: bool) -> dict[str, torch.Tensor]:
+        """Copies of the parameters ("param/<name>") and optionally of the accumulated gradients
+        ("grad/<name>", sums over samples, not yet averaged), taken between two calls, so consistent."""
+        out = {f"param/{n}": p.detach().clone() for n, p in self.stage.named_parameters()}
+        if include_grads:
+            for n, p in self.stage.named_parameters():
+                out[f"grad/{n}"] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        return out
 
     @property
     def cached_microbatches(self) -> int:

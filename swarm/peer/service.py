@@ -92,6 +92,22 @@ class StageService(pb_grpc.StagePeerServicer):
                 async for frame in tensor_frames("grad_input", grad_input, codec):
                     yield frame
 
+    @stream_handler
+    async def GetState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.Frame]:
+        if request.run_id != self.peer.run_id:
+            raise WrongPeer(f"this peer serves run '{self.peer.run_id}', not '{request.run_id}'")
+        ex = self.executor
+
+        def take():
+            return ex.step, ex.samples_accumulated, ex.snapshot(include_grads=request.include_grads)
+
+        step, samples, tensors = await self.peer.compute(take)
+        yield pb.Frame(reply=pb.ReplyMeta(step=step, state=self.peer.state, samples_accumulated=samples))
+        codec = codec_or_invalid("none")  # state travels exactly
+        for name, tensor in tensors.items():
+            async for frame in tensor_frames(name, tensor, codec):
+                yield frame
+
     @unary_handler
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         if request.run_id and request.run_id != self.peer.run_id:

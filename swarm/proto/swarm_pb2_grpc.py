@@ -49,6 +49,11 @@ class StagePeerStub:
                 request_serializer=swarm__pb2.InfoRequest.SerializeToString,
                 response_deserializer=swarm__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.GetState = channel.unary_stream(
+                '/swarm.v1.StagePeer/GetState',
+                request_serializer=swarm__pb2.StateRequest.SerializeToString,
+                response_deserializer=swarm__pb2.Frame.FromString,
+                _registered_method=True)
 
 
 class StagePeerServicer:
@@ -72,6 +77,12 @@ class StagePeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StagePeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_StagePeerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=swarm__pb2.InfoRequest.FromString,
                     response_serializer=swarm__pb2.InfoResponse.SerializeToString,
+            ),
+            'GetState': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetState,
+                    request_deserializer=swarm__pb2.StateRequest.FromString,
+                    response_serializer=swarm__pb2.Frame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class StagePeer:
             '/swarm.v1.StagePeer/Info',
             swarm__pb2.InfoRequest.SerializeToString,
             swarm__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarm.v1.StagePeer/GetState',
+            swarm__pb2.StateRequest.SerializeToString,
+            swarm__pb2.Frame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,11 @@ class PeerClient:
         except grpc.aio.AioRpcError as e:
             raise error_from_status(e.code(), e.details(), peer=self.endpoint) from None
 
+    async def get_state(self, run_id: str, *, include_grads: bool = False, timeout_s: float) -> Reply:
+        """The replica's parameters (and accumulated gradients) as ``Reply.tensors``."""
+        call = self._stub.GetState(pb.StateRequest(run_id=run_id, include_grads=include_grads), timeout=timeout_s)
+        return await self._read_reply(call)
+
     async def _stream(self, method, meta, tensors, codec, timeout_s) -> Reply:
         async def frames() -> AsyncIterator[pb.Frame]:
             yield pb.Frame(request=meta)
@@ -56,7 +61,9 @@ class PeerClient:
                 async for frame in tensor_frames(name, tensor, codec, segment_bytes=self._segment_bytes):
                     yield frame
 
-        call = method(frames(), timeout=timeout_s)
+        return await self._read_reply(method(frames(), timeout=timeout_s))
+
+    async def _read_reply(self, call) -> Reply:
         try:
             reader = FrameReader(call, limits=self._limits)
             reply_meta = await reader.reply()

@@ -1,6 +1,7 @@
 """Server side: start a grpc.aio server for a StagePeer servicer and map typed errors to statuses."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +38,7 @@ def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
             async for frame in fn(self, request_iterator, context):
                 yield frame
         except SwarmError as e:
+            await _drain(request_iterator)
             await context.abort(e.code, str(e))
         except grpc.aio.AbortError:
             raise
@@ -46,6 +48,30 @@ def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
                                                           f"see the peer's log")
 
     return wrapper
+
+
+async def _drain(request_iterator, *, timeout_s: float = 2.0, max_bytes: int = 64 << 20) -> None:
+    """Read (and drop) what the caller is still sending before answering with an error.
+
+    grpc.aio clients whose write fails because the server already ended the call report
+    INTERNAL "Internal error from Core" instead of the server's status (grpc/grpc#36066); letting the
+    caller finish its writes first makes it see our status and sentence. Bounded in time and bytes:
+    a caller streaming more than that gets the error regardless.
+    """
+    if not hasattr(request_iterator, "__aiter__"):
+        return  # unary request: nothing left to read
+
+    async def consume() -> None:
+        seen = 0
+        async for frame in request_iterator:
+            seen += frame.ByteSize()
+            if seen > max_bytes:
+                return
+
+    try:
+        await asyncio.wait_for(consume(), timeout_s)
+    except Exception:
+        pass  # best effort: the error goes out either way
 
 
 def unary_handler(fn: Callable[..., Awaitable]):

@@ -1,0 +1,30 @@
+# Two commands for a fresh machine with Python 3.10+:  `make demo`  and  `make test`.
+# TORCH_SPEC picks the torch build; the default is the CPU wheel this project is developed against.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench proto clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m swarm demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+proto: $(STAMP)
+	$(PY) -m swarm.proto.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info

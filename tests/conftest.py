@@ -1,0 +1,80 @@
+"""Shared fixtures: an event loop thread for in-process servers, and local multi-process swarms."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarm.coordinator.launcher import ProcessGroup
+
+# Tests run several processes on 2 cores: keep each one's torch to a single thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+class LoopThread:
+    """An asyncio loop running in a thread, so servers outlive one test's coroutine (module fixtures)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout_s: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+class LocalSwarm:
+    """A bootstrap DHT node and peers as separate processes; every process is stopped at teardown."""
+
+    def __init__(self, workdir: Path):
+        self.group = ProcessGroup(workdir)
+        self.addr_file = workdir / "bootstrap.addr"
+        self.group.swarm("bootstrap", "dht", "--address-file", str(self.addr_file))
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return ["--initial-peers", f"@{self.addr_file}"]
+
+    def peer(self, name: str, stage: int, *args: str, run_id: str = "test", wait: bool = True):
+        proc = self.group.swarm(name, "peer", "--run-id", run_id, "--stage", str(stage), *self.initial_peers,
+                                *args)
+        if wait:
+            self.wait_ready(proc)
+        return proc
+
+    @staticmethod
+    def wait_ready(proc, timeout_s: float = 120.0) -> str:
+        """Wait for the peer's ready line; return its gRPC endpoint."""
+        return proc.wait_for(r"serves stage \d+ of run '[^']+' at (\S+)", timeout_s=timeout_s).group(1)
+
+    def addresses(self) -> list[str]:
+        self.group.procs["bootstrap"].wait_for("DHT node is up", timeout_s=60)
+        return [line.strip() for line in self.addr_file.read_text().splitlines() if line.strip()]
+
+    def close(self) -> None:
+        self.group.close()
+
+
+@pytest.fixture
+def local_swarm(tmp_path) -> Iterator[LocalSwarm]:
+    swarm = LocalSwarm(tmp_path)
+    try:
+        yield swarm
+    finally:
+        swarm.close()

@@ -1,0 +1,239 @@
+"""A real peer (real DHT, real gRPC server) answers bad input with a clear status and loses nothing."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from swarm.compression import get_codec
+from swarm.config import RunConfig
+from swarm.discovery.dht import DHTConfig
+from swarm.errors import AlreadyApplied, InvalidRequest, NotCached, WrongPeer
+from swarm.model import ModelConfig
+from swarm.peer.daemon import Peer, PeerConfig
+from swarm.proto import PROTOCOL_VERSION
+from swarm.proto import swarm_pb2 as pb
+from swarm.proto import swarm_pb2_grpc as pb_grpc
+from swarm.transport.channel import GRPC_OPTIONS
+from swarm.transport.client import PeerClient
+from swarm.transport.tensors import tensor_frames
+
+MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, num_stages=2)
+RUN = RunConfig(model=MODEL, target_batch_size=10_000)  # never steps: gradients only accumulate
+B, T, D = 2, 16, 32
+NONE = get_codec("none")
+
+
+@pytest.fixture(scope="module")
+def peers(loop_thread):
+    async def start():
+        last = await Peer.create(PeerConfig(run_id="t", stage=1), run=RUN)
+        first = await Peer.create(PeerConfig(run_id="t", stage=0, dht=DHTConfig(initial_peers=tuple(last.addresses()))))
+        return first, last
+
+    first, last = loop_thread.run(start())
+    yield first, last
+    loop_thread.run(first.shutdown())
+    loop_thread.run(last.shutdown())
+
+
+def meta(stage=1, **kw) -> pb.RequestMeta:
+    kw.setdefault("microbatch_id", "mb")
+    return pb.RequestMeta(protocol_version=kw.pop("protocol_version", PROTOCOL_VERSION), run_id=kw.pop("run_id", "t"),
+                          stage=stage, codec=kw.pop("codec", "none"), **kw)
+
+
+def hidden(seed=0):
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+def targets():
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(1))
+
+
+async def state(peer: Peer):
+    reply = await PeerClient(peer.endpoint).get_state("t", include_grads=True, timeout_s=10)
+    return reply.meta.samples_accumulated, {k: v for k, v in reply.tensors.items() if k.startswith("grad/")}
+
+
+async def raw_call(endpoint: str, frames: list[pb.Frame], method="Forward"):
+    """Send exactly these frames (possibly malformed) and return (status code, details)."""
+    async with grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
+        stub = pb_grpc.StagePeerStub(channel)
+
+        async def gen():
+            for f in frames:
+                yield f
+
+        try:
+            async for _ in getattr(stub, method)(gen(), timeout=10):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+async def frames_of(m: pb.RequestMeta, *tensors) -> list[pb.Frame]:
+    out = [pb.Frame(request=m)]
+    for name, t in tensors:
+        out += [f async for f in tensor_frames(name, t, NONE)]
+    return out
+
+
+def loss_call(peer, mb_id, x=None):
+    client = PeerClient(peer.endpoint)
+    return client.forward(meta(microbatch_id=mb_id, compute_loss=True, num_samples=B),
+                          [("input", hidden() if x is None else x), ("targets", targets())], NONE, timeout_s=30)
+
+
+def test_valid_loss_call_accumulates(peers, loop_thread):
+    _, last = peers
+
+    async def body():
+        before, _ = await state(last)
+        reply = await loss_call(last, "valid-1")
+        after, grads = await state(last)
+        return before, reply, after, grads
+
+    before, reply, after, grads = loop_thread.run(body())
+    assert reply.meta.has_loss and 4.0 < reply.meta.loss < 7.0  # ~ln(256) at init
+    assert reply.tensors["grad_input"].shape == (B, T, D)
+    assert after == before + B
+    assert any(g.abs().sum() > 0 for g in grads.values())
+
+
+def _bad_cases():
+    x = hidden()
+    bad_width = torch.randn(B, T, D - 1)
+    nan_x = hidden().clone()
+    nan_x[0, 0, 0] = float("nan")
+    return {
+        "wrong run": (lambda: frames_of(meta(run_id="other", compute_loss=True), ("input", x), ("targets", targets())),
+                      grpc.StatusCode.NOT_FOUND, "serves run 't'"),
+        "wrong stage": (lambda: frames_of(meta(stage=0, compute_loss=True), ("input", x), ("targets", targets())),
+                        grpc.StatusCode.NOT_FOUND, "serves stage 1"),
+        "old protocol": (lambda: frames_of(meta(protocol_version=999, compute_loss=True), ("input", x)),
+                         grpc.StatusCode.INVALID_ARGUMENT, "protocol version 999"),
+        "wrong width": (lambda: frames_of(meta(compute_loss=True), ("input", bad_width), ("targets", targets())),
+                        grpc.StatusCode.INVALID_ARGUMENT, "width 31"),
+        "wrong dtype": (lambda: frames_of(meta(compute_loss=True), ("input", x.double()), ("targets", targets())),
+                        grpc.StatusCode.INVALID_ARGUMENT, "float64"),
+        "wrong rank": (lambda: frames_of(meta(compute_loss=True), ("input", x[0]), ("targets", targets())),
+                       grpc.StatusCode.INVALID_ARGUMENT, "3 dims"),
+        "unknown codec": (lambda: frames_of(meta(codec="zstd9", compute_loss=True), ("input", x)),
+                          grpc.StatusCode.INVALID_ARGUMENT, "zstd9"),
+        "NaN input": (lambda: _raw_tensor(meta(compute_loss=True), "input", nan_x),
+                      grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+        "targets out of range": (lambda: frames_of(meta(compute_loss=True), ("input", x), ("targets", targets() + 300)),
+                                 grpc.StatusCode.INVALID_ARGUMENT, "[0, 256)"),
+        "missing targets": (lambda: frames_of(meta(compute_loss=True), ("input", x)),
+                            grpc.StatusCode.INVALID_ARGUMENT, "targets"),
+        "no request frame": (lambda: _async([pb.Frame(chunk=b"xx")]), grpc.StatusCode.INVALID_ARGUMENT, "request"),
+        "truncated stream": (lambda: _truncated(x), grpc.StatusCode.INVALID_ARGUMENT, "ended early"),
+        "garbage payload": (lambda: _garbage(x), grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
+        "oversized batch": (lambda: frames_of(meta(compute_loss=True), ("input", torch.zeros(1000, T, D))),
+                            grpc.StatusCode.INVALID_ARGUMENT, "more than the 256"),
+    }
+
+
+async def _async(value):
+    return value
+
+
+async def _raw_tensor(m, name, t):
+    """Frames carrying ``t`` as raw bytes, bypassing the sender-side checks a well-behaved client runs."""
+    header = pb.TensorHeader(name=name, dtype="float32", shape=list(t.shape), codec="none", segment_numel=t.numel())
+    return [pb.Frame(request=m), pb.Frame(tensor=header), pb.Frame(chunk=t.numpy().tobytes())]
+
+
+async def _truncated(x):
+    frames = await frames_of(meta(compute_loss=True), ("input", x.repeat(64, 1, 1)[:64]))
+    return frames[:-1]  # the last chunk never comes
+
+
+async def _garbage(x):
+    frames = await frames_of(meta(compute_loss=True), ("input", x))
+    frames[2] = pb.Frame(chunk=b"\x07" * 1001)
+    return frames
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases()))
+def test_bad_input_gets_clear_error_and_loses_nothing(peers, loop_thread, case):
+    _, last = peers
+    make_frames, code, needle = _bad_cases()[case]
+
+    async def body():
+        before = await state(last)
+        got = await raw_call(last.endpoint, await make_frames())
+        after = await state(last)
+        still_serving = await loss_call(last, f"after-{case}")
+        return before, got, after, still_serving
+
+    before, (got_code, details), after, ok = loop_thread.run(body())
+    assert got_code == code, details
+    assert needle in details, details
+    assert after[0] == before[0], "a rejected request changed the accumulated sample count"
+    for name, grad in before[1].items():
+        assert torch.equal(grad, after[1][name]), f"a rejected request touched {name}"
+    assert ok.meta.has_loss  # the peer keeps serving
+
+
+def test_stage0_rejects_bad_token_ids(peers, loop_thread):
+    first, _ = peers
+    tokens = torch.full((B, T), 256, dtype=torch.int64)
+
+    async def body():
+        await PeerClient(first.endpoint).forward(meta(stage=0), [("input", tokens)], NONE, timeout_s=10)
+
+    with pytest.raises(InvalidRequest, match=r"token ids in \[256, 256\]"):
+        loop_thread.run(body())
+
+
+def test_backward_without_cache_asks_for_inputs_and_counts_once(peers, loop_thread):
+    first, _ = peers
+    tokens = torch.randint(0, 256, (B, T))
+    grad = torch.randn(B, T, D)
+
+    async def body():
+        client = PeerClient(first.endpoint)
+        with pytest.raises(NotCached, match="resend it with its inputs"):
+            await client.backward(meta(stage=0, microbatch_id="nc"), [("grad_output", grad)], NONE, timeout_s=10)
+        before, _ = await state(first)
+        m = meta(stage=0, microbatch_id="nc", include_inputs=True)
+        await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)
+        once, grads_once = await state(first)
+        await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)  # a retry
+        twice, grads_twice = await state(first)
+        return before, once, twice, grads_once, grads_twice
+
+    before, once, twice, g1, g2 = loop_thread.run(body())
+    assert once == before + B and twice == once
+    assert all(torch.equal(g1[k], g2[k]) for k in g1)
+
+
+def test_forward_then_backward_uses_cache(peers, loop_thread):
+    first, _ = peers
+    tokens = torch.randint(0, 256, (B, T))
+
+    async def body():
+        client = PeerClient(first.endpoint)
+        out = await client.forward(meta(stage=0, microbatch_id="fb"), [("input", tokens)], NONE, timeout_s=10)
+        h = out.tensors["output"]
+        reply = await client.backward(meta(stage=0, microbatch_id="fb"), [("grad_output", torch.ones_like(h))],
+                                      NONE, timeout_s=10)
+        return h, reply
+
+    h, reply = loop_thread.run(body())
+    assert h.shape == (B, T, D)
+    assert "grad_input" not in reply.tensors  # stage 0's input is token ids
+
+
+def test_info_and_wrong_run(peers, loop_thread):
+    first, last = peers
+    async def info(run_id):
+        return await PeerClient(last.endpoint).info(run_id, timeout_s=10)
+
+    got = loop_thread.run(info("t"))
+    assert got.stage == 1 and got.state == "serving" and "int8" in got.codecs
+    with pytest.raises(WrongPeer, match="serves run 't', not 'nope'"):
+        loop_thread.run(info("nope"))

@@ -4,7 +4,7 @@ Run from the repository root:  .venv/bin/python bench/codecs.py
 Prints a markdown table and writes it, with the environment, to bench/results/codecs.md.
 
 Throughput is MB/s (10^6 bytes) of float32 input per second of encode + decode, best of ``--repeats`` runs, on
-the threads torch uses by default. Relative error is ||x - dec(enc(x))|| / ||x||. A codec that fails is reported with
+``--threads`` torch threads (1 by default). Relative error is ||x - dec(enc(x))|| / ||x||. A codec that fails is reported with
 the exception it raised, never hidden.
 """
 
@@ -137,6 +137,17 @@ def _read_codebook_message(message) -> torch.Tensor:
     return codebook[indices.long()]
 
 
+def warm_up(duration_s: float = 1.0) -> None:
+    """Run the swarm codecs for a while before timing anything: the first calls of a process pay for thread-pool
+    start-up and page faults, which otherwise land on whichever codec is measured first."""
+    flat = make_tensor("normal", 1 << 18)
+    deadline = time.perf_counter() + duration_s
+    while time.perf_counter() < deadline:
+        for name in CODEC_NAMES:
+            codec = get_codec(name)
+            codec.decode(codec.encode(flat), flat.numel(), flat.dtype)
+
+
 def format_number(value: float | None, pattern: str) -> str:
     return "—" if value is None else format(value, pattern)
 
@@ -183,16 +194,20 @@ def environment(load_before: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per measurement; the best one counts")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    # one thread by default: on a small shared machine, OpenMP threads spin-waiting on a busy core make timings
+    # swing 10x; peers doing codec work next to a training step get about one core anyway
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "codecs.md")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     warnings.filterwarnings("ignore")  # torch.jit/quantize deprecation noise from hivemind's import and codecs
 
+    warm_up()
     rows: list[Row] = []
     for size_mib in SIZES_MIB:
         for distribution in DISTRIBUTIONS:

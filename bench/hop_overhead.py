@@ -1,0 +1,240 @@
+"""Per-hop RPC overhead: one Forward round trip through a real peer over loopback gRPC, minus its compute.
+
+Run from the repository root:  .venv/bin/python bench/hop_overhead.py
+Prints a markdown table and writes it, with the environment, to bench/results/hop_overhead.md.
+
+What is measured. A real peer (``Peer.create``: hivemind DHT, gRPC server, stage executor) serves the middle
+stage of a 3-stage "transport probe" model whose activations cross the cut at width 256 (as in W1) but
+whose inside is 8 wide (a bottleneck pair around one d=8 block), so compute is small next to the transfer.
+A ``PeerClient`` sends a float32 (B, 128, 256) input with ``eval_only`` and reads back the (B, 128, 256)
+output: the activation travels once each way. B = 8 is exactly W1's microbatch (1 MiB); larger B gives
+16 MiB and 64 MiB (64 one-MiB chunks per direction: chunking at work). The peer's ``executor.forward`` is
+timed around every call, so overhead = round trip - compute of that same call: encode, gRPC streaming,
+decode and the thread hops on both sides.
+
+Client and peer live in this one process on two event-loop threads (the peer's torch work on its own
+worker thread): they share the GIL, and on a 2-core machine they share the cores, as two peers on one host
+would. Across machines the two sides would run in parallel, so these numbers are an upper bound on CPU cost
+per hop, and a lower bound on nothing network-related (loopback has no bandwidth limit to speak of).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, RunInfo, markdown_table, percentile, write_result  # noqa: E402
+
+import torch  # noqa: E402
+
+from swarm.compression import CODEC_NAMES, get_codec  # noqa: E402
+from swarm.config import RunConfig  # noqa: E402
+from swarm.model import ModelConfig  # noqa: E402
+from swarm.peer.daemon import Peer, PeerConfig  # noqa: E402
+from swarm.proto import PROTOCOL_VERSION  # noqa: E402
+from swarm.proto import swarm_pb2 as pb  # noqa: E402
+from swarm.transport.client import PeerClient  # noqa: E402
+
+SEQ_LEN, WIDTH = 128, 256  # activation shape (B, SEQ_LEN, WIDTH): W1's cut
+BYTES_PER_SAMPLE = SEQ_LEN * WIDTH * 4  # float32: 128 KiB per sequence
+PROBE_MODEL = ModelConfig(d_model=8, n_heads=1, n_layers=3, num_stages=3, seq_len=SEQ_LEN, bottleneck_dim=WIDTH)
+RUN_ID = "bench-hop"
+STAGE = 1  # the middle stage: float activations in and out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    size_mib: float  # float32 activation size, each way
+    codec: str
+    repeats: int  # timed round trips (after warmup)
+
+    @property
+    def batch(self) -> int:
+        return round(self.size_mib * (1 << 20) / BYTES_PER_SAMPLE)
+
+
+@dataclass
+class Row:
+    case: Case
+    wire_mib: float  # encoded payload each way
+    rtt_s: list[float]
+    compute_s: list[float]
+
+    @property
+    def overhead_s(self) -> list[float]:
+        return [r - c for r, c in zip(self.rtt_s, self.compute_s)]
+
+    def cells(self) -> list[object]:
+        ms = lambda values, q: f"{1e3 * percentile(values, q):.1f}"  # noqa: E731
+        over_med = percentile(self.overhead_s, 50)
+        moved_mb = 2 * self.case.size_mib * (1 << 20) / 1e6  # fp32 bytes in + out
+        return [f"{self.case.size_mib:g} MiB (B={self.case.batch})", self.case.codec, f"{self.wire_mib:.2f}",
+                len(self.rtt_s), ms(self.rtt_s, 50), ms(self.rtt_s, 90), ms(self.compute_s, 50),
+                ms(self.overhead_s, 50), ms(self.overhead_s, 90), f"{moved_mb / over_med:,.0f}"]
+
+
+HEADERS = ["activation (each way)", "codec", "wire MiB each way", "calls", "round trip p50 ms", "p90 ms",
+           "compute p50 ms", "overhead p50 ms", "overhead p90 ms", "fp32 MB/s (in+out / overhead p50)"]
+
+
+class LoopThread:
+    """An event loop on its own thread, so the peer and the client each have one (as separate hosts would)."""
+
+    def __init__(self, name: str):
+        try:
+            import uvloop
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout_s: float = 600.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+class ComputeTimer:
+    """Wraps the peer's ``executor.forward`` to record, per microbatch id, the seconds it ran."""
+
+    def __init__(self, executor):
+        self.seconds: dict[str, float] = {}
+        inner = executor.forward
+
+        def timed(microbatch_id, x, *, keep):
+            t0 = time.perf_counter()
+            try:
+                return inner(microbatch_id, x, keep=keep)
+            finally:
+                self.seconds[microbatch_id] = time.perf_counter() - t0
+
+        executor.forward = timed  # the service looks the method up on every call
+
+
+async def round_trips(endpoint: str, cases: list[Case], warmup: int) -> list[tuple[list[str], list[float]]]:
+    """For each case (all of one size): (microbatch ids, round-trip seconds) of its timed calls.
+
+    The cases take turns call by call (none, fp16, bf16, int8, none, ...), so a burst of load from other
+    processes hits every codec alike and their ratios stay comparable."""
+    client = PeerClient(endpoint)
+    results: list[tuple[list[str], list[float]]] = [([], []) for _ in cases]
+    try:
+        inputs = [torch.randn(c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0))  # (B, T, W)
+                  for c in cases]
+        for i in range(warmup + max(c.repeats for c in cases)):
+            for case, x, (ids, rtts) in zip(cases, inputs, results):
+                if i >= warmup + case.repeats:
+                    continue
+                mb_id = f"{case.codec}-{case.size_mib:g}-{i}"
+                meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, run_id=RUN_ID, stage=STAGE,
+                                      microbatch_id=mb_id, codec=case.codec, eval_only=True,
+                                      num_samples=case.batch)
+                t0 = time.perf_counter()
+                reply = await client.forward(meta, [("input", x)], get_codec(case.codec), timeout_s=120)
+                rtt = time.perf_counter() - t0
+                if tuple(reply.tensors["output"].shape) != (case.batch, SEQ_LEN, WIDTH):
+                    raise RuntimeError(f"the peer answered shape {list(reply.tensors['output'].shape)}")
+                if i >= warmup:
+                    ids.append(mb_id)
+                    rtts.append(rtt)
+    finally:
+        await client.close()
+    return results
+
+
+def wire_mib(case: Case) -> float:
+    flat = torch.randn(case.batch * SEQ_LEN * WIDTH, generator=torch.Generator().manual_seed(0))
+    return len(get_codec(case.codec).encode(flat)) / (1 << 20)
+
+
+def build_cases(args) -> list[Case]:
+    codecs = [c for c in args.codecs.split(",") if c]
+    unknown = sorted(set(codecs) - set(CODEC_NAMES))
+    if unknown:
+        raise SystemExit(f"unknown codecs {unknown}; swarm.compression.CODEC_NAMES = {list(CODEC_NAMES)}")
+    cases = [Case(size_mib=0.125, codec="none", repeats=args.repeats)]  # one sequence: the fixed cost per call
+    cases += [Case(size_mib=1, codec=c, repeats=args.repeats) for c in codecs]
+    cases += [Case(size_mib=16, codec=c, repeats=max(5, args.repeats // 3)) for c in codecs]
+    if args.big_mib:
+        cases.append(Case(size_mib=args.big_mib, codec="none", repeats=max(3, args.repeats // 15)))
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=100, help="timed calls per 1 MiB case (a third for 16 MiB)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each case")
+    parser.add_argument("--codecs", default=",".join(CODEC_NAMES), help="comma-separated codec names")
+    parser.add_argument("--big-mib", type=int, default=64, help="one larger size with codec none (0 = skip)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "hop_overhead.md")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    command = ".venv/bin/python bench/hop_overhead.py" + "".join(f" {a}" for a in sys.argv[1:])
+    info = RunInfo(command=command)
+    cases = build_cases(args)
+    peer_config = PeerConfig(run_id=RUN_ID, stage=STAGE, threads=1,
+                             max_microbatch_size=max(c.batch for c in cases))
+    run = RunConfig(model=PROBE_MODEL, target_batch_size=1 << 30)  # eval_only calls never step anyway
+
+    server_loop, client_loop = LoopThread("peer-loop"), LoopThread("client-loop")
+    rows: list[Row] = []
+    peer = None
+    try:
+        peer = server_loop.run(Peer.create(peer_config, run=run))
+        timer = ComputeTimer(peer.executor)
+        print(f"peer serves stage {STAGE} of the probe model at {peer.endpoint}; "
+              f"{len(cases)} cases", flush=True)
+        for size in dict.fromkeys(c.size_mib for c in cases):  # sizes in order, each size's codecs interleaved
+            group = [c for c in cases if c.size_mib == size]
+            for case, (ids, rtts) in zip(group, client_loop.run(round_trips(peer.endpoint, group, args.warmup))):
+                row = Row(case, wire_mib(case), rtts, [timer.seconds[i] for i in ids])
+                rows.append(row)
+                print(markdown_table(HEADERS, [row.cells()]).splitlines()[-1], flush=True)
+    finally:
+        if peer is not None:
+            with contextlib.suppress(Exception):
+                server_loop.run(peer.shutdown(), timeout_s=60)
+        client_loop.close()
+        server_loop.close()
+    info.finish()
+
+    info.extra += [f"torch threads: peer compute 1 (PeerConfig.threads); encode/decode of chunks >= 256 KiB "
+                   f"on each loop's default thread pool", "client and peer in one process, two event-loop "
+                   "threads (uvloop), loopback gRPC"]
+    table = markdown_table(HEADERS, [row.cells() for row in rows], right_align_from=2)
+    one = {r.case.codec: r for r in rows if r.case.size_mib == 1}
+    notes = [
+        "Peer: `Peer.create` in this process (real hivemind DHT, real gRPC server, real executor) serving "
+        f"the middle stage of a probe model ({PROBE_MODEL.d_model}-wide block between {WIDTH}-wide "
+        "bottleneck Linears), so the activation shape is W1's cut: (B, 128, 256) float32 = B x 128 KiB.",
+        "Each call is a `Forward` with `eval_only`: the input travels to the peer and the output "
+        "(same shape) travels back, both in the call's codec. compute = the peer's `executor.forward` "
+        "timed around that same call; overhead = round trip - compute (encode, chunked gRPC streaming, "
+        "decode, thread hops on both sides). MB/s = 10^6 bytes of float32 activation moved (in + out) "
+        "per second of median overhead.",
+        "Client and peer share this process's GIL and the 2 cores, so the two sides of a hop do not run "
+        "in parallel as they would on two hosts: read these as the CPU cost of a hop, not a network limit.",
+    ]
+    if "none" in one and percentile(one["none"].overhead_s, 50) > 0:
+        base = percentile(one["none"].overhead_s, 50)
+        ratios = ", ".join(f"{c} {percentile(r.overhead_s, 50) / base:.2f}x" for c, r in one.items() if c != "none")
+        notes.append(f"1 MiB overhead relative to codec none, same run: {ratios}.")
+    body = "\n".join([table, "", *(f"- {n}" for n in notes)])
+    path = write_result(args.out, title="Per-hop RPC overhead (loopback gRPC, one real peer)", info=info, body=body)
+    print("\n" + table + "\n\n" + "\n".join(notes) + f"\n\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -167,6 +167,14 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def failures_section(rows: list[Row]) -> str:
+    """One line per codec that failed on some tensor, with what it raised, so failures are read, not skimmed."""
+    failures = dict.fromkeys(f"- {row.codec}: {row.note}" for row in rows if row.note)
+    if not failures:
+        return "All codecs encoded and decoded every tensor.\n"
+    return "\n".join([f"Failures on numpy {np.__version__}:", "", *failures, ""])
+
+
 def git_revision() -> str:
     try:
         completed = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
@@ -228,7 +236,7 @@ def main() -> None:
         f"{args.repeats} runs. bytes/value is the payload size per element (float32 = 4). relative error is "
         "||x - dec(enc(x))|| / ||x||. swarm int8 = blockwise absmax, 32-element blocks, one bfloat16 scale each.",
         table,
-        "",
+        failures_section(rows),
     ])
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(report)

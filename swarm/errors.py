@@ -45,13 +45,6 @@ class AlreadyApplied(SwarmError):
     retry_elsewhere = False
 
 
-class DeadlineExpired(SwarmError):
-    """The work finished after the caller's deadline and was discarded, so it is not counted twice when
-    the caller retries at another peer."""
-
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
 class PeerDraining(SwarmError):
     """The peer is shutting down (preemption) and takes no new work."""
 

@@ -74,16 +74,22 @@ async def raw_call(endpoint: str, frames: list[pb.Frame], method="Forward"):
 
 
 async def frames_of(m: pb.RequestMeta, *tensors) -> list[pb.Frame]:
+    if not m.num_tensors:
+        m.num_tensors = len(tensors)
     out = [pb.Frame(request=m)]
     for name, t in tensors:
         out += [f async for f in tensor_frames(name, t, NONE)]
     return out
 
 
-def loss_call(peer, mb_id, x=None):
+async def loss_call(peer, mb_id, x=None):
+    """A well-formed last-stage call, committed: its gradients count once this returns."""
     client = PeerClient(peer.endpoint)
-    return client.forward(meta(microbatch_id=mb_id, compute_loss=True, num_samples=B),
-                          [("input", hidden() if x is None else x), ("targets", targets())], NONE, timeout_s=30)
+    reply = await client.forward(meta(microbatch_id=mb_id, compute_loss=True, num_samples=B),
+                                 [("input", hidden() if x is None else x), ("targets", targets())], NONE,
+                                 timeout_s=30)
+    await reply.committed
+    return reply
 
 
 def test_valid_loss_call_accumulates(peers, loop_thread):
@@ -128,6 +134,10 @@ def _bad_cases():
                                  grpc.StatusCode.INVALID_ARGUMENT, "[0, 256)"),
         "missing targets": (lambda: frames_of(meta(compute_loss=True), ("input", x)),
                             grpc.StatusCode.INVALID_ARGUMENT, "targets"),
+        "too many tensors": (lambda: frames_of(meta(compute_loss=True, num_tensors=9), ("input", x)),
+                             grpc.StatusCode.INVALID_ARGUMENT, "announces 9 tensors"),
+        "no commit": (lambda: frames_of(meta(compute_loss=True), ("input", x), ("targets", targets())),
+                      grpc.StatusCode.INVALID_ARGUMENT, "commit"),
         "no request frame": (lambda: _async([pb.Frame(chunk=b"xx")]), grpc.StatusCode.INVALID_ARGUMENT, "request"),
         "truncated stream": (lambda: _truncated(x), grpc.StatusCode.INVALID_ARGUMENT, "ended early"),
         "garbage payload": (lambda: _garbage(x), grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
@@ -143,6 +153,7 @@ async def _async(value):
 async def _raw_tensor(m, name, t):
     """Frames carrying ``t`` as raw bytes, bypassing the sender-side checks a well-behaved client runs."""
     header = pb.TensorHeader(name=name, dtype="float32", shape=list(t.shape), codec="none", segment_numel=t.numel())
+    m.num_tensors = 1
     return [pb.Frame(request=m), pb.Frame(tensor=header), pb.Frame(chunk=t.numpy().tobytes())]
 
 
@@ -200,9 +211,10 @@ def test_backward_without_cache_asks_for_inputs_and_counts_once(peers, loop_thre
             await client.backward(meta(stage=0, microbatch_id="nc"), [("grad_output", grad)], NONE, timeout_s=10)
         before, _ = await state(first)
         m = meta(stage=0, microbatch_id="nc", include_inputs=True)
-        await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)
+        await (await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)).committed
         once, grads_once = await state(first)
-        await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)  # a retry
+        retry = await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)
+        await retry.committed
         twice, grads_twice = await state(first)
         return before, once, twice, grads_once, grads_twice
 
@@ -221,6 +233,7 @@ def test_forward_then_backward_uses_cache(peers, loop_thread):
         h = out.tensors["output"]
         reply = await client.backward(meta(stage=0, microbatch_id="fb"), [("grad_output", torch.ones_like(h))],
                                       NONE, timeout_s=10)
+        await reply.committed
         return h, reply
 
     h, reply = loop_thread.run(body())

@@ -29,8 +29,10 @@ async def _aiter(frames):
 
 
 def _read(frames, limits=StreamLimits()):
+    count = sum(f.WhichOneof("kind") == "tensor" for f in frames)
+
     async def go():
-        return await FrameReader(_aiter(frames), limits=limits).tensors()
+        return await FrameReader(_aiter(frames), limits=limits).tensors(count)
 
     return asyncio.run(go())
 
@@ -90,8 +92,9 @@ class Echo(pb_grpc.StagePeerServicer):
     async def Forward(self, request_iterator, context):
         reader = FrameReader(request_iterator)
         meta = await reader.request()
-        tensors = await reader.tensors()
-        yield pb.Frame(reply=pb.ReplyMeta(step=len(tensors)))
+        tensors = await reader.tensors(meta.num_tensors)
+        await reader.end()
+        yield pb.Frame(reply=pb.ReplyMeta(step=len(tensors), num_tensors=len(tensors)))
         for name, t in tensors.items():
             async for f in tensor_frames(name, t, get_codec(meta.codec)):
                 yield f

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht, visible_addresses
 from swarm.discovery.records import StageRecord
+from swarm.errors import TransportError
 from swarm.model import build_stage
 from swarm.peer.executor import CacheConfig, StageExecutor
 from swarm.transport.server import start_server
@@ -37,9 +39,12 @@ class PeerConfig:
     heartbeat_s: float = 1.0  # seconds between DHT announcements
     ttl_s: float = 5.0  # announcement lifetime: a silent peer disappears from routing after this
     drain_timeout_s: float = 30.0  # on SIGTERM, exit within this many seconds
+    drain_notice_s: float = 3.0  # after SIGTERM, keep accepting forwards this long while trainers learn of it
     max_microbatch_size: int = 256  # most samples accepted in one request
     calibration_batch: int = 8  # samples used to time the stage at startup
     slowdown: float = 1.0  # fault injection: make every compute this many times slower (1 = off)
+    fail_probability: float = 0.0  # fault injection: answer this share of calls with an error (0 = off)
+    hang_after_calls: int = 0  # fault injection: stop answering (hang) after this many calls (0 = off)
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -52,6 +57,12 @@ class PeerConfig:
             raise ValueError(f"need 0 < heartbeat_s < ttl_s, got heartbeat_s={self.heartbeat_s}, ttl_s={self.ttl_s}")
         if self.slowdown < 1:
             raise ValueError(f"slowdown is a factor >= 1 (1 = normal speed), got {self.slowdown}")
+        if not 0 <= self.fail_probability <= 1 or self.hang_after_calls < 0:
+            raise ValueError(f"fail_probability must be in [0, 1] and hang_after_calls >= 0, got "
+                             f"{self.fail_probability} and {self.hang_after_calls}")
+        if not 0 <= self.drain_notice_s < self.drain_timeout_s:
+            raise ValueError(f"need 0 <= drain_notice_s < drain_timeout_s, got {self.drain_notice_s} and "
+                             f"{self.drain_timeout_s}")
         if self.threads < 1 or self.max_microbatch_size < 1 or self.calibration_batch < 1:
             raise ValueError(f"threads ({self.threads}), max_microbatch_size ({self.max_microbatch_size}) and "
                              f"calibration_batch ({self.calibration_batch}) must be >= 1")
@@ -77,6 +88,9 @@ class Peer:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._tasks: list[asyncio.Task] = []
         self.stopped = asyncio.Event()
+        self.drain_started: float | None = None
+        self.calls_seen = 0
+        self._fault_rng = random.Random(config.peer_id)
 
     @classmethod
     async def create(cls, config: PeerConfig, *, run: RunConfig | None = None,
@@ -170,6 +184,10 @@ class Peer:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, timed)
 
+    def submit(self, fn, *args) -> None:
+        """Queue ``fn`` on the compute thread without waiting (cleanup that must not be cancelled)."""
+        self._pool.submit(fn, *args)
+
     def record(self) -> StageRecord:
         return StageRecord(peer_id=self.peer_id, endpoint=self.endpoint, stage=self.config.stage,
                            state=self.state, throughput=self.throughput, in_flight=self.in_flight,
@@ -194,17 +212,35 @@ class Peer:
         if self.state == "draining":
             return
         self.state = "draining"
-        deadline = time.monotonic() + self.config.drain_timeout_s
+        self.drain_started = time.monotonic()
+        deadline = self.drain_started + self.config.drain_timeout_s
         logger.info("peer %s draining (at most %.0fs)", self.peer_id, self.config.drain_timeout_s)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._announce(), timeout=max(0.1, deadline - time.monotonic()))
         # Trainers stop routing new forwards here once they see the draining state (in a reply or the
         # DHT); until the cached microbatches are claimed by their backward, keep serving.
         while time.monotonic() < deadline - 1.0:
-            if self.in_flight == 0 and self.executor.cached_microbatches == 0:
+            if not self.accepts_new_work and self.in_flight == 0 and self.executor.cached_microbatches == 0:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wait_idle_change(), timeout=0.2)
+
+    @property
+    def accepts_new_work(self) -> bool:
+        """False once draining and past the notice window (trainers have had time to see the state)."""
+        if self.drain_started is None:
+            return True
+        return time.monotonic() - self.drain_started < self.config.drain_notice_s
+
+    async def inject_faults(self) -> None:
+        """Fault injection (off by default): fail or hang calls as configured, for tests and benchmarks."""
+        self.calls_seen += 1
+        cfg = self.config
+        if cfg.hang_after_calls and self.calls_seen > cfg.hang_after_calls:
+            await asyncio.Event().wait()  # never answers; the caller's deadline ends the call
+        if cfg.fail_probability and self._fault_rng.random() < cfg.fail_probability:
+            raise TransportError(f"injected fault: peer {self.peer_id} fails this call on purpose "
+                                 f"(--fail-probability {cfg.fail_probability})")
 
     async def _wait_idle_change(self) -> None:
         await self.idle.wait()

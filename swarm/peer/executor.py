@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.config import RunConfig
-from swarm.errors import AlreadyApplied, DeadlineExpired, InvalidRequest, NotCached
+from swarm.errors import AlreadyApplied, InvalidRequest, NotCached
 from swarm.model import Stage
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ class CacheConfig:
     input_cache_bytes: int = 256 << 20  # bytes of stage inputs kept for backward (oldest evicted first)
     reply_cache_size: int = 256  # backward replies kept so a retried backward returns the same answer
     applied_ids_size: int = 100_000  # microbatch ids remembered as applied (never counted twice)
+    max_pending: int = 64  # computed gradients waiting for their caller's commit (one gradient copy each)
 
     def __post_init__(self):
         if min(self.graph_cache_size, self.reply_cache_size) < 0 or self.input_cache_bytes < 0:
@@ -39,6 +40,9 @@ class _Cached:
     inputs: torch.Tensor
     # (leaf input with requires_grad, output) while the graph is kept; None once dropped
     graph: tuple[torch.Tensor, torch.Tensor] | None
+
+
+_UNKNOWN = object()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -67,6 +71,8 @@ class StageExecutor:
         self._cache_bytes = 0
         self._replies: OrderedDict[str, object] = OrderedDict()
         self._applied: OrderedDict[str, None] = OrderedDict()
+        # microbatch id -> (parameter gradients, reply, samples), computed but not yet committed
+        self._pending: OrderedDict[str, tuple[list, object, int]] = OrderedDict()
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0
@@ -135,12 +141,11 @@ class StageExecutor:
     # ---------------------------------------------------------------- backward
 
     def forward_loss_backward(self, microbatch_id: str, x: torch.Tensor, targets: torch.Tensor,
-                              num_samples: int, *, deadline: float | None = None
-                              ) -> tuple[float, torch.Tensor | None]:
-        """Last stage: loss and input gradient in one call; parameter gradients are accumulated."""
-        if microbatch_id in self._replies:
-            return self._replies[microbatch_id]
-        self._refuse_if_applied(microbatch_id)
+                              num_samples: int) -> tuple[float, torch.Tensor | None]:
+        """Last stage: loss and input gradient in one call. The parameter gradients are held until
+        :meth:`commit` (or dropped by :meth:`abort`)."""
+        if (known := self._known_reply(microbatch_id)) is not _UNKNOWN:
+            return known
         self._check_input(x)
         self._check_targets(x, targets)
         t0 = time.perf_counter()
@@ -148,24 +153,23 @@ class StageExecutor:
         with torch.enable_grad():
             loss = self.stage.loss(leaf, targets)
         if not torch.isfinite(loss):
-            raise InvalidRequest(f"microbatch {microbatch_id}: the loss is {float(loss)}; the inputs drove the "
-                                 f"model to a non-finite value, nothing was accumulated")
+            raise InvalidRequest(f"microbatch {microbatch_id}: the loss is {float(loss.detach())}; the inputs drove "
+                                 f"the model to a non-finite value, nothing was accumulated")
         # Weight by samples: after dividing by the samples of the global batch at step time, the gradient
         # is that of the mean loss over the global batch, however it was cut into microbatches.
-        grad_input = self._accumulate(microbatch_id, loss * num_samples, None, leaf, deadline)
+        grads, grad_input = self._gradients(loss * num_samples, None, leaf)
         reply = (float(loss.detach()), grad_input)
-        self._applied_now(microbatch_id, reply, num_samples)
+        self._hold(microbatch_id, grads, reply, num_samples)
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return reply
 
     def backward(self, microbatch_id: str, grad_output: torch.Tensor, inputs: torch.Tensor | None,
-                 num_samples: int, *, deadline: float | None = None) -> torch.Tensor | None:
-        """Accumulate this microbatch's parameter gradients; return the gradient of the stage input
-        (None on the first stage, whose input is token ids). Raises NotCached if this peer holds neither
-        the graph nor the inputs and none were sent."""
-        if microbatch_id in self._replies:
-            return self._replies[microbatch_id]
-        self._refuse_if_applied(microbatch_id)
+                 num_samples: int) -> torch.Tensor | None:
+        """Compute this microbatch's gradients; return the gradient of the stage input (None on the first
+        stage, whose input is token ids). Parameter gradients are held until :meth:`commit`. Raises
+        NotCached if this peer holds neither the graph nor the inputs and none were sent."""
+        if (known := self._known_reply(microbatch_id)) is not _UNKNOWN:
+            return known
         cached = self._cache.get(microbatch_id)
         if cached is None and inputs is None:
             raise NotCached(f"microbatch {microbatch_id} is not cached here (evicted, or served by another "
@@ -185,31 +189,50 @@ class StageExecutor:
             leaf = self._leaf(x)
             with torch.enable_grad():
                 out = self.stage(leaf)
-        grad_input = self._accumulate(microbatch_id, out, grad_output, leaf, deadline)
+        grads, grad_input = self._gradients(out, grad_output, leaf)
         self._forget(microbatch_id)
-        self._applied_now(microbatch_id, grad_input, num_samples)
+        self._hold(microbatch_id, grads, grad_input, num_samples)
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return grad_input
 
-    def _accumulate(self, microbatch_id: str, out: torch.Tensor, grad_output: torch.Tensor | None,
-                    leaf: torch.Tensor, deadline: float | None) -> torch.Tensor | None:
-        """Compute parameter and input gradients, then add them to the accumulators all at once, and only
-        if the caller is still waiting: a caller whose deadline passed has retried at another peer, and
-        applying it here too would count the microbatch twice in this stage."""
+    def _gradients(self, out: torch.Tensor, grad_output: torch.Tensor | None, leaf: torch.Tensor):
+        """Parameter gradients (not yet applied) and the input gradient."""
         params = [p for p in self.stage.parameters() if p.requires_grad]
         wrt = params + ([leaf] if leaf.requires_grad else [])
         grads = torch.autograd.grad(out, wrt, grad_output, allow_unused=True)
-        if deadline is not None and time.monotonic() > deadline:
-            raise DeadlineExpired(f"microbatch {microbatch_id} finished after its caller's deadline; its "
-                                  f"gradient was discarded here (the caller retries elsewhere)")
-        for p, g in zip(params, grads):
+        return list(grads[:len(params)]), (grads[-1] if leaf.requires_grad else None)
+
+    # ---------------------------------------------------------------- two-phase apply
+
+    def _known_reply(self, microbatch_id: str):
+        """The reply of a microbatch computed before (a retry of a call whose reply was lost), else
+        ``_UNKNOWN`` (a reply itself may be None: stage 0 returns no input gradient)."""
+        if microbatch_id in self._pending:
+            return self._pending[microbatch_id][1]
+        if microbatch_id in self._replies:
+            return self._replies[microbatch_id]
+        if microbatch_id in self._applied:
+            raise AlreadyApplied(f"microbatch {microbatch_id} was already applied by this peer and its reply "
+                                 f"is no longer cached; it counts once")
+        return _UNKNOWN
+
+    def _hold(self, microbatch_id: str, grads: list, reply, num_samples: int) -> None:
+        self._pending[microbatch_id] = (grads, reply, num_samples)
+        while len(self._pending) > self.cache_config.max_pending:
+            dropped, _ = self._pending.popitem(last=False)
+            logger.warning("dropping uncommitted gradients of microbatch %s (more than %d pending)",
+                           dropped, self.cache_config.max_pending)
+
+    def commit(self, microbatch_id: str) -> bool:
+        """The caller has the reply: add the held gradients to the accumulators (once). Returns False if
+        nothing was held (already committed, aborted, or never computed here)."""
+        held = self._pending.pop(microbatch_id, None)
+        if held is None:
+            return False
+        grads, reply, num_samples = held
+        for p, g in zip((p for p in self.stage.parameters() if p.requires_grad), grads):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
-        return grads[-1] if leaf.requires_grad else None
-
-    # ---------------------------------------------------------------- optimizer
-
-    def _applied_now(self, microbatch_id: str, reply, num_samples: int) -> None:
         self._replies[microbatch_id] = reply
         while len(self._replies) > self.cache_config.reply_cache_size:
             self._replies.popitem(last=False)
@@ -220,6 +243,13 @@ class StageExecutor:
         self.microbatches_applied += 1
         if self.samples_accumulated >= self.run.target_batch_size:
             self.optimizer_step()
+        return True
+
+    def abort(self, microbatch_id: str) -> None:
+        """The caller went away before committing (it retries elsewhere): drop the held gradients."""
+        self._pending.pop(microbatch_id, None)
+
+    # ---------------------------------------------------------------- optimizer
 
     def optimizer_step(self) -> None:
         """Average the accumulated gradients over the samples seen, clip, step, and reset."""
@@ -260,11 +290,6 @@ class StageExecutor:
             self.stage.check_targets(x, targets)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-
-    def _refuse_if_applied(self, microbatch_id: str) -> None:
-        if microbatch_id in self._applied:
-            raise AlreadyApplied(f"microbatch {microbatch_id} was already applied by this peer and its reply "
-                                 f"is no longer cached; it counts once")
 
     @staticmethod
     def _leaf(x: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,8 @@ checked while decoding (lengths, finiteness), and only then does the executor to
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -42,34 +40,30 @@ class StageService(pb_grpc.StagePeerServicer):
         reader = FrameReader(request_iterator, limits=self.limits)
         meta = await reader.request()
         self._admit(meta, new_work=not meta.eval_only)
+        await self.peer.inject_faults()
         codec = codec_or_invalid(meta.codec)
-        deadline = _deadline(context)
         stage = self.executor.stage
         with self._in_flight():
             wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
-            tensors = await reader.tensors(check=self._header_check(
-                allowed={"input", "targets"} if wants_loss else {"input"}))
+            tensors = await self._read_tensors(reader, meta, {"input", "targets"} if wants_loss else {"input"})
             x = _require(tensors, "input")
-            if wants_loss:
-                targets = _require(tensors, "targets")
-                if meta.eval_only:
-                    loss = await self.peer.compute(self.executor.eval_loss, x, targets)
-                    yield self._reply(loss=loss)
-                    return
-                loss, grad_input = await self.peer.compute(
-                    self.executor.forward_loss_backward, meta.microbatch_id, x, targets,
-                    _num_samples(meta, x), deadline=deadline)
+            if meta.eval_only and stage.is_last:
+                loss = await self.peer.compute(self.executor.eval_loss, x, _require(tensors, "targets"))
                 yield self._reply(loss=loss)
-                if grad_input is not None:
-                    async for frame in tensor_frames("grad_input", grad_input, codec):
-                        yield frame
-                return
-            if stage.is_last:
+            elif meta.compute_loss:
+                loss, grad_input = await self.peer.compute(
+                    self.executor.forward_loss_backward, meta.microbatch_id, x, _require(tensors, "targets"),
+                    _num_samples(meta, x))
+                async for frame in self._reply_and_commit(reader, meta, codec, grad_input, loss=loss):
+                    yield frame
+            elif stage.is_last:
                 raise InvalidRequest("the last stage needs compute_loss (with targets) or eval_only")
-            output = await self.peer.compute(self.executor.forward, meta.microbatch_id, x, keep=not meta.eval_only)
-            yield self._reply()
-            async for frame in tensor_frames("output", output, codec):
-                yield frame
+            else:
+                output = await self.peer.compute(self.executor.forward, meta.microbatch_id, x,
+                                                 keep=not meta.eval_only)
+                yield self._reply(num_tensors=1)
+                async for frame in tensor_frames("output", output, codec):
+                    yield frame
 
     @stream_handler
     async def Backward(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
@@ -77,20 +71,42 @@ class StageService(pb_grpc.StagePeerServicer):
         meta = await reader.request()
         # A draining peer still finishes backward for microbatches it ran forward for.
         self._admit(meta, new_work=meta.include_inputs)
+        await self.peer.inject_faults()
         codec = codec_or_invalid(meta.codec)
-        deadline = _deadline(context)
         with self._in_flight():
-            tensors = await reader.tensors(check=self._header_check(
-                allowed={"grad_output", "input"} if meta.include_inputs else {"grad_output"}))
+            tensors = await self._read_tensors(
+                reader, meta, {"grad_output", "input"} if meta.include_inputs else {"grad_output"})
             grad_output = _require(tensors, "grad_output")
             inputs = _require(tensors, "input") if meta.include_inputs else None
-            grad_input = await self.peer.compute(
-                self.executor.backward, meta.microbatch_id, grad_output, inputs,
-                _num_samples(meta, grad_output), deadline=deadline)
-            yield self._reply()
+            grad_input = await self.peer.compute(self.executor.backward, meta.microbatch_id, grad_output, inputs,
+                                                 _num_samples(meta, grad_output))
+            async for frame in self._reply_and_commit(reader, meta, codec, grad_input):
+                yield frame
+
+    async def _read_tensors(self, reader: FrameReader, meta: pb.RequestMeta, allowed: set[str]):
+        if meta.num_tensors > len(allowed):
+            raise InvalidRequest(f"the call announces {meta.num_tensors} tensors; at most {len(allowed)} "
+                                 f"({sorted(allowed)}) are expected")
+        return await reader.tensors(meta.num_tensors, check=self._header_check(allowed=allowed))
+
+    async def _reply_and_commit(self, reader: FrameReader, meta: pb.RequestMeta, codec, grad_input,
+                                *, loss: float | None = None) -> AsyncIterator[pb.Frame]:
+        """Send the reply, then wait for the caller's commit before counting the gradients. If the caller
+        gives up first (its deadline passed, it died), the gradients are dropped: it retries elsewhere."""
+        committed = False
+        try:
+            yield self._reply(loss=loss, num_tensors=int(grad_input is not None))
             if grad_input is not None:
                 async for frame in tensor_frames("grad_input", grad_input, codec):
                     yield frame
+            commit = await reader.commit()
+            if commit.microbatch_id != meta.microbatch_id:
+                raise InvalidRequest(f"commit names microbatch {commit.microbatch_id!r}, the call was for "
+                                     f"{meta.microbatch_id!r}")
+            committed = await self.peer.compute(self.executor.commit, meta.microbatch_id)
+        finally:
+            if not committed:
+                self.peer.submit(self.executor.abort, meta.microbatch_id)
 
     @stream_handler
     async def GetState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.Frame]:
@@ -102,7 +118,8 @@ class StageService(pb_grpc.StagePeerServicer):
             return ex.step, ex.samples_accumulated, ex.snapshot(include_grads=request.include_grads)
 
         step, samples, tensors = await self.peer.compute(take)
-        yield pb.Frame(reply=pb.ReplyMeta(step=step, state=self.peer.state, samples_accumulated=samples))
+        yield pb.Frame(reply=pb.ReplyMeta(step=step, state=self.peer.state, samples_accumulated=samples,
+                                          num_tensors=len(tensors)))
         codec = codec_or_invalid("none")  # state travels exactly
         for name, tensor in tensors.items():
             async for frame in tensor_frames(name, tensor, codec):
@@ -132,7 +149,7 @@ class StageService(pb_grpc.StagePeerServicer):
                             f"not stage {meta.stage}; refresh the peer list from the DHT")
         if not meta.microbatch_id or len(meta.microbatch_id) > 256:
             raise InvalidRequest("microbatch_id must be a non-empty string of at most 256 characters")
-        if new_work and self.peer.state == "draining":
+        if new_work and not self.peer.accepts_new_work:
             raise PeerDraining(f"peer {self.peer.peer_id} is draining (shutting down) and takes no new work; "
                                f"send it to another peer of stage {meta.stage}")
 
@@ -158,8 +175,8 @@ class StageService(pb_grpc.StagePeerServicer):
 
         return check
 
-    def _reply(self, *, loss: float | None = None) -> pb.Frame:
-        meta = pb.ReplyMeta(step=self.executor.step, state=self.peer.state)
+    def _reply(self, *, loss: float | None = None, num_tensors: int = 0) -> pb.Frame:
+        meta = pb.ReplyMeta(step=self.executor.step, state=self.peer.state, num_tensors=num_tensors)
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)
@@ -185,11 +202,3 @@ def _num_samples(meta: pb.RequestMeta, x: torch.Tensor) -> int:
     if meta.num_samples and meta.num_samples != batch:
         raise InvalidRequest(f"num_samples={meta.num_samples} but the tensor holds {batch} samples")
     return batch
-
-
-def _deadline(context) -> float | None:
-    """The caller's deadline on this machine's monotonic clock, minus a margin for the reply's flight."""
-    remaining = context.time_remaining()
-    if remaining is None:
-        return None
-    return time.monotonic() + remaining * 0.9

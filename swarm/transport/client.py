@@ -20,6 +20,9 @@ from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
 class Reply:
     meta: pb.ReplyMeta
     tensors: dict[str, torch.Tensor]
+    # For calls that accumulate gradients: resolves once the peer has taken our commit (the call ended
+    # OK after it); raises if that cannot be confirmed. None for other calls.
+    committed: asyncio.Future | None = None
 
 
 class PeerClient:
@@ -37,11 +40,13 @@ class PeerClient:
 
     async def forward(self, meta: pb.RequestMeta, tensors: Sequence[tuple[str, torch.Tensor]], codec: Codec,
                       *, timeout_s: float) -> Reply:
-        return await self._stream(self._stub.Forward, meta, tensors, codec, timeout_s)
+        """Forward; with ``meta.compute_loss`` the reply carries gradients and the call commits."""
+        return await self._stream(self._stub.Forward, meta, tensors, codec, timeout_s,
+                                  commit=meta.compute_loss and not meta.eval_only)
 
     async def backward(self, meta: pb.RequestMeta, tensors: Sequence[tuple[str, torch.Tensor]], codec: Codec,
                        *, timeout_s: float) -> Reply:
-        return await self._stream(self._stub.Backward, meta, tensors, codec, timeout_s)
+        return await self._stream(self._stub.Backward, meta, tensors, codec, timeout_s, commit=True)
 
     async def info(self, run_id: str = "", *, timeout_s: float) -> pb.InfoResponse:
         try:
@@ -52,33 +57,56 @@ class PeerClient:
     async def get_state(self, run_id: str, *, include_grads: bool = False, timeout_s: float) -> Reply:
         """The replica's parameters (and accumulated gradients) as ``Reply.tensors``."""
         call = self._stub.GetState(pb.StateRequest(run_id=run_id, include_grads=include_grads), timeout=timeout_s)
-        return await self._read_reply(call)
+        return await self._read(call)
 
-    async def _stream(self, method, meta, tensors, codec, timeout_s) -> Reply:
+    async def _stream(self, method, meta: pb.RequestMeta, tensors, codec, timeout_s, *, commit: bool) -> Reply:
+        meta.num_tensors = len(tensors)
+        reply_read = asyncio.Event()
+
         async def frames() -> AsyncIterator[pb.Frame]:
             yield pb.Frame(request=meta)
             for name, tensor in tensors:
                 async for frame in tensor_frames(name, tensor, codec, segment_bytes=self._segment_bytes):
                     yield frame
+            if commit:
+                # Tell the peer we have its reply: only now does it count the microbatch's gradients.
+                await reply_read.wait()
+                yield pb.Frame(commit=pb.Commit(microbatch_id=meta.microbatch_id))
 
-        return await self._read_reply(method(frames(), timeout=timeout_s))
+        call = method(frames(), timeout=timeout_s)
+        reply = await self._read(call, keep_open=commit)
+        if commit:
+            reply_read.set()
+            reply.committed = asyncio.ensure_future(self._confirm(call))
+        return reply
 
-    async def _read_reply(self, call) -> Reply:
+    async def _read(self, call, *, keep_open: bool = False) -> Reply:
+        done = False
         try:
             reader = FrameReader(call, limits=self._limits)
-            reply_meta = await reader.reply()
-            return Reply(reply_meta, await reader.tensors())
+            meta = await reader.reply()
+            tensors = await reader.tensors(meta.num_tensors)
+            if not keep_open:
+                await reader.end()
+            done = True
+            return Reply(meta, tensors)
         except grpc.aio.AioRpcError as e:
             raise error_from_status(e.code(), e.details(), peer=self.endpoint) from None
         except InvalidRequest as e:
             # A malformed reply is the peer's fault, not ours: treat it like a transport failure.
             raise TransportError(f"peer {self.endpoint} sent a malformed reply: {e}") from None
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
         finally:
-            if not call.done():
+            if not done:
                 call.cancel()
+
+    async def _confirm(self, call) -> None:
+        """Wait for the call to end after our commit; the peer ends it OK once it has the commit."""
+        try:
+            async for frame in call:
+                raise TransportError(f"peer {self.endpoint} sent a '{frame.WhichOneof('kind')}' frame after "
+                                     f"its reply")
+        except grpc.aio.AioRpcError as e:
+            raise error_from_status(e.code(), e.details(), peer=self.endpoint) from None
 
 
 class ClientPool:

@@ -38,7 +38,7 @@ class StreamLimits:
 def segment_numel_for(codec: Codec, dtype: torch.dtype, segment_bytes: int) -> int:
     """Elements per chunk: about ``segment_bytes`` of raw data, rounded down to the codec's alignment."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    align = codec.segment_alignment
+    align = codec.alignment(dtype)
     return max(align, (segment_bytes // element_size) // align * align)
 
 
@@ -77,12 +77,8 @@ class FrameReader:
     def __init__(self, frames: AsyncIterator[pb.Frame], *, limits: StreamLimits = StreamLimits()):
         self._frames = frames.__aiter__()
         self._limits = limits
-        self._peeked: pb.Frame | None = None
 
     async def _next(self) -> pb.Frame | None:
-        if self._peeked is not None:
-            frame, self._peeked = self._peeked, None
-            return frame
         try:
             return await self._frames.__anext__()
         except StopAsyncIteration:
@@ -104,18 +100,26 @@ class FrameReader:
     async def reply(self) -> pb.ReplyMeta:
         return (await self._expect("reply", "to open the reply")).reply
 
-    async def tensors(self, check: Callable[[str, tuple[int, ...], torch.dtype, str], None] | None = None
+    async def tensors(self, count: int,
+                      check: Callable[[str, tuple[int, ...], torch.dtype, str], None] | None = None
                       ) -> dict[str, torch.Tensor]:
-        """Read tensors until the stream ends. ``check(name, shape, dtype, codec)`` may raise
-        InvalidRequest to reject a tensor from its header, before any payload is received."""
+        """Read exactly ``count`` tensors. ``check(name, shape, dtype, codec)`` may raise InvalidRequest
+        to reject a tensor from its header, before any of its payload is received."""
         out: dict[str, torch.Tensor] = {}
-        while (frame := await self._next()) is not None:
-            self._peeked = frame
-            header = (await self._expect("tensor", "(a tensor header)")).tensor
+        for index in range(count):
+            header = (await self._expect("tensor", f"(header of tensor {index + 1} of {count})")).tensor
             if header.name in out:
                 raise InvalidRequest(f"tensor '{header.name}' was sent twice in one call")
             out[header.name] = await self._read_tensor(header, check)
         return out
+
+    async def commit(self) -> pb.Commit:
+        return (await self._expect("commit", "(the caller's commit after reading the reply)")).commit
+
+    async def end(self) -> None:
+        frame = await self._next()
+        if frame is not None:
+            raise InvalidRequest(f"unexpected '{frame.WhichOneof('kind')}' frame after the last tensor")
 
     async def _read_tensor(self, header: pb.TensorHeader, check) -> torch.Tensor:
         try:
@@ -129,10 +133,11 @@ class FrameReader:
             raise InvalidRequest(f"tensor '{header.name}' of shape {list(shape)} has {numel} elements, "
                                  f"more than the {self._limits.max_numel} this receiver accepts")
         seg = int(header.segment_numel)
-        if seg < 1 or seg > self._limits.max_segment_numel or (seg % codec.segment_alignment):
+        align = codec.alignment(dtype)
+        if seg < 1 or seg > self._limits.max_segment_numel or (seg % align):
             raise InvalidRequest(f"tensor '{header.name}': segment_numel={seg} must be in [1, "
-                                 f"{self._limits.max_segment_numel}] and a multiple of {codec.segment_alignment} "
-                                 f"for codec '{codec.name}'")
+                                 f"{self._limits.max_segment_numel}] and a multiple of {align} "
+                                 f"for codec '{codec.name}' and dtype {header.dtype}")
         if check is not None:
             check(header.name, shape, dtype, codec.name)
         flat = torch.empty(numel, dtype=dtype)
@@ -154,7 +159,7 @@ class FrameReader:
 
 
 def _decode_into(codec: Codec, payload: bytes, out: torch.Tensor, start: int, count: int) -> None:
-    out[start:start + count] = codec.decode(payload, count, out.dtype)
+    codec.decode_into(payload, out[start:start + count])
 
 
 def codec_or_invalid(name: str) -> Codec:

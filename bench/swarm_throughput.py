@@ -1,0 +1,264 @@
+"""Swarm training throughput on loopback against the same model trained in one process on this machine.
+
+Run from the repository root:  .venv/bin/python bench/swarm_throughput.py [--seconds N] [--configs tiny,w1]
+Prints a markdown table and writes it, with the environment, to bench/results/swarm_throughput.md.
+
+Swarm side: a bootstrap DHT node, ``peers_per_stage`` peers per stage (``swarm peer --threads 1``) and one
+trainer (``swarm train``, OMP_NUM_THREADS=1), all separate processes started with ``ProcessGroup`` (so every
+one of them is stopped, whatever happens). The trainer runs until interrupted; its ``--metrics-path`` JSON
+lines give cumulative tokens at each step, and tokens/s is taken over the window after ``--warmup-seconds``
+of training (startup, DHT discovery and first-call allocation excluded). Peers of a preset are reused: the
+x2 configuration adds one peer per stage to the x1 swarm and starts a fresh trainer.
+
+Single-process side: ``swarm.model.train_local`` (same model, AdamW, same microbatch size, one optimizer step
+per microbatch) in this process, at 1 torch thread and at all cores, timed over steps after a short warmup.
+
+CPU use of each role (peers, trainer, bootstrap; each process group, so hivemind's DHT child processes and
+p2pd count too) is read from /proc over the measured window, to show where the cycles go.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
+
+import torch  # noqa: E402
+
+from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+from swarm.data import ByteCorpus, DataConfig  # noqa: E402
+from swarm.model import MODEL_PRESETS, train_local  # noqa: E402
+
+MICROBATCH = 8  # sequences per microbatch (BENCHMARKS.md)
+IN_FLIGHT = 4  # microbatches in the pipeline at once (the demo's default)
+TARGET_BATCH = 32  # samples per optimizer step of each stage (the demo's default)
+LR = 3e-4  # BENCHMARKS.md
+PEER_READY = r"serves stage \d+ of run '[^']+' at (\S+)"
+TRAINER_PROGRESS = r"^\r?step \d+"
+CONFIGS = {"tiny": [2], "w1": [1, 2]}  # preset -> peers per stage to measure, in increasing order
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class SwarmResult:
+    preset: str
+    peers_per_stage: int
+    num_stages: int
+    tokens_per_s: float
+    window_s: float
+    steps: int  # global batches completed in the window
+    cpu_s: dict[str, float] = field(default_factory=dict)  # role -> CPU seconds used in the window
+
+
+@dataclass
+class LocalResult:
+    preset: str
+    threads: int
+    tokens_per_s: float
+    steps: int  # timed optimizer steps (after warmup)
+
+
+# ---------------------------------------------------------------------------------------- CPU accounting
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc).
+    Processes of the group that exited already are not counted; none exit during a measured window."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited while we looked
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+        if int(fields[2]) == pgid:  # field 5 of stat: pgrp
+            total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime (clock ticks)
+    return total / CLOCK_TICKS
+
+
+def role_of(name: str) -> str:
+    return "peers" if name.startswith("peer-") else name
+
+
+def cpu_by_role(group: ProcessGroup) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, proc in group.procs.items():
+        if proc.alive():
+            out[role_of(name)] = out.get(role_of(name), 0.0) + group_cpu_s(proc.pid)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- swarm side
+
+
+def window_tokens_per_s(metrics_path: Path, warmup_s: float) -> tuple[float, float, int]:
+    """(tokens/s, window seconds, steps) between the first step record at or after ``warmup_s`` of training
+    and the last one. The trainer writes cumulative tokens/s and elapsed time per step."""
+    steps = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if "tokens_per_s" in r]
+    window = [r for r in steps if r["time_s"] >= warmup_s]
+    if len(window) < 2:
+        raise RuntimeError(f"only {len(window)} steps after {warmup_s:.0f}s of warmup in {metrics_path} "
+                           f"({len(steps)} in all): train longer (--seconds) or check the trainer's log")
+    first, last = window[0], window[-1]
+    tokens = last["tokens_per_s"] * last["time_s"] - first["tokens_per_s"] * first["time_s"]
+    seconds = last["time_s"] - first["time_s"]
+    return tokens / seconds, seconds, last["step"] - first["step"]
+
+
+def measure_swarm(preset: str, peer_counts: list[int], *, seconds: float, warmup_s: float,
+                  workdir: Path) -> list[SwarmResult]:
+    """Start a swarm for ``preset`` and measure a fresh trainer at each peers-per-stage count (increasing)."""
+    num_stages = MODEL_PRESETS[preset].num_stages
+    run_id = f"bench-{preset}"
+    results = []
+    with ProcessGroup(workdir) as group:
+        addr_file = workdir / "bootstrap.addr"
+        group.swarm("bootstrap", "dht", "--address-file", str(addr_file))
+        common = ["--run-id", run_id, "--initial-peers", f"@{addr_file}"]
+        run_flags = ["--preset", preset, "--target-batch-size", str(TARGET_BATCH), "--lr", str(LR)]
+        running = 0
+        for count in peer_counts:
+            started = [group.swarm(f"peer-s{stage}-{replica}", "peer", "--stage", str(stage), "--threads", "1",
+                                   *common, *run_flags)
+                       for replica in range(running, count) for stage in range(num_stages)]
+            for proc in started:
+                proc.wait_for(PEER_READY, timeout_s=180)
+            running = count
+            metrics = workdir / f"metrics-x{count}.jsonl"
+            name = f"trainer-x{count}"
+            print(f"  {preset}: {num_stages} stages x {count} peers up; training for {warmup_s + seconds:.0f}s",
+                  flush=True)
+            trainer = group.swarm(name, "train", *common, "--steps", "0", "--microbatch-size", str(MICROBATCH),
+                                  "--in-flight", str(IN_FLIGHT), "--eval-every-steps", "0", "--eval-batches", "1",
+                                  "--metrics-path", str(metrics), env={"OMP_NUM_THREADS": "1"})
+            trainer.wait_for(TRAINER_PROGRESS, timeout_s=180)
+            # A benchmark's measuring period, not a wait for an event: training runs for a fixed time.
+            time.sleep(warmup_s)
+            cpu_before, wall_before = cpu_by_role(group), time.monotonic()
+            time.sleep(seconds)
+            cpu_after, wall = cpu_by_role(group), time.monotonic() - wall_before
+            code = group.stop(name, sig=signal.SIGINT, timeout_s=30)
+            if code not in (0, 130):
+                raise RuntimeError(f"the trainer exited with code {code}; see {trainer.log_path}")
+            tps, window_s, steps = window_tokens_per_s(metrics, warmup_s)
+            # CPU per role, scaled from the sampled wall interval to a per-second rate over the window.
+            cpu = {role: (cpu_after[role] - cpu_before.get(role, 0.0)) / wall for role in cpu_after}
+            results.append(SwarmResult(preset, count, num_stages, tps, window_s, steps, cpu))
+            print(f"  {preset} x{count}: {tps:,.0f} tokens/s over {window_s:.0f}s ({steps} steps)", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------------------- one process
+
+
+def measure_local(preset: str, corpus: ByteCorpus, *, threads: int, seconds: float,
+                  warmup_steps: int = 3) -> LocalResult:
+    """train_local for about ``seconds`` at ``threads`` torch threads; tokens/s over the steps after warmup."""
+    model = MODEL_PRESETS[preset]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        probe = train_local(model, corpus, steps=warmup_steps, batch_size=MICROBATCH, lr=LR, eval_batches=0)
+        per_step_s = probe.train_time_s / warmup_steps
+        steps = warmup_steps + max(5, round(seconds / per_step_s))
+        stamps: list[float] = []
+        train_local(model, corpus, steps=steps, batch_size=MICROBATCH, lr=LR, eval_batches=0,
+                    on_step=lambda step, loss: stamps.append(time.perf_counter()))
+    finally:
+        torch.set_num_threads(previous)
+    timed = stamps[warmup_steps - 1:]  # from the end of the last warmup step to the end of the last step
+    tokens = (len(timed) - 1) * MICROBATCH * model.seq_len
+    return LocalResult(preset, threads, tokens / (timed[-1] - timed[0]), len(timed) - 1)
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def report(swarm: list[SwarmResult], local: dict[tuple[str, int], LocalResult], all_threads: int) -> str:
+    headers = ["config", "swarm tokens/s", f"1 process, {all_threads} threads, tokens/s",
+               "ratio swarm / 1 process", "1 process, 1 thread, tokens/s", "ratio swarm / 1 thread",
+               "swarm CPU use (cores): peers / trainer / bootstrap"]
+    rows = []
+    for r in swarm:
+        full, one = local[(r.preset, all_threads)], local[(r.preset, 1)]
+        cpu = " / ".join(f"{r.cpu_s.get(role, 0.0):.2f}" for role in ("peers", f"trainer-x{r.peers_per_stage}",
+                                                                       "bootstrap"))
+        rows.append([f"{r.preset}: {r.num_stages} stages x {r.peers_per_stage} peer(s), mb {MICROBATCH}, "
+                     f"in_flight {IN_FLIGHT}", f"{r.tokens_per_s:,.0f}", f"{full.tokens_per_s:,.0f}",
+                     f"{r.tokens_per_s / full.tokens_per_s:.2f}", f"{one.tokens_per_s:,.0f}",
+                     f"{r.tokens_per_s / one.tokens_per_s:.2f}", cpu])
+    return markdown_table(headers, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="measured training time per swarm config")
+    parser.add_argument("--warmup-seconds", type=float, default=6.0, help="training time excluded at the start")
+    parser.add_argument("--local-seconds", type=float, default=12.0,
+                        help="measured time per single-process baseline (it is steadier than the swarm)")
+    parser.add_argument("--configs", default="tiny,w1", help=f"comma-separated presets of {sorted(CONFIGS)}")
+    parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "swarm_throughput.md")
+    args = parser.parse_args()
+    presets = [p for p in args.configs.split(",") if p]
+    unknown = sorted(set(presets) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
+    if args.seconds <= 0 or args.warmup_seconds < 0 or args.local_seconds <= 0:
+        raise SystemExit(f"need --seconds > 0 ({args.seconds}), --warmup-seconds >= 0 ({args.warmup_seconds}) "
+                         f"and --local-seconds > 0 ({args.local_seconds})")
+    info = RunInfo(command=".venv/bin/python bench/swarm_throughput.py" + "".join(f" {a}" for a in sys.argv[1:]))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-bench-"))
+    all_threads = torch.get_num_threads()
+    corpus = ByteCorpus.load(DataConfig())
+    print(f"logs in {workdir}; corpus: {corpus.describe()}", flush=True)
+
+    swarm: list[SwarmResult] = []
+    local: dict[tuple[str, int], LocalResult] = {}
+    for preset in presets:
+        # Baselines right before the swarm of the same preset, so both see similar load from other users.
+        for threads in sorted({1, all_threads}):
+            result = measure_local(preset, corpus, threads=threads, seconds=args.local_seconds)
+            local[(preset, threads)] = result
+            print(f"  {preset} in one process, {threads} thread(s): {result.tokens_per_s:,.0f} tokens/s "
+                  f"({result.steps} steps)", flush=True)
+        swarm += measure_swarm(preset, CONFIGS[preset], seconds=args.seconds, warmup_s=args.warmup_seconds,
+                               workdir=workdir / preset)
+    info.finish()
+
+    table = report(swarm, local, all_threads)
+    info.extra += [
+        f"swarm: peers `--threads 1`, trainer OMP_NUM_THREADS=1, microbatch {MICROBATCH}, in_flight {IN_FLIGHT}, "
+        f"target batch {TARGET_BATCH}, codec none, lr {LR}; measured {args.seconds:g}s after "
+        f"{args.warmup_seconds:g}s of warmup",
+        f"one process: `train_local`, microbatch {MICROBATCH}, AdamW lr {LR}, at 1 and {all_threads} torch "
+        f"threads, about {args.local_seconds:g}s each after 3 warmup steps",
+    ]
+    notes = [
+        f"All processes share this machine's {os.cpu_count()} cores: a swarm of 2 stages x 2 peers runs 4 peer "
+        "processes, a trainer and a bootstrap node (each with a hivemind DHT process and p2pd) on them, so the "
+        "ratio mostly shows the overhead of the swarm (serialization, gRPC, thread hops, DHT heartbeats, no "
+        "shared memory between stages), not the speed-up that separate machines would give.",
+        "x2 peers per stage cannot be faster than x1 here for lack of cores; on separate machines it would add "
+        "compute.",
+        "CPU use = CPU-seconds per second of wall time over the window, summed over each role's process groups "
+        "(peers: all peer processes together).",
+    ]
+    body = "\n".join([table, "", *(f"- {n}" for n in notes)])
+    path = write_result(args.out, title="Swarm throughput vs one process (loopback)", info=info, body=body)
+    print("\n" + table + f"\n\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Configuration of the rebalancing policy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["RebalanceConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RebalanceConfig:
+    """Knobs of :func:`~swarm.balance.policy.decide_move`; ``__post_init__`` checks every field."""
+
+    # Seconds between two rebalancing decisions; also the length of one claim period.
+    period_s: float = 60.0
+    # Relative gain of the swarm throughput (min over stages) that rebalancing must be able to reach
+    # before any peer moves, e.g. 0.1 = 10%; below it the swarm counts as balanced (noise, not need).
+    min_gain: float = 0.1
+    # Each move must raise the weaker of its two stages by at least this fraction of the throughput
+    # the mover brings, in (0, 1]; refuses overshooting moves that would invite a move back.
+    min_move_fraction: float = 0.5
+    # Periods after the one it moved in during which a peer may not move again (>= 0).
+    cooldown_periods: int = 3
+    # Count "starting" peers (loading state, e.g. one that just moved) as capacity of their stage, so
+    # a move under way is not repeated by another peer in the next period.
+    count_starting: bool = True
+    # Upper bound of the random delay a newcomer waits before picking its stage, seconds (>= 0).
+    arrival_max_delay_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("period_s", "min_gain", "min_move_fraction", "arrival_max_delay_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"RebalanceConfig.{name} must be a finite number, got {value!r}")
+        if self.period_s <= 0:
+            raise ValueError(f"period_s must be > 0 seconds, got {self.period_s}")
+        if self.min_gain < 0:
+            raise ValueError(f"min_gain must be >= 0 (a relative gain, 0.1 = 10%), got {self.min_gain}")
+        if not 0.0 < self.min_move_fraction <= 1.0:
+            raise ValueError(f"min_move_fraction must be in (0, 1], got {self.min_move_fraction}")
+        if isinstance(self.cooldown_periods, bool) or not isinstance(self.cooldown_periods, int):
+            raise ValueError(f"cooldown_periods must be an int, got {self.cooldown_periods!r}")
+        if self.cooldown_periods < 0:
+            raise ValueError(f"cooldown_periods must be >= 0, got {self.cooldown_periods}")
+        if not isinstance(self.count_starting, bool):
+            raise ValueError(f"count_starting must be a bool, got {self.count_starting!r}")
+        if self.arrival_max_delay_s < 0:
+            raise ValueError(f"arrival_max_delay_s must be >= 0 seconds, got {self.arrival_max_delay_s}")

@@ -169,10 +169,13 @@ def measure_local(preset: str, corpus: ByteCorpus, *, threads: int, seconds: flo
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        probe = train_local(model, corpus, steps=warmup_steps, batch_size=MICROBATCH, lr=LR, eval_batches=0)
-        per_step_s = probe.train_time_s / warmup_steps
-        steps = warmup_steps + max(5, round(seconds / per_step_s))
+        # A short probe sizes the run; its first step carries one-off allocation costs, so time the rest.
         stamps: list[float] = []
+        train_local(model, corpus, steps=warmup_steps + 2, batch_size=MICROBATCH, lr=LR, eval_batches=0,
+                    on_step=lambda step, loss: stamps.append(time.perf_counter()))
+        per_step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+        steps = warmup_steps + max(5, round(seconds / per_step_s))
+        stamps = []
         train_local(model, corpus, steps=steps, batch_size=MICROBATCH, lr=LR, eval_batches=0,
                     on_step=lambda step, loss: stamps.append(time.perf_counter()))
     finally:

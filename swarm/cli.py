@@ -112,13 +112,13 @@ def _dht(args) -> int:
                                       announce_host=args.announce_host)
         try:
             addrs = visible_addresses(dht)
-            print("DHT node is up. Give others one of these addresses as --initial-peers:", flush=True)
-            for addr in addrs:
-                print(f"  {addr}", flush=True)
             if args.address_file:
                 tmp = Path(args.address_file + ".tmp")
                 tmp.write_text("\n".join(addrs) + "\n")
                 tmp.replace(args.address_file)  # atomic: readers never see a half-written file
+            print("DHT node is up. Give others one of these addresses as --initial-peers:", flush=True)
+            for addr in addrs:
+                print(f"  {addr}", flush=True)
             await _until_signal()
         finally:
             dht.shutdown()

@@ -10,7 +10,8 @@ A ``PeerClient`` sends a float32 (B, 128, 256) input with ``eval_only`` and read
 output: the activation travels once each way. B = 8 is exactly W1's microbatch (1 MiB); larger B gives
 16 MiB and 64 MiB (64 one-MiB chunks per direction: chunking at work). The peer's ``executor.forward`` is
 timed around every call, so overhead = round trip - compute of that same call: encode, gRPC streaming,
-decode and the thread hops on both sides.
+decode and the thread hops on both sides. A bare grpc.aio echo of the same bytes (``raw gRPC``) gives the
+floor that Python gRPC itself sets, so the difference is what swarm's transport adds.
 
 Client and peer live in this one process on two event-loop threads (the peer's torch work on its own
 worker thread): they share the GIL, and on a 2-core machine they share the cores, as two peers on one host
@@ -33,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, RunInfo, markdown_table, percentile, write_result  # noqa: E402
 
+import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from swarm.compression import CODEC_NAMES, get_codec  # noqa: E402
@@ -41,6 +43,7 @@ from swarm.model import ModelConfig  # noqa: E402
 from swarm.peer.daemon import Peer, PeerConfig  # noqa: E402
 from swarm.proto import PROTOCOL_VERSION  # noqa: E402
 from swarm.proto import swarm_pb2 as pb  # noqa: E402
+from swarm.transport.channel import GRPC_OPTIONS  # noqa: E402
 from swarm.transport.client import PeerClient  # noqa: E402
 
 SEQ_LEN, WIDTH = 128, 256  # activation shape (B, SEQ_LEN, WIDTH): W1's cut
@@ -48,6 +51,9 @@ BYTES_PER_SAMPLE = SEQ_LEN * WIDTH * 4  # float32: 128 KiB per sequence
 PROBE_MODEL = ModelConfig(d_model=8, n_heads=1, n_layers=3, num_stages=3, seq_len=SEQ_LEN, bottleneck_dim=WIDTH)
 RUN_ID = "bench-hop"
 STAGE = 1  # the middle stage: float activations in and out
+RAW = "raw gRPC"  # the floor: bytes echoed by a bare grpc.aio server, no swarm code on either side
+CHUNK_BYTES = 1 << 20  # the transport's default segment size
+ECHO_METHOD = "/bench.Echo/Stream"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,48 +129,91 @@ class ComputeTimer:
         executor.forward = timed  # the service looks the method up on every call
 
 
-async def round_trips(endpoint: str, cases: list[Case], warmup: int) -> list[tuple[list[str], list[float]]]:
+async def round_trips(peer_endpoint: str, echo_endpoint: str, cases: list[Case], warmup: int
+                      ) -> list[tuple[list[str], list[float]]]:
     """For each case (all of one size): (microbatch ids, round-trip seconds) of its timed calls.
 
-    The cases take turns call by call (none, fp16, bf16, int8, none, ...), so a burst of load from other
-    processes hits every codec alike and their ratios stay comparable."""
-    client = PeerClient(endpoint)
+    The cases take turns call by call (none, fp16, bf16, int8, raw gRPC, none, ...), so a burst of load from
+    other processes hits every codec alike and their ratios stay comparable."""
+    client = PeerClient(peer_endpoint)
     results: list[tuple[list[str], list[float]]] = [([], []) for _ in cases]
     try:
-        inputs = [torch.randn(c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0))  # (B, T, W)
-                  for c in cases]
-        for i in range(warmup + max(c.repeats for c in cases)):
-            for case, x, (ids, rtts) in zip(cases, inputs, results):
-                if i >= warmup + case.repeats:
-                    continue
-                mb_id = f"{case.codec}-{case.size_mib:g}-{i}"
-                meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, run_id=RUN_ID, stage=STAGE,
-                                      microbatch_id=mb_id, codec=case.codec, eval_only=True,
-                                      num_samples=case.batch)
-                t0 = time.perf_counter()
-                reply = await client.forward(meta, [("input", x)], get_codec(case.codec), timeout_s=120)
-                rtt = time.perf_counter() - t0
-                if tuple(reply.tensors["output"].shape) != (case.batch, SEQ_LEN, WIDTH):
-                    raise RuntimeError(f"the peer answered shape {list(reply.tensors['output'].shape)}")
-                if i >= warmup:
-                    ids.append(mb_id)
-                    rtts.append(rtt)
+        async with grpc.aio.insecure_channel(echo_endpoint, options=GRPC_OPTIONS) as echo_channel:
+            echo = echo_channel.stream_stream(ECHO_METHOD)
+            inputs = [torch.randn(c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0))  # (B, T, W)
+                      for c in cases]
+            for i in range(warmup + max(c.repeats for c in cases)):
+                for case, x, (ids, rtts) in zip(cases, inputs, results):
+                    if i >= warmup + case.repeats:
+                        continue
+                    mb_id = f"{case.codec}-{case.size_mib:g}-{i}"
+                    t0 = time.perf_counter()
+                    if case.codec == RAW:
+                        await echo_call(echo, x)
+                    else:
+                        await forward_call(client, case, mb_id, x)
+                    rtt = time.perf_counter() - t0
+                    if i >= warmup:
+                        ids.append(mb_id)
+                        rtts.append(rtt)
     finally:
         await client.close()
     return results
 
 
+async def forward_call(client: PeerClient, case: Case, microbatch_id: str, x: torch.Tensor) -> None:
+    meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, run_id=RUN_ID, stage=STAGE, microbatch_id=microbatch_id,
+                          codec=case.codec, eval_only=True, num_samples=case.batch)
+    reply = await client.forward(meta, [("input", x)], get_codec(case.codec), timeout_s=120)
+    if tuple(reply.tensors["output"].shape) != tuple(x.shape):
+        raise RuntimeError(f"the peer answered shape {list(reply.tensors['output'].shape)} to {list(x.shape)}")
+
+
+async def echo_call(echo, x: torch.Tensor) -> None:
+    """Stream x's float32 bytes in 1 MiB chunks to the bare echo server and read them all back."""
+    payload = x.numpy().tobytes()  # the copy a sender makes anyway; the transport's encode does the same
+
+    async def send():
+        for start in range(0, len(payload), CHUNK_BYTES):
+            yield payload[start:start + CHUNK_BYTES]
+
+    received = sum([len(chunk) async for chunk in echo(send(), timeout=120)])
+    if received != len(payload):
+        raise RuntimeError(f"the echo server returned {received} of {len(payload)} bytes")
+
+
+async def start_echo_server() -> tuple[grpc.aio.Server, str]:
+    """A bare grpc.aio server (same options as the peer's) that reads a whole stream of byte chunks, then
+    streams them back, like a peer that must have its whole input before it can compute."""
+
+    async def echo(request_iterator, context):
+        chunks = [chunk async for chunk in request_iterator]
+        for chunk in chunks:
+            yield chunk
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    # No (de)serializers: messages are raw bytes, so this measures gRPC and HTTP/2 alone.
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Stream": grpc.stream_stream_rpc_method_handler(echo)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
 def wire_mib(case: Case) -> float:
+    if case.codec == RAW:
+        return case.size_mib
     flat = torch.randn(case.batch * SEQ_LEN * WIDTH, generator=torch.Generator().manual_seed(0))
     return len(get_codec(case.codec).encode(flat)) / (1 << 20)
 
 
 def build_cases(args) -> list[Case]:
     codecs = [c for c in args.codecs.split(",") if c]
-    unknown = sorted(set(codecs) - set(CODEC_NAMES))
+    unknown = sorted(set(codecs) - set(CODEC_NAMES) - {RAW})
     if unknown:
         raise SystemExit(f"unknown codecs {unknown}; swarm.compression.CODEC_NAMES = {list(CODEC_NAMES)}")
-    cases = [Case(size_mib=0.125, codec="none", repeats=args.repeats)]  # one sequence: the fixed cost per call
+    # one sequence: the fixed cost per call
+    cases = [Case(size_mib=0.125, codec=c, repeats=args.repeats) for c in ("none", RAW) if c in codecs]
     cases += [Case(size_mib=1, codec=c, repeats=args.repeats) for c in codecs]
     cases += [Case(size_mib=16, codec=c, repeats=max(5, args.repeats // 3)) for c in codecs]
     if args.big_mib:
@@ -176,7 +225,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=100, help="timed calls per 1 MiB case (a third for 16 MiB)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each case")
-    parser.add_argument("--codecs", default=",".join(CODEC_NAMES), help="comma-separated codec names")
+    parser.add_argument("--codecs", default=",".join([*CODEC_NAMES, RAW]),
+                        help=f"comma-separated codec names; '{RAW}' = the bare gRPC floor")
     parser.add_argument("--big-mib", type=int, default=64, help="one larger size with codec none (0 = skip)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "hop_overhead.md")
     args = parser.parse_args()
@@ -196,12 +246,17 @@ def main() -> None:
         timer = ComputeTimer(peer.executor)
         print(f"peer serves stage {STAGE} of the probe model at {peer.endpoint}; "
               f"{len(cases)} cases", flush=True)
-        for size in dict.fromkeys(c.size_mib for c in cases):  # sizes in order, each size's codecs interleaved
-            group = [c for c in cases if c.size_mib == size]
-            for case, (ids, rtts) in zip(group, client_loop.run(round_trips(peer.endpoint, group, args.warmup))):
-                row = Row(case, wire_mib(case), rtts, [timer.seconds[i] for i in ids])
-                rows.append(row)
-                print(markdown_table(HEADERS, [row.cells()]).splitlines()[-1], flush=True)
+        echo_server, echo_endpoint = server_loop.run(start_echo_server())
+        try:
+            for size in dict.fromkeys(c.size_mib for c in cases):  # sizes in order; codecs interleaved within
+                group = [c for c in cases if c.size_mib == size]
+                measured = client_loop.run(round_trips(peer.endpoint, echo_endpoint, group, args.warmup))
+                for case, (ids, rtts) in zip(group, measured):
+                    compute = [0.0 if case.codec == RAW else timer.seconds[i] for i in ids]
+                    rows.append(Row(case, wire_mib(case), rtts, compute))
+                    print(markdown_table(HEADERS, [rows[-1].cells()]).splitlines()[-1], flush=True)
+        finally:
+            server_loop.run(echo_server.stop(1.0))
     finally:
         if peer is not None:
             with contextlib.suppress(Exception):
@@ -226,6 +281,10 @@ def main() -> None:
         "per second of median overhead.",
         "Client and peer share this process's GIL and the 2 cores, so the two sides of a hop do not run "
         "in parallel as they would on two hosts: read these as the CPU cost of a hop, not a network limit.",
+        f"`{RAW}`: the same float32 bytes in 1 MiB chunks echoed (all received, then all sent back) by a bare "
+        "grpc.aio server with the peer's channel options and no swarm code: no protobuf frames, codec, "
+        "validation, thread hops or compute. It is the floor for this Python gRPC stack; swarm's overhead "
+        "above it is what the transport itself adds.",
     ]
     if "none" in one and percentile(one["none"].overhead_s, 50) > 0:
         base = percentile(one["none"].overhead_s, 50)

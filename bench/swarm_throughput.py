@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
+from common import RESULTS_DIR, RunInfo, load_average, markdown_table, write_result  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -55,7 +55,13 @@ class SwarmResult:
     tokens_per_s: float
     window_s: float
     steps: int  # global batches completed in the window
-    cpu_s: dict[str, float] = field(default_factory=dict)  # role -> CPU seconds used in the window
+    load: float  # 1-minute load average at the end of the window
+    cpu_s: dict[str, float] = field(default_factory=dict)  # role -> cores used (CPU-s per s) in the window
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        """Tokens per CPU-second of all the swarm's processes: robust to other users' load, unlike tokens/s."""
+        return self.tokens_per_s / sum(self.cpu_s.values())
 
 
 @dataclass
@@ -63,7 +69,29 @@ class LocalResult:
     preset: str
     threads: int
     tokens_per_s: float
+    tokens_per_cpu_s: float  # tokens per CPU-second of this process (all threads)
     steps: int  # timed optimizer steps (after warmup)
+    load: float  # 1-minute load average at the end
+
+
+@dataclass
+class Baseline:
+    """One process at one thread count, measured before and after the preset's swarm runs: load from other
+    users drifts, and the mean of the two brackets the swarm's measurements in time."""
+
+    before: LocalResult
+    after: LocalResult
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.before.tokens_per_s + self.after.tokens_per_s) / 2
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return (self.before.tokens_per_cpu_s + self.after.tokens_per_cpu_s) / 2
+
+    def describe(self) -> str:
+        return f"{self.before.tokens_per_s:,.0f} / {self.after.tokens_per_s:,.0f}"
 
 
 # ---------------------------------------------------------------------------------------- CPU accounting
@@ -154,7 +182,7 @@ def measure_swarm(preset: str, peer_counts: list[int], *, seconds: float, warmup
             tps, window_s, steps = window_tokens_per_s(metrics, warmup_s)
             # CPU per role, scaled from the sampled wall interval to a per-second rate over the window.
             cpu = {role: (cpu_after[role] - cpu_before.get(role, 0.0)) / wall for role in cpu_after}
-            results.append(SwarmResult(preset, count, num_stages, tps, window_s, steps, cpu))
+            results.append(SwarmResult(preset, count, num_stages, tps, window_s, steps, load_average(), cpu))
             print(f"  {preset} x{count}: {tps:,.0f} tokens/s over {window_s:.0f}s ({steps} steps)", flush=True)
     return results
 
@@ -162,53 +190,83 @@ def measure_swarm(preset: str, peer_counts: list[int], *, seconds: float, warmup
 # ---------------------------------------------------------------------------------------- one process
 
 
+class _TimeUp(Exception):
+    """Raised from train_local's on_step callback to end a baseline after its time budget."""
+
+
 def measure_local(preset: str, corpus: ByteCorpus, *, threads: int, seconds: float,
-                  warmup_steps: int = 3) -> LocalResult:
-    """train_local for about ``seconds`` at ``threads`` torch threads; tokens/s over the steps after warmup."""
+                  warmup_steps: int = 3, max_steps: int = 100_000) -> LocalResult:
+    """train_local at ``threads`` torch threads for ``warmup_steps`` and then about ``seconds`` (stopped from
+    its step callback, so a slowdown from other users cannot stretch it); rates over the steps after warmup.
+    CPU time is this process's (all its threads), which includes OpenMP spin-waiting at more than 1 thread."""
     model = MODEL_PRESETS[preset]
+    wall: list[float] = []
+    cpu: list[float] = []
+
+    def on_step(step: int, loss: float) -> None:
+        wall.append(time.perf_counter())
+        cpu.append(time.process_time())
+        if step > warmup_steps and wall[-1] - wall[warmup_steps - 1] >= seconds:
+            raise _TimeUp
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        # A short probe sizes the run; its first step carries one-off allocation costs, so time the rest.
-        stamps: list[float] = []
-        train_local(model, corpus, steps=warmup_steps + 2, batch_size=MICROBATCH, lr=LR, eval_batches=0,
-                    on_step=lambda step, loss: stamps.append(time.perf_counter()))
-        per_step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-        steps = warmup_steps + max(5, round(seconds / per_step_s))
-        stamps = []
-        train_local(model, corpus, steps=steps, batch_size=MICROBATCH, lr=LR, eval_batches=0,
-                    on_step=lambda step, loss: stamps.append(time.perf_counter()))
+        train_local(model, corpus, steps=max_steps, batch_size=MICROBATCH, lr=LR, eval_batches=0, on_step=on_step)
+    except _TimeUp:
+        pass
     finally:
         torch.set_num_threads(previous)
-    timed = stamps[warmup_steps - 1:]  # from the end of the last warmup step to the end of the last step
-    tokens = (len(timed) - 1) * MICROBATCH * model.seq_len
-    return LocalResult(preset, threads, tokens / (timed[-1] - timed[0]), len(timed) - 1)
+    # From the end of the last warmup step (the first carries one-off allocation costs) to the last step.
+    steps = len(wall) - warmup_steps
+    tokens = steps * MICROBATCH * model.seq_len
+    return LocalResult(preset, threads, tokens / (wall[-1] - wall[warmup_steps - 1]),
+                       tokens / (cpu[-1] - cpu[warmup_steps - 1]), steps, load_average())
 
 
 # ---------------------------------------------------------------------------------------- report
 
 
-def report(swarm: list[SwarmResult], local: dict[tuple[str, int], LocalResult], all_threads: int) -> str:
-    headers = ["config", "swarm tokens/s", f"1 process, {all_threads} threads, tokens/s",
-               "ratio swarm / 1 process", "1 process, 1 thread, tokens/s", "ratio swarm / 1 thread",
-               "swarm CPU use (cores): peers / trainer / bootstrap"]
-    rows = []
+def best_baseline(local: dict[tuple[str, int], Baseline], preset: str) -> tuple[int, Baseline]:
+    """(threads, baseline) of the thread count that trained ``preset`` fastest in one process."""
+    return max(((t, b) for (p, t), b in local.items() if p == preset), key=lambda tb: tb[1].tokens_per_s)
+
+
+def report(swarm: list[SwarmResult], local: dict[tuple[str, int], Baseline]) -> str:
+    """Two tables: wall-clock tokens/s (what a user sees), and tokens per CPU-second (the swarm's overhead,
+    nearly independent of how many cores other users took during the run)."""
+    wall_rows, cpu_rows = [], []
     for r in swarm:
-        full, one = local[(r.preset, all_threads)], local[(r.preset, 1)]
-        cpu = " / ".join(f"{r.cpu_s.get(role, 0.0):.2f}" for role in ("peers", f"trainer-x{r.peers_per_stage}",
-                                                                       "bootstrap"))
-        rows.append([f"{r.preset}: {r.num_stages} stages x {r.peers_per_stage} peer(s), mb {MICROBATCH}, "
-                     f"in_flight {IN_FLIGHT}", f"{r.tokens_per_s:,.0f}", f"{full.tokens_per_s:,.0f}",
-                     f"{r.tokens_per_s / full.tokens_per_s:.2f}", f"{one.tokens_per_s:,.0f}",
-                     f"{r.tokens_per_s / one.tokens_per_s:.2f}", cpu])
-    return markdown_table(headers, rows)
+        config = f"{r.preset}: {r.num_stages} stages x {r.peers_per_stage} peer(s)"
+        threads, best = best_baseline(local, r.preset)
+        wall_rows.append([config, f"{r.tokens_per_s:,.0f}", f"{best.tokens_per_s:,.0f} ({threads} thread"
+                          f"{'s' if threads > 1 else ''})", f"**{r.tokens_per_s / best.tokens_per_s:.2f}**",
+                          f"{r.load:.1f}"])
+        one = local[(r.preset, 1)]
+        cores = " / ".join(f"{r.cpu_s.get(role, 0.0):.2f}"
+                           for role in ("peers", f"trainer-x{r.peers_per_stage}", "bootstrap"))
+        cpu_rows.append([config, f"{r.tokens_per_cpu_s:,.0f}", f"{one.tokens_per_cpu_s:,.0f}",
+                         f"**{r.tokens_per_cpu_s / one.tokens_per_cpu_s:.2f}**", cores])
+    wall = markdown_table(["config", "swarm tokens/s", "1 process tokens/s (fastest thread count)",
+                           "ratio swarm / 1 process", "load (1 min) after"], wall_rows)
+    cpu = markdown_table(["config", "swarm tokens per CPU-s", "1 process (1 thread) tokens per CPU-s",
+                          "ratio swarm / 1 process", "swarm cores used: peers / trainer / bootstrap"], cpu_rows)
+    return "\n".join(["Wall clock (tokens/s):", "", wall, "", "CPU efficiency (tokens per CPU-second):", "", cpu])
+
+
+def baseline_table(local: dict[tuple[str, int], Baseline]) -> str:
+    headers = ["preset", "torch threads", "tokens/s before / after the swarm runs", "mean tokens/s",
+               "mean tokens per CPU-s", "load before / after"]
+    rows = [[preset, threads, b.describe(), f"{b.tokens_per_s:,.0f}", f"{b.tokens_per_cpu_s:,.0f}",
+             f"{b.before.load:.1f} / {b.after.load:.1f}"] for (preset, threads), b in local.items()]
+    return markdown_table(headers, rows, right_align_from=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="measured training time per swarm config")
     parser.add_argument("--warmup-seconds", type=float, default=6.0, help="training time excluded at the start")
-    parser.add_argument("--local-seconds", type=float, default=12.0,
+    parser.add_argument("--local-seconds", type=float, default=6.0,
                         help="measured time per single-process baseline (it is steadier than the swarm)")
     parser.add_argument("--configs", default="tiny,w1", help=f"comma-separated presets of {sorted(CONFIGS)}")
     parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
@@ -228,19 +286,27 @@ def main() -> None:
     print(f"logs in {workdir}; corpus: {corpus.describe()}", flush=True)
 
     swarm: list[SwarmResult] = []
-    local: dict[tuple[str, int], LocalResult] = {}
+    local: dict[tuple[str, int], Baseline] = {}
+    thread_counts = sorted({1, all_threads})
+
+    def baselines(preset: str, when: str) -> dict[int, LocalResult]:
+        out = {}
+        for threads in thread_counts:
+            out[threads] = measure_local(preset, corpus, threads=threads, seconds=args.local_seconds)
+            print(f"  {preset} in one process ({when}), {threads} thread(s): {out[threads].tokens_per_s:,.0f} "
+                  f"tokens/s ({out[threads].steps} steps)", flush=True)
+        return out
+
     for preset in presets:
-        # Baselines right before the swarm of the same preset, so both see similar load from other users.
-        for threads in sorted({1, all_threads}):
-            result = measure_local(preset, corpus, threads=threads, seconds=args.local_seconds)
-            local[(preset, threads)] = result
-            print(f"  {preset} in one process, {threads} thread(s): {result.tokens_per_s:,.0f} tokens/s "
-                  f"({result.steps} steps)", flush=True)
+        before = baselines(preset, "before")
         swarm += measure_swarm(preset, CONFIGS[preset], seconds=args.seconds, warmup_s=args.warmup_seconds,
                                workdir=workdir / preset)
+        after = baselines(preset, "after")
+        for threads in thread_counts:
+            local[(preset, threads)] = Baseline(before[threads], after[threads])
     info.finish()
 
-    table = report(swarm, local, all_threads)
+    table = report(swarm, local)
     info.extra += [
         f"swarm: peers `--threads 1`, trainer OMP_NUM_THREADS=1, microbatch {MICROBATCH}, in_flight {IN_FLIGHT}, "
         f"target batch {TARGET_BATCH}, codec none, lr {LR}; measured {args.seconds:g}s after "
@@ -253,12 +319,22 @@ def main() -> None:
         "processes, a trainer and a bootstrap node (each with a hivemind DHT process and p2pd) on them, so the "
         "ratio mostly shows the overhead of the swarm (serialization, gRPC, thread hops, DHT heartbeats, no "
         "shared memory between stages), not the speed-up that separate machines would give.",
-        "x2 peers per stage cannot be faster than x1 here for lack of cores; on separate machines it would add "
-        "compute.",
-        "CPU use = CPU-seconds per second of wall time over the window, summed over each role's process groups "
-        "(peers: all peer processes together).",
+        "Other users' processes share these cores too (load average above): tokens/s of either side depends on "
+        "the share of the cores it got at that moment. Tokens per CPU-second hardly does, so the CPU-efficiency "
+        "ratio is the one to compare across runs: 0.5 means the swarm spends twice the CPU per token. Under such "
+        "load the swarm's many processes also win a larger share of the cores than one process does (compare "
+        "its cores used with the baseline's tokens/s over tokens per CPU-s), which flatters its wall-clock ratio.",
+        "More peers per stage add concurrency (two replicas of a stage run two microbatches at once) but no "
+        "cores here; on separate machines each would bring its own.",
+        "Swarm cores used = CPU-seconds per second of wall time over the window, summed over each role's "
+        "process groups (peers: all peer processes together, with their DHT processes and p2pd).",
+        "One process at 2 torch threads can be far slower than at 1 when other processes hold a core: OpenMP "
+        "threads wait for each other. The wall-clock ratio uses the faster thread count of this run.",
+        f"The one-process baseline steps AdamW after every microbatch ({MICROBATCH} sequences); the swarm's "
+        f"stages step every {TARGET_BATCH} samples, so the baseline does a little more optimizer work per token.",
     ]
-    body = "\n".join([table, "", *(f"- {n}" for n in notes)])
+    body = "\n".join([table, "", *(f"- {n}" for n in notes), "", "Single-process baselines (the ratios use the "
+                       "mean of the runs before and after each preset's swarm runs):", "", baseline_table(local)])
     path = write_result(args.out, title="Swarm throughput vs one process (loopback)", info=info, body=body)
     print("\n" + table + f"\n\nwritten to {path}")
 

@@ -95,11 +95,11 @@ class RunDirectory:
         except (ValueError, TypeError) as e:
             raise RecordError(f"run '{self.run_id}' has a malformed config record in the DHT: {e}") from None
 
-    async def publish_run(self, config: RunConfig, *, ttl_s: float) -> None:
-        ok = await self.dht.store(config_key(self.run_id), config.to_dict(), get_dht_time() + ttl_s,
-                                  return_future=True)
-        if not ok:
-            logger.warning("DHT did not accept the run config for '%s' (no reachable nodes yet?)", self.run_id)
+    async def publish_run(self, config: RunConfig, *, ttl_s: float) -> bool:
+        """Store (or refresh) the run config. Several peers refresh the same record; a node keeps the
+        copy with the latest expiration and answers False to the others, which is harmless."""
+        return await self.dht.store(config_key(self.run_id), config.to_dict(), get_dht_time() + ttl_s,
+                                    return_future=True)
 
     async def wait_for_run(self, *, timeout_s: float, poll_s: float = 0.5) -> RunConfig:
         deadline = time.monotonic() + timeout_s

@@ -6,7 +6,6 @@ that fails half-way through starting still releases what it took, and shutdown n
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import random
@@ -22,6 +21,7 @@ from swarm.discovery.records import StageRecord
 from swarm.errors import TransportError
 from swarm.model import build_stage
 from swarm.peer.executor import CacheConfig, StageExecutor
+from swarm.peer.worker import URGENT, PriorityWorker
 from swarm.transport.server import start_server
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Peer:
         self.dht = None
         self.directory: RunDirectory | None = None
         self._stack = contextlib.AsyncExitStack()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker: PriorityWorker | None = None
         self._tasks: list[asyncio.Task] = []
         self.stopped = asyncio.Event()
         self.drain_started: float | None = None
@@ -138,8 +138,8 @@ class Peer:
 
     async def _start_executor(self) -> None:
         # One worker thread runs all of this peer's torch work, so compute never races an optimizer step.
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.config.stage}")
-        self._stack.callback(self._pool.shutdown, wait=False, cancel_futures=True)
+        self._worker = PriorityWorker(f"stage{self.config.stage}-compute")
+        self._stack.callback(self._worker.shutdown)
         torch.set_num_threads(self.config.threads)
         stage = build_stage(self.run.model, self.config.stage)
         self.executor = StageExecutor(stage, self.run, cache=self.config.cache)
@@ -173,7 +173,8 @@ class Peer:
         return self.executor.throughput / self.config.slowdown if self.executor else 0.0
 
     async def compute(self, fn, *args, **kwargs):
-        """Run ``fn`` on the compute thread (with the configured slowdown, for fault injection)."""
+        """Run ``fn`` on the compute thread, after the jobs queued before it (with the configured
+        slowdown, for fault injection)."""
         def timed():
             t0 = time.perf_counter()
             result = fn(*args, **kwargs)
@@ -182,11 +183,15 @@ class Peer:
                 time.sleep((time.perf_counter() - t0) * (self.config.slowdown - 1))
             return result
 
-        return await asyncio.get_running_loop().run_in_executor(self._pool, timed)
+        return await self._worker.run(timed)
+
+    async def bookkeeping(self, fn, *args):
+        """Run a cheap ``fn`` on the compute thread ahead of queued compute (commits, snapshots)."""
+        return await self._worker.run(fn, *args, priority=URGENT)
 
     def submit(self, fn, *args) -> None:
-        """Queue ``fn`` on the compute thread without waiting (cleanup that must not be cancelled)."""
-        self._pool.submit(fn, *args)
+        """Queue a cheap ``fn`` ahead of compute without waiting (cleanup that must not be cancelled)."""
+        self._worker.submit(fn, *args, priority=URGENT)
 
     def record(self) -> StageRecord:
         return StageRecord(peer_id=self.peer_id, endpoint=self.endpoint, stage=self.config.stage,

@@ -103,7 +103,7 @@ class StageService(pb_grpc.StagePeerServicer):
             if commit.microbatch_id != meta.microbatch_id:
                 raise InvalidRequest(f"commit names microbatch {commit.microbatch_id!r}, the call was for "
                                      f"{meta.microbatch_id!r}")
-            committed = await self.peer.compute(self.executor.commit, meta.microbatch_id)
+            committed = await self.peer.bookkeeping(self.executor.commit, meta.microbatch_id)
         finally:
             if not committed:
                 self.peer.submit(self.executor.abort, meta.microbatch_id)
@@ -117,7 +117,7 @@ class StageService(pb_grpc.StagePeerServicer):
         def take():
             return ex.step, ex.samples_accumulated, ex.snapshot(include_grads=request.include_grads)
 
-        step, samples, tensors = await self.peer.compute(take)
+        step, samples, tensors = await self.peer.bookkeeping(take)
         yield pb.Frame(reply=pb.ReplyMeta(step=step, state=self.peer.state, samples_accumulated=samples,
                                           num_tensors=len(tensors)))
         codec = codec_or_invalid("none")  # state travels exactly

@@ -30,6 +30,9 @@ from swarm.transport.client import ClientPool, Reply
 
 logger = logging.getLogger(__name__)
 
+# Relative cost of the calls, in forward passes: backward costs about twice a forward (a recompute adds one).
+FORWARD_COST, BACKWARD_COST = 1.0, 2.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
@@ -94,7 +97,8 @@ class Pipeline:
             for pid, r in compatible.items():
                 if r.state == "draining":
                     self.draining.add(pid)
-            serving = {pid: r.throughput for pid, r in compatible.items()
+            # Peers announce samples/s of forward + backward; routing counts in forward-sample units.
+            serving = {pid: r.throughput * (FORWARD_COST + BACKWARD_COST) for pid, r in compatible.items()
                        if r.state == "serving" and pid not in self.draining}
             self.router.update_peers(stage, serving, now)
         self._refreshed.set()
@@ -138,11 +142,12 @@ class Pipeline:
         h = x
         for stage in range(self.num_stages - 1):
             stage_inputs.append(h)
-            reply, peer = await self._call(stage, samples, self._forward_attempt(stage, microbatch_id, h))
+            reply, peer = await self._call(stage, samples * FORWARD_COST, self._forward_attempt(stage, microbatch_id, h))
             h = _tensor(reply, "output", peer)
             forward_peers.append(peer)
         last = self.num_stages - 1
-        reply, _ = await self._call(last, samples, self._forward_attempt(last, microbatch_id, h, targets=targets))
+        reply, _ = await self._call(last, samples * (FORWARD_COST + BACKWARD_COST),
+                                    self._forward_attempt(last, microbatch_id, h, targets=targets))
         commits.append(reply.committed)
         loss = reply.meta.loss
         grad = reply.tensors.get("grad_input")
@@ -150,7 +155,7 @@ class Pipeline:
             if grad is None:
                 raise SwarmError(f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}")
             reply, _ = await self._call(
-                stage, samples, self._backward_attempt(stage, microbatch_id, grad, stage_inputs[stage],
+                stage, samples * BACKWARD_COST, self._backward_attempt(stage, microbatch_id, grad, stage_inputs[stage],
                                                        forward_peers[stage]),
                 preferred=forward_peers[stage])
             commits.append(reply.committed)
@@ -177,7 +182,7 @@ class Pipeline:
         h, samples = x, x.shape[0]
         for stage in range(self.num_stages):
             is_last = stage == self.num_stages - 1
-            reply, peer = await self._call(stage, samples, self._forward_attempt(
+            reply, peer = await self._call(stage, samples * FORWARD_COST, self._forward_attempt(
                 stage, "eval", h, targets=targets if is_last else None, eval_only=True))
             if is_last:
                 return reply.meta.loss
@@ -216,10 +221,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the one retry helper
 
-    async def _call(self, stage: int, samples: int, attempt: Callable[[str, float], Awaitable[Reply]],
+    async def _call(self, stage: int, work: float, attempt: Callable[[str, float], Awaitable[Reply]],
                     *, preferred: str | None = None) -> tuple[Reply, str]:
         """Run ``attempt(endpoint, timeout_s)`` against a peer of ``stage`` until it succeeds, retrying
-        transport failures at other peers within the routing policy's finite budget."""
+        transport failures at other peers within the routing policy's finite budget. ``work`` is the call's
+        size in forward-sample units, so the routing estimates and deadlines fit every kind of call."""
         budget = self.router.retry_budget(stage)
         while True:
             if preferred is not None and preferred in self.records[stage] and \
@@ -229,7 +235,7 @@ class Pipeline:
                 peer = await self._choose(stage, budget.failed_peers)
             preferred = None
             endpoint = self.records[stage][peer].endpoint
-            timeout_s = self.router.deadline_s(stage, peer, samples)
+            timeout_s = self.router.deadline_s(stage, peer, work)
             started = time.monotonic()
             self.router.on_start(stage, peer, started)
             try:
@@ -248,10 +254,11 @@ class Pipeline:
                 self.router.on_cancel(stage, peer, time.monotonic())
                 raise
             now = time.monotonic()
-            self.router.on_success(stage, peer, samples, max(now - started, 1e-6), now)
+            self.router.on_success(stage, peer, work, max(now - started, 1e-6), now)
             if reply.meta.state == "draining" and peer not in self.draining:
                 self.draining.add(peer)
-                self.router.update_peers(stage, {p: r.throughput for p, r in self.records[stage].items()
+                self.router.update_peers(stage, {p: r.throughput * (FORWARD_COST + BACKWARD_COST)
+                                                 for p, r in self.records[stage].items()
                                                  if p not in self.draining and r.state == "serving"}, now)
             return reply, peer
 

@@ -56,20 +56,23 @@ class TrainerConfig:
 class TrainSummary:
     steps: int
     samples: int
-    microbatches: int
-    failed_calls: int
+    microbatches: int  # completed (forward, backward and every stage's commit)
+    microbatches_started: int
+    failed_calls: int  # calls that failed and were retried at another peer
+    unconfirmed_commits: int  # commits whose arrival a peer could not confirm (see Pipeline._confirm)
     initial_loss: float  # mean training loss over the first step
-    final_loss: float  # mean training loss over the last step
+    final_loss: float  # mean training loss over the last 5 steps (one step is a noisy estimate)
     val_loss: float
     tokens_per_s: float
     seconds: float
     losses: list[float]  # mean training loss of each step
 
     def describe(self) -> str:
-        return (f"trained {self.steps} steps ({self.samples} samples, {self.microbatches} microbatches) in "
+        return (f"trained {self.steps} steps ({self.samples} samples, {self.microbatches}/{self.microbatches_started}"
+                f" microbatches completed) in "
                 f"{self.seconds:.0f}s | initial loss {self.initial_loss:.3f} -> final loss "
                 f"{self.final_loss:.3f} | validation loss {self.val_loss:.3f} | {self.tokens_per_s:,.0f} tokens/s"
-                f" | {self.failed_calls} calls retried elsewhere")
+                f" | {self.failed_calls} calls retried elsewhere, {self.unconfirmed_commits} unconfirmed commits")
 
 
 class Trainer:
@@ -152,9 +155,10 @@ class Trainer:
         if step_losses:
             self._progress(step, step_losses[-1], done_tokens / elapsed, val_loss, final=True)
         return TrainSummary(steps=step, samples=done_samples, microbatches=done_microbatches,
-                            failed_calls=self.pipeline.failed_calls,
+                            microbatches_started=launched, failed_calls=self.pipeline.failed_calls,
+                            unconfirmed_commits=self.pipeline.unconfirmed_commits,
                             initial_loss=step_losses[0] if step_losses else float("nan"),
-                            final_loss=step_losses[-1] if step_losses else float("nan"),
+                            final_loss=sum(step_losses[-5:]) / len(step_losses[-5:]) if step_losses else float("nan"),
                             val_loss=val_loss, tokens_per_s=done_tokens / max(elapsed, 1e-9), seconds=elapsed,
                             losses=step_losses)
 

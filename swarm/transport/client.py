@@ -28,8 +28,13 @@ class Reply:
 class PeerClient:
     """Calls one peer. Every call takes a deadline; failures surface as :class:`SwarmError` subclasses."""
 
-    def __init__(self, endpoint: str, *, segment_bytes: int = 1 << 20, limits: StreamLimits = StreamLimits()):
+    def __init__(self, endpoint: str, *, segment_bytes: int = 1 << 20, limits: StreamLimits = StreamLimits(),
+                 commit_grace_s: float = 30.0):
         self.endpoint = endpoint
+        # After a reply arrives, the commit round trip may take this long beyond the call's deadline: the
+        # deadline bounds the work, and a slow peer that answered in time must not lose the microbatch
+        # because its commit queued behind other work.
+        self._commit_grace_s = commit_grace_s
         self._segment_bytes = segment_bytes
         self._limits = limits
         self._channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
@@ -73,8 +78,14 @@ class PeerClient:
                 await reply_read.wait()
                 yield pb.Frame(commit=pb.Commit(microbatch_id=meta.microbatch_id))
 
-        call = method(frames(), timeout=timeout_s)
-        reply = await self._read(call, keep_open=commit)
+        if not commit:
+            return await self._read(method(frames(), timeout=timeout_s))
+        call = method(frames(), timeout=timeout_s + self._commit_grace_s)
+        try:
+            reply = await asyncio.wait_for(self._read(call, keep_open=True), timeout_s)
+        except asyncio.TimeoutError:
+            call.cancel()  # the peer sees the cancellation and drops what it computed: no commit, no count
+            raise TransportError(f"peer {self.endpoint}: no reply within the {timeout_s:.1f}s deadline") from None
         if commit:
             reply_read.set()
             reply.committed = asyncio.ensure_future(self._confirm(call))

@@ -1,0 +1,489 @@
+"""Discrete-event simulation of a swarm: peers, trainers, routing, churn and rebalancing.
+
+A single ``heapq`` event loop over simulated seconds; no clocks, threads or I/O. It drives the
+trainer's real policies: :class:`~swarm.routing.Router` picks every peer (one router per trainer)
+and :func:`~swarm.balance.plan_moves` / :func:`~swarm.balance.decide_move` move peers.
+
+Model:
+
+* A peer serves one stage at a time, one request after another (FIFO). Base speed ``v`` samples/s
+  (forward + backward) becomes ``v / cost[s]`` on stage ``s``. A forward of ``m`` samples takes
+  ``(1 - backward_share) * m / speed``, a backward ``backward_share * m / speed``; the last stage
+  does forward, loss and backward in one request, and a backward whose forward peer is gone is
+  sent to another peer with the inputs and costs a full forward + backward (recompute).
+* A trainer keeps ``microbatches_in_flight`` microbatches going; each visits stages 0..S-1 forward
+  and S-2..0 backward. Every request goes through the trainer's retry logic: deadline from
+  ``Router.deadline_s``, failure -> ``on_failure`` and another peer, budget spent or no peer ->
+  wait ``retry_wait_s`` and start a fresh budget. A microbatch is never dropped.
+* Trainers learn the serving peers every ``discovery_period_s``; until then they may pick a peer
+  that died (the request fails after one round trip) or stopped serving.
+* A peer that dies fails its unfinished requests after one round trip (connection reset).
+* A moving peer announces "draining" on its old stage and "starting" on the new one, keeps
+  serving until ``drain_s`` has passed and its queue is empty, then spends ``load_s`` starting.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+
+from swarm.balance import (
+    PeerRecord,
+    SwarmView,
+    choose_stage_on_arrival,
+    arrival_delay_s,
+    claim_key,
+    decide_move,
+    is_my_turn,
+    plan_moves,
+)
+from swarm.routing import NoPeersAvailable, RetriesExhausted, Router
+from swarm.sim.config import SimConfig
+from swarm.sim.result import Move, SimResult
+
+__all__ = ["simulate"]
+
+SERVING, STARTING, DRAINING, DEAD = "serving", "starting", "draining", "dead"
+
+# Event kinds, in the order ties at equal times are processed.
+_DONE, _FAIL, _RETRY, _LEAVE, _READY, _DEATH, _PREEMPT, _ARRIVE, _JOIN, _DISCOVER, _REBALANCE, _SAMPLE = range(12)
+
+
+class _Peer:
+    __slots__ = ("pid", "speed", "stage", "state", "target", "free_at", "outstanding", "epoch")
+
+    def __init__(self, pid: str, speed: float, stage: int, state: str) -> None:
+        self.pid = pid
+        self.speed = speed  # samples/s forward + backward on a stage of cost 1
+        self.stage = stage
+        self.state = state
+        self.target = stage  # destination while draining
+        self.free_at = 0.0  # when its FIFO queue empties, seconds
+        # Insertion-ordered (not a set of objects hashed by address): kills must fail requests in
+        # the same order in every process, or equal seeds would give different runs.
+        self.outstanding: dict[_Request, None] = {}
+        self.epoch = 0  # bumps on each stage change: activations of an older epoch are gone
+
+
+class _Microbatch:
+    __slots__ = ("trainer", "stage", "backward", "fwd_peer", "fwd_epoch", "budget", "started_at")
+
+    def __init__(self, trainer: int, num_stages: int, now: float) -> None:
+        self.trainer = trainer
+        self.stage = 0
+        self.backward = False
+        self.fwd_peer: list[str | None] = [None] * num_stages
+        self.fwd_epoch = [0] * num_stages
+        self.budget = None
+        self.started_at = now
+
+
+class _Request:
+    __slots__ = ("mb", "pid", "stage", "sent_at", "finish", "done")
+
+    def __init__(self, mb: _Microbatch, pid: str, stage: int, sent_at: float) -> None:
+        self.mb = mb
+        self.pid = pid
+        self.stage = stage
+        self.sent_at = sent_at
+        self.finish = math.inf  # when the peer finishes computing it
+        self.done = False
+
+
+def simulate(config: SimConfig) -> SimResult:
+    """Run ``config`` to ``config.duration_s`` simulated seconds and report (deterministic per seed)."""
+    return _Simulation(config).run()
+
+
+class _Simulation:
+    def __init__(self, config: SimConfig) -> None:
+        self.cfg = config
+        self.rng = random.Random(config.seed)
+        self.route_rng = random.Random(config.seed + 1)
+        self.now = 0.0
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.peers: dict[str, _Peer] = {}
+        self.next_pid = 0
+        self.costs = [config.stage_cost(s) for s in range(config.num_stages)]
+        self.routers = [Router(config.routing) for _ in range(config.num_trainers)]
+        # What the trainers were told at their last refresh (the same for all of them).
+        self.discovered: list[dict[str, float]] = [{} for _ in range(config.num_stages)]
+        self.dirty = [True] * config.num_stages
+        self.last_moved: dict[str, float] = {}
+        self.active: set[_Microbatch] = set()
+        # Counters.
+        self.started = self.completed = self.hop_failures = self.recomputes = 0
+        self.arrived = self.died = self.events = 0
+        self.window_samples = 0
+        self.requests_by_peer: dict[str, int] = {}
+        self.moves: list[Move] = []
+        self.times: list[float] = []
+        self.throughput: list[float] = []
+        self.placement: list[tuple[int, ...]] = []
+        self.capacity: list[tuple[float, ...]] = []
+
+    # ---- setup and loop -------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        self._place_initial_peers()
+        for preemption in cfg.preemptions:
+            self._push(preemption.time_s, _PREEMPT, preemption)
+        if cfg.arrival_rate_per_s > 0:
+            self._push(self.rng.expovariate(cfg.arrival_rate_per_s), _ARRIVE)
+        self._discover()
+        if cfg.rebalance and cfg.num_stages > 1:
+            # Mid-period, so that "now" falls well inside one claim period.
+            self._push(cfg.balance.period_s * 0.5, _REBALANCE)
+        self._push(cfg.sample_period_s, _SAMPLE)
+        for trainer in range(cfg.num_trainers):
+            for _ in range(cfg.microbatches_in_flight):
+                self._start_microbatch(trainer)
+        self._loop()
+        oldest = min((mb.started_at for mb in self.active), default=None)
+        return SimResult(
+            config=cfg,
+            times_s=tuple(self.times),
+            throughput=tuple(self.throughput),
+            peers_per_stage=tuple(self.placement),
+            capacity_per_stage=tuple(self.capacity),
+            moves=tuple(self.moves),
+            microbatches_started=self.started,
+            microbatches_completed=self.completed,
+            microbatches_in_flight=len(self.active),
+            oldest_in_flight_started_s=oldest,
+            hop_failures=self.hop_failures,
+            recomputes=self.recomputes,
+            peers_arrived=self.arrived,
+            peers_died=self.died,
+            requests_by_peer=dict(self.requests_by_peer),
+            events=self.events,
+        )
+
+    def _loop(self) -> None:
+        end = self.cfg.duration_s
+        heap = self.heap
+        pop = heapq.heappop
+        while heap:
+            when, _, kind, item = pop(heap)
+            if when > end:
+                break
+            self.now = when
+            self.events += 1
+            if kind == _DONE:
+                self._on_done(item)
+            elif kind == _FAIL:
+                self._on_fail(item)
+            elif kind == _RETRY:
+                self._send(item)
+            elif kind == _LEAVE:
+                self._on_leave(*item)
+            elif kind == _READY:
+                self._on_ready(*item)
+            elif kind == _DEATH:
+                self._on_death(item)
+            elif kind == _PREEMPT:
+                self._on_preempt(item)
+            elif kind == _ARRIVE:
+                self._on_arrive()
+            elif kind == _JOIN:
+                self._on_join(item)
+            elif kind == _DISCOVER:
+                self._discover()
+            elif kind == _REBALANCE:
+                self._rebalance()
+            elif kind == _SAMPLE:
+                self._sample()
+
+    def _push(self, when: float, kind: int, item: object = None) -> None:
+        self.seq += 1  # FIFO among equal times; never compares the items
+        heapq.heappush(self.heap, (when, self.seq, kind, item))
+
+    def _place_initial_peers(self) -> None:
+        cfg = self.cfg
+        count = cfg.initial_peer_count
+        speeds = list(cfg.peer_speeds) if cfg.peer_speeds is not None else [self._draw_speed() for _ in range(count)]
+        if cfg.initial_peers_per_stage is not None:
+            stages = [s for s, n in enumerate(cfg.initial_peers_per_stage) for _ in range(n)]
+        else:
+            stages = []
+            capacity = [0.0] * cfg.num_stages
+            for speed in speeds:
+                stage = choose_stage_on_arrival(capacity, self._rates(speed), self.rng)
+                capacity[stage] += speed / self.costs[stage]
+                stages.append(stage)
+        for speed, stage in zip(speeds, stages):
+            self._add_peer(speed, stage, SERVING)
+
+    def _draw_speed(self) -> float:
+        return self.rng.uniform(self.cfg.peer_speed_min, self.cfg.peer_speed_max)
+
+    def _rates(self, speed: float) -> list[float]:
+        return [speed / cost for cost in self.costs]
+
+    def _add_peer(self, speed: float, stage: int, state: str) -> _Peer:
+        pid = f"p{self.next_pid}"
+        self.next_pid += 1
+        peer = _Peer(pid, speed, stage, state)
+        self.peers[pid] = peer
+        self.dirty[stage] = True
+        if self.cfg.mean_lifetime_s > 0:
+            self._push(self.now + self.rng.expovariate(1.0 / self.cfg.mean_lifetime_s), _DEATH, peer)
+        return peer
+
+    # ---- microbatches ---------------------------------------------------------------------
+
+    def _start_microbatch(self, trainer: int) -> None:
+        mb = _Microbatch(trainer, self.cfg.num_stages, self.now)
+        self.active.add(mb)
+        self.started += 1
+        self._send(mb)
+
+    def _send(self, mb: _Microbatch) -> None:
+        """Send ``mb``'s current request, as the trainer's retry helper would."""
+        cfg = self.cfg
+        stage, now = mb.stage, self.now
+        router = self.routers[mb.trainer]
+        if mb.budget is None:
+            mb.budget = router.retry_budget(stage)
+        pid = None
+        share = 1.0 if stage == cfg.num_stages - 1 else 1.0 - cfg.backward_share
+        if mb.backward:
+            holder = mb.fwd_peer[stage]
+            # The trainer prefers the forward peer while discovery lists it and it is not banned.
+            if (holder in self.discovered[stage] and holder not in mb.budget.failed_peers
+                    and router.banned_until_s(holder, now) is None):
+                pid = holder
+            share = cfg.backward_share
+        if pid is None:
+            pid = self._choose(mb, router)
+            if pid is None:
+                return
+        peer = self.peers.get(pid)
+        size = cfg.microbatch_size
+        deadline = router.deadline_s(stage, pid, size)
+        router.on_start(stage, pid, now)
+        request = _Request(mb, pid, stage, now)
+        latency = cfg.latency_s
+        if peer is None or peer.stage != stage or peer.state not in (SERVING, DRAINING):
+            # Dead, or serving another stage: refused after a round trip.
+            self._push(now + 2 * latency, _FAIL, request)
+            return
+        if mb.backward and (pid != mb.fwd_peer[stage] or peer.epoch != mb.fwd_epoch[stage]):
+            share = 1.0  # the inputs travel along and the forward is recomputed
+            self.recomputes += 1
+        start = max(now + latency, peer.free_at)
+        if cfg.skip_expired and start >= now + deadline:
+            # The peer reaches it after the caller gave up: it drops it without computing.
+            self._push(now + deadline, _FAIL, request)
+            return
+        request.finish = start + share * size / (peer.speed / self.costs[stage])
+        peer.free_at = request.finish
+        peer.outstanding[request] = None
+        reply_at = request.finish + latency
+        if reply_at - now > deadline:
+            self._push(now + deadline, _FAIL, request)  # the peer still spends the time
+        else:
+            self._push(reply_at, _DONE, request)
+
+    def _choose(self, mb: _Microbatch, router: Router) -> str | None:
+        """A peer for ``mb``'s request, or ``None`` after scheduling a retry (no eligible peer)."""
+        now, stage = self.now, mb.stage
+        try:
+            return router.choose(stage, now, self.route_rng, exclude=mb.budget.failed_peers)
+        except NoPeersAvailable as error:
+            if error.num_excluded:
+                # Every eligible peer already failed this request once: like the trainer, try
+                # again without exclusions (bans still apply), with a fresh budget.
+                mb.budget = router.retry_budget(stage)
+                try:
+                    return router.choose(stage, now, self.route_rng)
+                except NoPeersAvailable as again:
+                    error = again
+            wake = now + self.cfg.retry_wait_s
+            if error.retry_at_s is not None:
+                wake = min(wake, max(error.retry_at_s, now + 1e-3))
+            self._push(wake, _RETRY, mb)
+            return None
+
+    def _on_done(self, request: _Request) -> None:
+        if request.done:
+            return
+        request.done = True
+        now, cfg = self.now, self.cfg
+        peer = self.peers.get(request.pid)
+        if peer is not None:
+            peer.outstanding.pop(request, None)
+        mb = request.mb
+        stage = request.stage
+        self.routers[mb.trainer].on_success(stage, request.pid, cfg.microbatch_size, now - request.sent_at, now)
+        self.requests_by_peer[request.pid] = self.requests_by_peer.get(request.pid, 0) + 1
+        mb.budget = None
+        if not mb.backward:
+            mb.fwd_peer[stage] = request.pid
+            mb.fwd_epoch[stage] = peer.epoch if peer is not None else -1
+            if stage < cfg.num_stages - 1:
+                mb.stage = stage + 1
+                self._send(mb)
+                return
+            mb.backward = True  # the last stage already did its backward with the loss
+        if stage == 0:
+            self.active.discard(mb)
+            self.completed += 1
+            self.window_samples += cfg.microbatch_size
+            self._start_microbatch(mb.trainer)
+            return
+        mb.stage = stage - 1
+        self._send(mb)
+
+    def _on_fail(self, request: _Request) -> None:
+        if request.done:
+            return
+        request.done = True
+        self.hop_failures += 1
+        peer = self.peers.get(request.pid)
+        if peer is not None:
+            peer.outstanding.pop(request, None)
+        mb = request.mb
+        self.routers[mb.trainer].on_failure(request.stage, request.pid, self.now)
+        try:
+            mb.budget.record_failure(request.pid)
+        except RetriesExhausted:
+            mb.budget = None  # the trainer gives this request a fresh budget after a pause
+            self._push(self.now + self.cfg.retry_wait_s, _RETRY, mb)
+            return
+        self._send(mb)
+
+    # ---- peers come and go ----------------------------------------------------------------
+
+    def _on_death(self, peer: _Peer) -> None:
+        if peer.state == DEAD:
+            return
+        self._kill(peer)
+
+    def _kill(self, peer: _Peer) -> None:
+        self.died += 1
+        self.dirty[peer.stage] = True
+        self.dirty[peer.target] = True
+        peer.state = DEAD
+        del self.peers[peer.pid]
+        now = self.now
+        for request in peer.outstanding:
+            if request.finish > now:  # replies already on the wire still arrive
+                self._push(now + self.cfg.latency_s, _FAIL, request)
+        peer.outstanding.clear()
+
+    def _on_preempt(self, preemption) -> None:
+        serving = sorted(
+            (p for p in self.peers.values() if p.stage == preemption.stage and p.state == SERVING),
+            key=lambda p: p.pid,
+        )
+        victims = self.rng.sample(serving, round(preemption.fraction * len(serving)))
+        for peer in victims:
+            self._kill(peer)
+
+    def _on_arrive(self) -> None:
+        cfg = self.cfg
+        self.arrived += 1
+        delay = arrival_delay_s(self.rng, cfg.balance.arrival_max_delay_s)
+        self._push(self.now + delay, _JOIN, self._draw_speed())
+        self._push(self.now + self.rng.expovariate(cfg.arrival_rate_per_s), _ARRIVE)
+
+    def _on_join(self, speed: float) -> None:
+        # After its random delay the newcomer reads the records again and picks its stage.
+        stage = choose_stage_on_arrival(self._capacities(count_starting=True), self._rates(speed), self.rng)
+        peer = self._add_peer(speed, stage, STARTING)
+        self._push(self.now + self.cfg.load_s, _READY, (peer, peer.epoch))
+
+    def _on_ready(self, peer: _Peer, epoch: int) -> None:
+        if peer.state != STARTING or peer.epoch != epoch:
+            return
+        peer.state = SERVING
+        self.dirty[peer.stage] = True
+
+    def _on_leave(self, peer: _Peer, epoch: int) -> None:
+        if peer.state != DRAINING or peer.epoch != epoch:
+            return
+        if peer.free_at > self.now:  # finish the queue first: no request is cut off by a move
+            self._push(peer.free_at, _LEAVE, (peer, epoch))
+            return
+        peer.stage = peer.target
+        peer.state = STARTING
+        peer.epoch += 1
+        self._push(self.now + self.cfg.load_s, _READY, (peer, peer.epoch))
+
+    def _capacities(self, *, count_starting: bool) -> list[float]:
+        capacity = [0.0] * self.cfg.num_stages
+        for peer in self.peers.values():
+            if peer.state == SERVING or (count_starting and peer.state == STARTING):
+                capacity[peer.stage] += peer.speed / self.costs[peer.stage]
+            elif count_starting and peer.state == DRAINING:
+                capacity[peer.target] += peer.speed / self.costs[peer.target]
+        return capacity
+
+    # ---- periodic duties ------------------------------------------------------------------
+
+    def _discover(self) -> None:
+        now = self.now
+        for stage in range(self.cfg.num_stages):
+            if not self.dirty[stage]:
+                continue  # nothing changed: a refresh would hand the routers the same mapping
+            self.dirty[stage] = False
+            serving = {
+                p.pid: p.speed / self.costs[stage]
+                for p in self.peers.values() if p.stage == stage and p.state == SERVING
+            }
+            self.discovered[stage] = serving
+            for router in self.routers:
+                router.update_peers(stage, serving, now)
+        self._push(now + self.cfg.discovery_period_s, _DISCOVER)
+
+    def _view(self) -> SwarmView:
+        stages: list[dict[str, PeerRecord]] = [{} for _ in range(self.cfg.num_stages)]
+        for peer in self.peers.values():
+            rate = peer.speed / self.costs[peer.stage]
+            if peer.state == DRAINING:
+                stages[peer.stage][peer.pid] = PeerRecord(rate, DRAINING)
+                target_rate = peer.speed / self.costs[peer.target]
+                stages[peer.target][peer.pid] = PeerRecord(target_rate, STARTING)
+            else:
+                stages[peer.stage][peer.pid] = PeerRecord(rate, peer.state)
+        return SwarmView(stages=stages, last_moved_s=self.last_moved, stage_costs=self.costs)
+
+    def _rebalance(self) -> None:
+        cfg, now = self.cfg, self.now
+        view = self._view()
+        claims: dict[str, set[str]] = {}
+        # Every peer reads the same view, so the peers whose decide_move says "move" are exactly
+        # those of the shared plan; computing it once avoids an O(peers^2) period.
+        movers = plan_moves(view, now, cfg.balance)
+        for move in movers:
+            claims.setdefault(claim_key(move.from_stage, move.period_index), set()).add(move.peer_id)
+        for planned in movers:
+            # What the mover itself runs: its decision, then the check of the claims it re-read.
+            move = decide_move(view, planned.peer_id, now, cfg.balance)
+            if move is None or not is_my_turn(claims[move.claim_key], move.peer_id, move.period_index):
+                continue
+            peer = self.peers[move.peer_id]
+            peer.state = DRAINING
+            peer.target = move.to_stage
+            self.dirty[move.from_stage] = True
+            self.last_moved[peer.pid] = now
+            self.moves.append(Move(time_s=now, peer_id=peer.pid, from_stage=move.from_stage, to_stage=move.to_stage))
+            self._push(now + cfg.drain_s, _LEAVE, (peer, peer.epoch))
+        self._push(now + cfg.balance.period_s, _REBALANCE)
+
+    def _sample(self) -> None:
+        cfg = self.cfg
+        self.times.append(self.now)
+        self.throughput.append(self.window_samples / cfg.sample_period_s)
+        self.window_samples = 0
+        counts = [0] * cfg.num_stages
+        for peer in self.peers.values():
+            if peer.state == SERVING:
+                counts[peer.stage] += 1
+        self.placement.append(tuple(counts))
+        self.capacity.append(tuple(self._capacities(count_starting=False)))
+        self._push(self.now + cfg.sample_period_s, _SAMPLE)

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import statistics
 import sys
 import threading
 import time

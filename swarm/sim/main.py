@@ -17,7 +17,7 @@ from swarm.sim.config import Preemption, SimConfig
 from swarm.sim.engine import simulate
 from swarm.sim.result import SimResult, format_table
 
-__all__ = ["build_parser", "config_from_argv", "main"]
+__all__ = ["build_parser", "config_from_argv", "main", "run"]
 
 # Tuple fields arrive from argparse as strings; the element type of each.
 _TUPLE_TYPES = {"initial_peers_per_stage": int, "peer_speeds": float, "stage_costs": float}
@@ -57,7 +57,11 @@ def summary(name: str, result: SimResult) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, simulate, print a markdown table and a summary; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate what parsed flags describe (``swarm simulate`` calls this)."""
     try:
         config = config_from_argv(args)
     except ValueError as error:

@@ -20,6 +20,9 @@ def _run_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=None,
                         help="start a new run with this model preset if the DHT has none for --run-id "
                              "(the run flags below apply only then)")
+    parser.add_argument("--bottleneck-dim", type=int, default=None,
+                        help="with --preset: compress activations at stage cuts to this width (learned "
+                             "down/up projections, SWARM's bottleneck); default off")
     add_config_args(parser, RunConfig, skip={"model"})
 
 
@@ -30,7 +33,8 @@ def _run_config_from_args(args: argparse.Namespace):
 
     if args.preset is None:
         return None
-    return config_from_args(RunConfig, args, model=MODEL_PRESETS[args.preset])
+    model = dataclasses.replace(MODEL_PRESETS[args.preset], bottleneck_dim=args.bottleneck_dim)
+    return config_from_args(RunConfig, args, model=model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,8 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", default="demo")
     add_config_args(p, DHTConfig)
 
+    p = sub.add_parser("export", help="gather the latest state of every stage from live peers into one file")
+    p.add_argument("--run-id", default="demo")
+    p.add_argument("--out", required=True, help="file to write (a torch.save dict; see swarm.coordinator.export)")
+    add_config_args(p, DHTConfig)
+
+    p = sub.add_parser("generate", help="sample text from an exported model, on CPU")
+    p.add_argument("--checkpoint", required=True, help="file written by `swarm export`")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
     p = sub.add_parser("demo", help="start a local swarm (bootstrap, peers, trainer) and train a small model")
     add_config_args(p, DemoConfig)
+
+    from swarm.sim.main import build_parser as simulator_flags
+
+    simulator_flags(sub.add_parser("simulate", help="simulate a swarm of many peers with the real routing and "
+                                                    "rebalancing policies (no processes, no network)"))
     return parser
 
 
@@ -70,10 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from swarm.errors import SwarmError
+
     try:
-        handler = {"dht": _dht, "peer": _peer, "train": _train, "status": _status, "demo": _demo}[args.command]
+        handler = {"dht": _dht, "peer": _peer, "train": _train, "status": _status, "demo": _demo,
+                   "simulate": _simulate, "export": _export, "generate": _generate}[args.command]
         return handler(args)
-    except (ValueError, TimeoutError, FileNotFoundError, OSError) as e:
+    except (ValueError, TimeoutError, FileNotFoundError, OSError, SwarmError) as e:
         print(f"swarm {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -136,7 +161,7 @@ def _peer(args) -> int:
     async def main() -> int:
         peer = await Peer.create(config, run=run)
         try:
-            print(f"peer {peer.peer_id} serves stage {config.stage} of run '{config.run_id}' at {peer.endpoint}",
+            print(f"peer {peer.peer_id} serves stage {peer.stage} of run '{config.run_id}' at {peer.endpoint}",
                   flush=True)
             for addr in peer.addresses():
                 print(f"  DHT address (usable as --initial-peers): {addr}", flush=True)
@@ -181,6 +206,31 @@ def _demo(args) -> int:
     from swarm.coordinator.demo import DemoConfig, run_demo
 
     return run_demo(config_from_args(DemoConfig, args))
+
+
+def _export(args) -> int:
+    from swarm.coordinator.export import export_run
+    from swarm.discovery.dht import DHTConfig
+
+    print(_run(export_run(args.run_id, config_from_args(DHTConfig, args), args.out)))
+    return 0
+
+
+def _generate(args) -> int:
+    from swarm.coordinator.export import generate_text
+
+    if args.max_new_tokens < 1 or args.temperature < 0:
+        raise ValueError(f"need --max-new-tokens >= 1 and --temperature >= 0, got {args.max_new_tokens} and "
+                         f"{args.temperature}")
+    print(generate_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    return 0
+
+
+def _simulate(args) -> int:
+    from swarm.sim.main import run
+
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ class RunConfig:
     weight_decay: float = 0.1  # AdamW weight decay on matrices (not on biases, norms or embeddings)
     warmup_steps: int = 10  # optimizer steps of linear warmup
     total_steps: int = 0  # steps of cosine decay to 10% of lr after warmup; 0 = constant after warmup
-    max_grad_norm: float = 1.0  # per-stage gradient clipping (0 = off)
+    max_grad_norm: float = 1.0  # bound on the global gradient norm; each stage clips to it / sqrt(stages) (0 = off)
 
     def __post_init__(self):
         if self.codec not in CODEC_NAMES:

@@ -34,11 +34,12 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def wait_for(self, pattern: str, *, timeout_s: float) -> re.Match:
-        """Block until a line of output matches ``pattern``; raise if the process exits or time runs out."""
+    def wait_for(self, pattern: str, *, timeout_s: float, after_line: int = 0) -> re.Match:
+        """Block until a line of output (from line ``after_line`` on) matches ``pattern``; raise if the
+        process exits or time runs out."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout_s
-        seen = 0
+        seen = after_line
         with self.changed:
             while True:
                 for line in self.lines[seen:]:

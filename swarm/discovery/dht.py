@@ -116,6 +116,17 @@ class RunDirectory:
         return await self.dht.store(stage_key(self.run_id, record.stage), record.to_wire(),
                                     get_dht_time() + ttl_s, subkey=record.peer_id, return_future=True)
 
+    async def claim(self, key: str, peer_id: str, *, ttl_s: float) -> None:
+        """Add ``peer_id`` to the claimers under ``key`` (a subkey each, so concurrent claims all land)."""
+        await self.dht.store(f"swarm/{self.run_id}/{key}", True, get_dht_time() + ttl_s, subkey=peer_id,
+                             return_future=True)
+
+    async def claimers(self, key: str) -> frozenset[str]:
+        found = await self.dht.get(f"swarm/{self.run_id}/{key}", latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return frozenset()
+        return frozenset(k for k in found.value if isinstance(k, str))
+
     async def stage_records(self, stage: int) -> dict[str, StageRecord]:
         """Live peers announced for ``stage``, by peer id. Malformed records are dropped and logged."""
         found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)

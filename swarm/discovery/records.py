@@ -42,6 +42,7 @@ class StageRecord:
     in_flight: int  # requests being handled right now
     step: int  # optimizer steps its replica has taken
     config_hash: str  # RunConfig.fingerprint() of the config it runs
+    last_moved_s: float = 0.0  # DHT time of its last change of stage (0 = never), for rebalancing cooldown
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -54,8 +55,8 @@ class StageRecord:
         kwargs = {}
         for f in dataclasses.fields(cls):
             if f.name not in value:
-                if f.name == "version":
-                    continue
+                if f.default is not dataclasses.MISSING:
+                    continue  # optional field (added in a later version)
                 raise RecordError(f"stage record lacks field '{f.name}'")
             v = value[f.name]
             expected = {"str": str, "int": int, "float": (int, float)}[f.type]
@@ -65,6 +66,10 @@ class StageRecord:
         record = cls(**kwargs)
         if record.state not in PEER_STATES:
             raise RecordError(f"stage record state '{record.state}' is not one of {PEER_STATES}")
-        if record.stage < 0 or not (math.isfinite(record.throughput) and record.throughput >= 0) or record.in_flight < 0 or ":" not in record.endpoint:
+        if record.stage < 0 or not (math.isfinite(record.throughput) and record.throughput >= 0) \
+                or record.in_flight < 0 or not math.isfinite(record.last_moved_s):
             raise RecordError(f"stage record has out-of-range values: {value!r}")
+        if ":" not in record.endpoint and record.state != "starting":
+            raise RecordError(f"stage record of a {record.state} peer needs a host:port endpoint, got "
+                              f"{record.endpoint!r}")
         return record

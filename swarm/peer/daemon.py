@@ -14,13 +14,18 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.utils import get_dht_time
 
+from swarm.balance import RebalanceConfig
 from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht, visible_addresses
 from swarm.discovery.records import StageRecord
 from swarm.errors import TransportError
 from swarm.model import build_stage
+from swarm.peer.averaging import AveragingConfig, HivemindStageOptimizer
+from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.executor import CacheConfig, StageExecutor
+from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
 from swarm.peer.worker import URGENT, PriorityWorker
 from swarm.transport.server import start_server
 
@@ -30,7 +35,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     run_id: str = "demo"  # the run to join
-    stage: int = 0  # stage index this peer serves
+    stage: int | None = None  # stage index to serve (default: the stage where this peer adds the most throughput)
     host: str = "127.0.0.1"  # address the gRPC server and the DHT listen on (0.0.0.0 for all interfaces)
     port: int = 0  # gRPC port (0 = any free port)
     announce_host: str | None = None  # address others should dial, if not --host
@@ -47,9 +52,14 @@ class PeerConfig:
     hang_after_calls: int = 0  # fault injection: stop answering (hang) after this many calls (0 = off)
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    checkpoint_dir: str | None = None  # save this peer's stage state here (periodically and on drain); resume from it
+    checkpoint_every_steps: int = 10  # optimizer steps between checkpoints (with --checkpoint-dir)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    rebalance: bool = True  # move to the bottleneck stage when the swarm is unbalanced
+    balance: RebalanceConfig = field(default_factory=RebalanceConfig)
 
     def __post_init__(self):
-        if self.stage < 0:
+        if self.stage is not None and self.stage < 0:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -63,6 +73,8 @@ class PeerConfig:
         if not 0 <= self.drain_notice_s < self.drain_timeout_s:
             raise ValueError(f"need 0 <= drain_notice_s < drain_timeout_s, got {self.drain_notice_s} and "
                              f"{self.drain_timeout_s}")
+        if self.checkpoint_every_steps < 1:
+            raise ValueError(f"checkpoint_every_steps must be >= 1, got {self.checkpoint_every_steps}")
         if self.threads < 1 or self.max_microbatch_size < 1 or self.calibration_batch < 1:
             raise ValueError(f"threads ({self.threads}), max_microbatch_size ({self.max_microbatch_size}) and "
                              f"calibration_batch ({self.calibration_batch}) must be >= 1")
@@ -88,7 +100,13 @@ class Peer:
         self._worker: PriorityWorker | None = None
         self._tasks: list[asyncio.Task] = []
         self.stopped = asyncio.Event()
+        self.stage: int | None = config.stage
+        self.moving_to: tuple[int, float] | None = None  # (stage, expected samples/s) during a move
+        self.last_moved_s = 0.0
+        self.rebalancer: Rebalancer | None = None
         self.drain_started: float | None = None
+        self._checkpoints: CheckpointStore | None = None  # set by _start_averaging with --checkpoint-dir
+        self._saved_step = -1  # step of the last checkpoint written or restored
         self.calls_seen = 0
         self._fault_rng = random.Random(config.peer_id)
 
@@ -102,15 +120,19 @@ class Peer:
             await self._start_dht()
             await self._resolve_run(run, run_wait_s)
             await self._start_executor()
+            await self._start_checkpoints()
+            # Issue 4 (open): `await self._start_averaging()` would attach the stage's hivemind optimizer (all-reduce
+            # between replicas, state download for newcomers); it stays off until it passes multi-peer tests.
             await self._start_server()
             await self._start_announcer()
+            await self._start_rebalancer()
         except BaseException:
             await self._stack.aclose()
             raise
-        self.state = "serving"
+        self.state, self.moving_to = "serving", None
         await self._announce()
         logger.info("peer %s serves stage %d of run '%s' at %s (%.1f samples/s)", self.peer_id,
-                    config.stage, self.run_id, self.endpoint, self.throughput)
+                    self.stage, self.run_id, self.endpoint, self.throughput)
         return self
 
     # ------------------------------------------------------------------ startup steps
@@ -131,19 +153,112 @@ class Peer:
         elif run is not None and published.fingerprint() != run.fingerprint():
             raise ValueError(f"run '{self.run_id}' already exists in the DHT with another config "
                              f"({published.to_dict()}); drop --preset/model flags to join it, or pick a new --run-id")
-        if self.config.stage >= published.model.num_stages:
+        if self.stage is not None and self.stage >= published.model.num_stages:
             raise ValueError(f"run '{self.run_id}' has {published.model.num_stages} stages; "
-                             f"--stage {self.config.stage} does not exist")
+                             f"--stage {self.stage} does not exist")
         self.run = published
+        if self.stage is None:
+            self.stage = await choose_arrival_stage(self.directory, published.model, self.config.balance,
+                                                    random.Random(self.peer_id))
+            self.moving_to = (self.stage, 0.0)
+            await self._announce()  # "starting" on the chosen stage, so later arrivals count this peer
 
     async def _start_executor(self) -> None:
         # One worker thread runs all of this peer's torch work, so compute never races an optimizer step.
-        self._worker = PriorityWorker(f"stage{self.config.stage}-compute")
+        self._worker = PriorityWorker(f"peer{self.peer_id[:6]}-compute")
         self._stack.callback(self._worker.shutdown)
         torch.set_num_threads(self.config.threads)
-        stage = build_stage(self.run.model, self.config.stage)
+        stage = build_stage(self.run.model, self.stage)
         self.executor = StageExecutor(stage, self.run, cache=self.config.cache)
         await self.compute(self.executor.calibrate, self.config.calibration_batch)
+
+    async def _start_checkpoints(self) -> None:
+        """With --checkpoint-dir: resume this stage from its checkpoint, then save every
+        ``checkpoint_every_steps`` optimizer steps (and on drain, see :meth:`drain`)."""
+        if not self.config.checkpoint_dir:
+            return
+        self._checkpoints = CheckpointStore(self.config.checkpoint_dir)
+        restored = await asyncio.to_thread(self._checkpoints.load, self.stage, run=self.run)
+        if restored is not None:
+            await self.compute(self.executor.load_state, restored)
+            logger.info("stage %d resumed from checkpoint at step %d", self.stage, self.executor.step)
+        self._saved_step = self.executor.step
+
+        async def save_periodically() -> None:
+            while True:
+                await asyncio.sleep(self.config.heartbeat_s)
+                if self.executor.step >= self._saved_step + self.config.checkpoint_every_steps:
+                    try:
+                        await self.save_checkpoint()
+                    except OSError as e:  # a full disk must not stop serving; say so and retry later
+                        logger.error("could not write the checkpoint: %s", e)
+
+        task = asyncio.create_task(save_periodically(), name=f"checkpoints-{self.peer_id}")
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        self._stack.push_async_callback(stop)
+
+    async def _start_averaging(self) -> None:
+        """Attach the stage's hivemind optimizer (resuming from the checkpoint, then catching up with the
+        stage's peers if they are ahead), and check periodically whether the stage's global batch is full."""
+        self._checkpoints = CheckpointStore(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        self._saved_step = -1
+
+        async def detach() -> None:
+            await asyncio.to_thread(self.executor.optimizer.shutdown)
+
+        await self.attach_optimizer(self.executor)
+        self._stack.push_async_callback(detach)
+        task = asyncio.create_task(self._step_loop(), name=f"steps-{self.peer_id}")
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        self._stack.push_async_callback(stop)
+
+    async def attach_optimizer(self, executor: StageExecutor) -> None:
+        """Give ``executor`` its stage's hivemind optimizer, restore the stage's checkpoint if this peer has
+        one, then download the state from the stage's peers if they are further along. Before it serves."""
+        stage = executor.stage.index
+
+        def build() -> None:
+            executor.optimizer = HivemindStageOptimizer(executor.stage, self.run, dht=self.dht, run_id=self.run_id,
+                                                        config=self.config.averaging)
+            restored = self._checkpoints.load(stage, run=self.run) if self._checkpoints else None
+            if restored is not None:
+                executor.load_state(restored)
+                logger.info("stage %d resumed from checkpoint at step %d", stage, executor.step)
+            if executor.optimizer.sync_with_peers():
+                logger.info("stage %d state downloaded from its peers: now at step %d", stage, executor.step)
+
+        await self.compute(build)
+        self._saved_step = executor.step
+
+    async def _step_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.averaging.step_check_s)
+            try:
+                await self.bookkeeping(self.executor.maybe_step)
+                if self.executor.step >= self._saved_step + self.config.checkpoint_every_steps:
+                    await self.save_checkpoint()
+            except Exception as e:  # averaging trouble must not kill the peer; the next check retries
+                logger.warning("optimizer step check failed: %s", e)
+
+    async def save_checkpoint(self) -> None:
+        """Write this peer's stage state to --checkpoint-dir (no-op without it)."""
+        if self._checkpoints is None:
+            return
+        state = await self.bookkeeping(self.executor.state_dict)
+        await asyncio.to_thread(self._checkpoints.save, state, run=self.run)
+        self._saved_step = state["step"]
+        logger.info("checkpoint of stage %d at step %d written to %s", state["stage"], state["step"],
+                    self._checkpoints.directory)
 
     async def _start_server(self) -> None:
         from swarm.peer.service import StageService
@@ -154,6 +269,19 @@ class Peer:
         self.endpoint = f"{self.config.announce_host or self.config.host}:{port}"
         if self.endpoint.startswith("0.0.0.0:"):
             raise ValueError("listening on 0.0.0.0 needs --announce-host: the address trainers should dial")
+
+    async def _start_rebalancer(self) -> None:
+        if not self.config.rebalance or self.run.model.num_stages < 2:
+            return
+        self.rebalancer = Rebalancer(self, self.config.balance)
+        task = asyncio.create_task(self.rebalancer.run(), name=f"rebalance-{self.peer_id}")
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        self._stack.push_async_callback(stop)
 
     async def _start_announcer(self) -> None:
         task = asyncio.create_task(self._announce_loop(), name=f"announce-{self.peer_id}")
@@ -193,13 +321,25 @@ class Peer:
         """Queue a cheap ``fn`` ahead of compute without waiting (cleanup that must not be cancelled)."""
         self._worker.submit(fn, *args, priority=URGENT)
 
+    def records(self) -> list[StageRecord]:
+        """What this peer announces: its stage, and during a move a "starting" record on the target."""
+        out = [] if self.executor is None else [self.record()]
+        if self.moving_to is not None:
+            target, expected = self.moving_to
+            out.append(StageRecord(peer_id=self.peer_id, endpoint=self.endpoint, stage=target, state="starting",
+                                   throughput=expected, in_flight=0, step=0, config_hash=self.run.fingerprint(),
+                                   last_moved_s=self.last_moved_s))
+        return out
+
     def record(self) -> StageRecord:
-        return StageRecord(peer_id=self.peer_id, endpoint=self.endpoint, stage=self.config.stage,
+        return StageRecord(peer_id=self.peer_id, endpoint=self.endpoint, stage=self.stage,
                            state=self.state, throughput=self.throughput, in_flight=self.in_flight,
-                           step=self.executor.step, config_hash=self.run.fingerprint())
+                           step=self.executor.step, config_hash=self.run.fingerprint(),
+                           last_moved_s=self.last_moved_s)
 
     async def _announce(self) -> None:
-        await self.directory.announce(self.record(), ttl_s=self.config.ttl_s)
+        for record in self.records():
+            await self.directory.announce(record, ttl_s=self.config.ttl_s)
 
     async def _announce_loop(self) -> None:
         while True:
@@ -216,6 +356,31 @@ class Peer:
         microbatches this peer ran forward), all within ``drain_timeout_s``."""
         if self.state == "draining":
             return
+        self.moving_to = None  # leaving the swarm, not moving within it
+        await self._drain_work()
+        await self.save_checkpoint()
+
+    async def move_to(self, stage: int, *, expected_throughput: float) -> None:
+        """Leave the current stage for ``stage``: drain, load the new stage's state from its peers, serve."""
+        from swarm.peer.statesync import fetch_stage_state
+
+        old = self.stage
+        self.moving_to = (stage, expected_throughput)
+        await self._drain_work()
+        stage_module = build_stage(self.run.model, stage)
+        state = await fetch_stage_state(self.directory, stage, exclude=self.peer_id, timeout_s=60)
+        if state is not None:
+            stage_module.load_state_dict(state)
+        executor = StageExecutor(stage_module, self.run, cache=self.config.cache)
+        await self.compute(executor.calibrate, self.config.calibration_batch)
+        self.executor, self.stage = executor, stage
+        self.last_moved_s = get_dht_time()
+        self.moving_to, self.drain_started, self.state = None, None, "serving"
+        await self._announce()
+        logger.info("peer %s moved from stage %d to stage %d (%s)", self.peer_id, old, stage,
+                    "state loaded from its peers" if state is not None else "no peer to load from: fresh init")
+
+    async def _drain_work(self) -> None:
         self.state = "draining"
         self.drain_started = time.monotonic()
         deadline = self.drain_started + self.config.drain_timeout_s

@@ -7,7 +7,6 @@ request leaves the accumulated gradients exactly as they were.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import torch
 from swarm.config import RunConfig
 from swarm.errors import AlreadyApplied, InvalidRequest, NotCached
 from swarm.model import Stage
+from swarm.peer.averaging import LocalStageOptimizer, StageOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +49,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def build_optimizer(stage: Stage, run: RunConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on biases, norms or embeddings' positions)."""
-    decay, no_decay = [], []
-    for name, p in stage.named_parameters():
-        (decay if p.ndim >= 2 and "pos" not in name else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": run.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=run.lr_at(0), betas=(0.9, 0.95))
-
-
 class StageExecutor:
-    def __init__(self, stage: Stage, run: RunConfig, *, cache: CacheConfig = CacheConfig()):
+    def __init__(self, stage: Stage, run: RunConfig, *, cache: CacheConfig = CacheConfig(),
+                 optimizer: StageOptimizer | None = None):
         self.stage = stage
         self.run = run
         self.cache_config = cache
-        self.optimizer = build_optimizer(stage, run)
-        self.step = 0
-        self.samples_accumulated = 0
+        # Steps alone unless the peer attaches its stage's hivemind optimizer (see swarm.peer.averaging).
+        self.optimizer: StageOptimizer = optimizer or LocalStageOptimizer(stage, run)
         self.microbatches_applied = 0
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_bytes = 0
@@ -230,19 +221,15 @@ class StageExecutor:
         if held is None:
             return False
         grads, reply, num_samples = held
-        for p, g in zip((p for p in self.stage.parameters() if p.requires_grad), grads):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
         self._replies[microbatch_id] = reply
         while len(self._replies) > self.cache_config.reply_cache_size:
             self._replies.popitem(last=False)
         self._applied[microbatch_id] = None
         while len(self._applied) > self.cache_config.applied_ids_size:
             self._applied.popitem(last=False)
-        self.samples_accumulated += num_samples
         self.microbatches_applied += 1
-        if self.samples_accumulated >= self.run.target_batch_size:
-            self.optimizer_step()
+        if self.optimizer.accumulate(self._all_params(grads), num_samples):
+            self._after_step()
         return True
 
     def abort(self, microbatch_id: str) -> None:
@@ -251,29 +238,51 @@ class StageExecutor:
 
     # ---------------------------------------------------------------- optimizer
 
-    def optimizer_step(self) -> None:
-        """Average the accumulated gradients over the samples seen, clip, step, and reset."""
-        scale = 1.0 / max(self.samples_accumulated, 1)
-        params = [p for p in self.stage.parameters() if p.grad is not None]
-        for p in params:
-            p.grad.mul_(scale)
-        if self.run.max_grad_norm > 0 and params:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.run.max_grad_norm)
-            if not math.isfinite(float(norm)):
-                logger.error("gradient norm is %s at step %d: skipping this step", float(norm), self.step)
-                self.optimizer.zero_grad(set_to_none=True)
-                self.samples_accumulated = 0
-                return
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.run.lr_at(self.step)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.samples_accumulated = 0
-        self.step += 1
+    @property
+    def step(self) -> int:
+        """Optimizer steps this replica has taken (its stage's global epoch once in sync)."""
+        return self.optimizer.epoch
+
+    @property
+    def samples_accumulated(self) -> int:
+        """Samples committed here since the last optimizer step."""
+        return self.optimizer.local_samples
+
+    def maybe_step(self) -> bool:
+        """Take part in the stage's optimizer step if its global batch is full (called periodically, so a
+        replica that receives no more commits still steps with its peers). True if parameters changed."""
+        if self.optimizer.maybe_step():
+            self._after_step()
+            return True
+        return False
+
+    def _after_step(self) -> None:
         # Kept graphs reference the parameters before this step (autograd would refuse them): keep only
         # the inputs, so pending backwards recompute against the new parameters.
         for entry in self._cache.values():
             entry.graph = None
+
+    def _all_params(self, grads: list) -> list:
+        """Gradients of requires_grad parameters -> one entry per ``stage.parameters()`` (None = no grad)."""
+        it = iter(grads)
+        return [next(it) if p.requires_grad else None for p in self.stage.parameters()]
+
+    def state_dict(self) -> dict:
+        """Parameters and optimizer state (with its step), for checkpoints."""
+        return {"stage": self.stage.index, "params": {k: v.detach().clone() for k, v in self.stage.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "step": self.step}
+
+    def load_state(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output. Raises ValueError if it belongs to another stage or config."""
+        if state.get("stage") != self.stage.index:
+            raise ValueError(f"the state is for stage {state.get('stage')}, this executor serves stage "
+                             f"{self.stage.index}")
+        try:
+            self.stage.load_state_dict(state["params"], strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"the state does not match stage {self.stage.index} of this run's model: {e}") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._after_step()
 
     # ---------------------------------------------------------------- helpers
 
@@ -315,8 +324,8 @@ class StageExecutor:
         ("grad/<name>", sums over samples, not yet averaged), taken between two calls, so consistent."""
         out = {f"param/{n}": p.detach().clone() for n, p in self.stage.named_parameters()}
         if include_grads:
-            for n, p in self.stage.named_parameters():
-                out[f"grad/{n}"] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            for (n, _), g in zip(self.stage.named_parameters(), self.optimizer.grad_sums()):
+                out[f"grad/{n}"] = g
         return out
 
     @property

@@ -30,8 +30,12 @@ logger = logging.getLogger(__name__)
 class StageService(pb_grpc.StagePeerServicer):
     def __init__(self, peer: Peer):
         self.peer = peer
-        self.executor = peer.executor
         self.limits = StreamLimits()
+
+    @property
+    def executor(self):
+        # Read on every call: a peer that moves to another stage swaps its executor.
+        return self.peer.executor
 
     # ------------------------------------------------------------------ RPCs
 

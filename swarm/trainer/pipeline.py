@@ -22,7 +22,7 @@ from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
-from swarm.errors import NotCached, StageUnavailable, SwarmError
+from swarm.errors import NotCached, PeerDraining, StageUnavailable, SwarmError, WrongPeer
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.routing import NoPeersAvailable, Router, RoutingConfig
@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Relative cost of the calls, in forward passes: backward costs about twice a forward (a recompute adds one).
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
+# How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
+DRAINING_MEMORY_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +71,8 @@ class Pipeline:
         self.clients = ClientPool(segment_bytes=config.segment_bytes)
         # every record seen recently, draining ones included (backward may still go there)
         self.records: list[dict[str, StageRecord]] = [{} for _ in range(self.num_stages)]
-        self.draining: set[str] = set()
+        # (stage, peer) -> when a reply said "draining"; trusted until the DHT catches up
+        self._draining_replies: dict[tuple[int, str], float] = {}
         self.failed_calls = 0
         self.unconfirmed_commits = 0
         self._refreshed = asyncio.Event()
@@ -94,14 +97,17 @@ class Pipeline:
         for stage, found in enumerate(stages):
             compatible = {pid: r for pid, r in found.items() if r.config_hash == fingerprint}
             self.records[stage] = compatible
-            for pid, r in compatible.items():
-                if r.state == "draining":
-                    self.draining.add(pid)
-            # Peers announce samples/s of forward + backward; routing counts in forward-sample units.
-            serving = {pid: r.throughput * (FORWARD_COST + BACKWARD_COST) for pid, r in compatible.items()
-                       if r.state == "serving" and pid not in self.draining}
-            self.router.update_peers(stage, serving, now)
+            self._update_router(stage, now)
         self._refreshed.set()
+
+    def _update_router(self, stage: int, now: float) -> None:
+        """Route new work only to serving peers. A peer that said "draining" in a reply is left out for a
+        while even if its DHT record still says serving (the record may be a heartbeat behind)."""
+        self._draining_replies = {k: t for k, t in self._draining_replies.items() if now - t < DRAINING_MEMORY_S}
+        # Peers announce samples/s of forward + backward; routing counts in forward-sample units.
+        serving = {pid: r.throughput * (FORWARD_COST + BACKWARD_COST) for pid, r in self.records[stage].items()
+                   if r.state == "serving" and (stage, pid) not in self._draining_replies}
+        self.router.update_peers(stage, serving, now)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -245,7 +251,15 @@ class Pipeline:
                     self.router.on_cancel(stage, peer, time.monotonic())
                     raise
                 self.failed_calls += 1
-                self.router.on_failure(stage, peer, time.monotonic())
+                now = time.monotonic()
+                if isinstance(e, (PeerDraining, WrongPeer)):
+                    # Alive and honest: it is leaving or moved to another stage. No ban (it may come back,
+                    # e.g. moved to this stage later); just stop routing here until the DHT says otherwise.
+                    self.router.on_cancel(stage, peer, now)
+                    self._draining_replies[(stage, peer)] = now
+                    self._update_router(stage, now)
+                else:
+                    self.router.on_failure(stage, peer, now)
                 logger.info("stage %d peer %s failed (%s: %s); retrying elsewhere", stage, peer,
                             type(e).__name__, e)
                 budget.record_failure(peer, e)  # raises RetriesExhausted naming the stage when spent
@@ -255,11 +269,9 @@ class Pipeline:
                 raise
             now = time.monotonic()
             self.router.on_success(stage, peer, work, max(now - started, 1e-6), now)
-            if reply.meta.state == "draining" and peer not in self.draining:
-                self.draining.add(peer)
-                self.router.update_peers(stage, {p: r.throughput * (FORWARD_COST + BACKWARD_COST)
-                                                 for p, r in self.records[stage].items()
-                                                 if p not in self.draining and r.state == "serving"}, now)
+            if reply.meta.state == "draining" and (stage, peer) not in self._draining_replies:
+                self._draining_replies[(stage, peer)] = now
+                self._update_router(stage, now)
             return reply, peer
 
     async def _choose(self, stage: int, exclude: frozenset[str]) -> str:

@@ -182,7 +182,7 @@ class Trainer:
     def _metric(self, record: dict) -> None:
         if self.config.metrics_path:
             with open(self.config.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "wall_time": time.time()}) + "\n")
 
     def _progress(self, step: int, loss: float, tokens_per_s: float, val_loss: float, *, final=False) -> None:
         total = f"/{self.config.steps}" if self.config.steps else ""

@@ -1,0 +1,310 @@
+"""Swarm tokens/s over emulated slow links, per wire codec: every host in its own network namespace.
+
+Run from the repository root as root:  .venv/bin/python bench/netswarm.py [--rates 5,20,100,0] [--w2]
+Prints markdown tables and writes them, with the environment, to bench/results/netswarm.md.
+
+Topology (deploy/netns.py): 4 emulated hosts on one bridge — a bootstrap DHT node, one peer per stage of the
+2-stage model, and the trainer — each with its own address and a tbf limit on its uplink and its downlink.
+The trainer relays every hop (tokens -> stage 0 -> trainer -> stage 1 -> trainer, gradients back the same
+way), so its link carries the most: about 2 activations up and 2 down per microbatch.
+
+Protocol: for each configuration (codec, bottleneck) the swarm starts once; the trainer runs until stopped.
+For each rate, slowest first, every host's link is set to that rate, the swarm warms up (at least
+``--warmup-seconds`` and one global batch), then tokens/s is taken between two snapshots of the trainer's
+metrics file (at step boundaries; at least ``--seconds`` and ``--min-steps`` global batches apart). Rates go
+from slow to fast because the trainer's routing deadlines adapt to measured round trips: a link that gets
+suddenly slower would time calls out and ban the only peer of a stage, one that gets faster never does.
+Bytes through the trainer's interface in the window give the link's utilisation, which tells whether the
+link or the CPUs were the bottleneck.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, RunInfo, load_average, markdown_table, write_result  # noqa: E402
+from swarmrun import (Progress, Where, read_metrics, start_bootstrap, start_peer, start_trainer,  # noqa: E402
+                      wait_ready)
+
+from deploy.netns import EmulatedHost, EmulatedNetwork, have_netns  # noqa: E402
+from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+
+MICROBATCH = 8  # sequences per microbatch (the demo's)
+IN_FLIGHT = 4  # microbatches in the pipeline at once (the demo's)
+TARGET_BATCH = 32  # samples per optimizer step of each stage (the demo's)
+LR = 3e-3
+MAX_DATA_BYTES = 8_000_000  # the trainer loads this much text: faster start, same throughput
+KEEP_AT_100 = 0.80  # target: int8 at 100 Mbit/s keeps this share of its unlimited-link tokens/s
+INT8_SPEEDUP = 3.0  # target: int8 this many times faster than none wherever the link is the bottleneck
+LINK_BOUND = 0.80  # "the link is the bottleneck" for none at a rate: it keeps less than this share of unlimited
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmSetup:
+    """One configuration: the swarm is started once for it and measured at each of its rates."""
+
+    name: str  # row label
+    preset: str  # model preset (tiny = the demo's)
+    codec: str  # wire codec of activations and gradients
+    bottleneck_dim: int | None = None  # learned compression width at the stage cut; None = off
+    rates_mbit: tuple[float | None, ...] = (5, 20, 100, None)  # slowest first; None = unlimited
+
+    def run_config(self):
+        """The run the swarm trains: published once from the bootstrap host, before the peers start (the
+        peers' --preset path has no bottleneck flag at every commit, a published record works everywhere)."""
+        import dataclasses
+
+        from swarm.config import RunConfig
+        from swarm.model import MODEL_PRESETS
+
+        model = dataclasses.replace(MODEL_PRESETS[self.preset], bottleneck_dim=self.bottleneck_dim)
+        return RunConfig(model=model, codec=self.codec, target_batch_size=TARGET_BATCH, lr=LR)
+
+
+@dataclass
+class Window:
+    """One measured window of one configuration at one rate."""
+
+    rate_mbit: float | None
+    tokens_per_s: float
+    seconds: float
+    steps: int
+    sent_mbit_per_s: float  # trainer's uplink, Ethernet bytes (what tbf counts) per second
+    received_mbit_per_s: float  # trainer's downlink
+    load: float  # 1-minute load average at the end of the window
+
+    def utilisation(self) -> float:
+        """Busier direction of the trainer's link as a share of the rate (nan when unlimited)."""
+        if self.rate_mbit is None:
+            return float("nan")
+        return max(self.sent_mbit_per_s, self.received_mbit_per_s) / self.rate_mbit
+
+
+@dataclass
+class SetupResult:
+    setup: SwarmSetup
+    windows: dict[float | None, Window] = field(default_factory=dict)
+
+
+def _link_bytes(host: EmulatedHost) -> tuple[int, int]:
+    """(tx, rx) bytes of the host's interface, read inside its namespace (the kernel's counters)."""
+    out = host.run(["cat", "/sys/class/net/eth0/statistics/tx_bytes", "/sys/class/net/eth0/statistics/rx_bytes"],
+                   timeout_s=10).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+def _wait_progress(metrics: Path, *, after_step: int, trainer, timeout_s: float) -> Progress:
+    """Poll the trainer's metrics file until a step later than ``after_step`` is logged."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        progress = read_metrics(metrics).progress()
+        if progress is not None and progress.step > after_step:
+            return progress
+        if not trainer.alive():
+            raise RuntimeError(f"the trainer exited (code {trainer.popen.poll()}); see {trainer.log_path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no step after {after_step} within {timeout_s:.0f}s; see {trainer.log_path}")
+        time.sleep(0.2)  # the trainer appends to a file; there is no event to wait on
+
+
+def measure_window(host: EmulatedHost, metrics: Path, trainer, *, rate_mbit: float | None, warmup_s: float,
+                   seconds: float, min_steps: int, timeout_s: float) -> Window:
+    """Warm up at the current rate, then tokens/s and link bytes between two step boundaries."""
+    begun = time.monotonic()
+    now = read_metrics(metrics).progress()
+    # Warmup: at least one step completed entirely at the new rate, and at least warmup_s.
+    after = _wait_progress(metrics, after_step=(now.step if now else 0) + 1, trainer=trainer, timeout_s=timeout_s)
+    time.sleep(max(0.0, warmup_s - (time.monotonic() - begun)))  # a measuring period, not a wait for an event
+    start = _wait_progress(metrics, after_step=after.step, trainer=trainer, timeout_s=timeout_s)
+    tx0, rx0, t0 = *_link_bytes(host), time.monotonic()
+    end = start
+    while end.step < start.step + min_steps or time.monotonic() - t0 < seconds:
+        end = _wait_progress(metrics, after_step=end.step, trainer=trainer, timeout_s=timeout_s)
+    tx1, rx1, t1 = *_link_bytes(host), time.monotonic()
+    # Byte counters are read at our clock, steps at the trainer's: both span the same steps to within a poll.
+    return Window(rate_mbit=rate_mbit, tokens_per_s=end.tokens_per_s_since(start), seconds=end.time_s - start.time_s,
+                  steps=end.step - start.step, sent_mbit_per_s=(tx1 - tx0) * 8 / (t1 - t0) / 1e6,
+                  received_mbit_per_s=(rx1 - rx0) * 8 / (t1 - t0) / 1e6, load=load_average())
+
+
+def measure_setup(setup: SwarmSetup, workdir: Path, *, warmup_s: float, seconds: float, min_steps: int,
+                  timeout_s: float) -> SetupResult:
+    """Start the swarm of ``setup`` on 4 emulated hosts once and measure each of its rates."""
+    result = SetupResult(setup)
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = workdir / "metrics.jsonl"
+    with EmulatedNetwork(num_hosts=4, rate_mbit=setup.rates_mbit[0]) as net, ProcessGroup(workdir) as group:
+        boot, peer0, peer1, trainer_host = net.hosts
+        addr_file = workdir / "bootstrap.addr"
+        started = time.monotonic()
+        start_bootstrap(group, addr_file, where=Where.on(boot))
+        run_id = f"net-{setup.name}".replace("+", "-")
+        bench_dir = Path(__file__).resolve().parent  # the checkout's swarm package, not an installed one
+        boot.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(bench_dir.parent)!r}, {str(bench_dir)!r}]; "
+                  "import swarmrun; sys.exit(swarmrun.main())", "publish", "--addr-file",
+                  str(addr_file), "--run-id", run_id, "--config-json", json.dumps(setup.run_config().to_dict())],
+                 timeout_s=timeout_s)
+        peers = [start_peer(group, f"peer-s{k}", stage=k, run_id=run_id, addr_file=addr_file, where=Where.on(host))
+                 for k, host in enumerate((peer0, peer1))]
+        for proc in peers:
+            wait_ready(proc)
+        trainer = start_trainer(group, "trainer", run_id=run_id, addr_file=addr_file, metrics_path=metrics,
+                                steps=0, where=Where.on(trainer_host),
+                                flags=["--microbatch-size", str(MICROBATCH), "--in-flight", str(IN_FLIGHT),
+                                       "--eval-every-steps", "0", "--eval-batches", "1", "--log-every-s", "10",
+                                       "--max-bytes", str(MAX_DATA_BYTES)])
+        _wait_progress(metrics, after_step=0, trainer=trainer, timeout_s=timeout_s)
+        print(f"  {setup.name}: swarm up and training after {time.monotonic() - started:.0f}s", flush=True)
+        for rate in setup.rates_mbit:
+            for host in net.hosts:
+                host.set_rate(rate)
+            window = measure_window(trainer_host, metrics, trainer, rate_mbit=rate, warmup_s=warmup_s,
+                                    seconds=seconds, min_steps=min_steps, timeout_s=timeout_s)
+            result.windows[rate] = window
+            print(f"  {setup.name} @ {_rate_label(rate)}: {window.tokens_per_s:,.0f} tokens/s over "
+                  f"{window.seconds:.0f}s ({window.steps} steps); trainer link up {window.sent_mbit_per_s:.1f} / "
+                  f"down {window.received_mbit_per_s:.1f} Mbit/s; load {window.load:.1f}", flush=True)
+        group.stop("trainer", sig=signal.SIGINT, timeout_s=30)
+        retried = sum("retrying elsewhere" in line for line in trainer.lines)
+        if retried:
+            print(f"  {setup.name}: the trainer retried {retried} calls at another peer (see {trainer.log_path})",
+                  flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _rate_label(rate: float | None) -> str:
+    return "unlimited" if rate is None else f"{rate:g} Mbit/s"
+
+
+def tables(results: list[SetupResult]) -> tuple[str, str, list[str]]:
+    """(throughput table, int8-vs-none table, target verdicts)."""
+    rates = list(dict.fromkeys(r for res in results for r in res.setup.rates_mbit))
+    rows = []
+    for res in results:
+        base = res.windows.get(None)
+        row = [f"{res.setup.name} ({res.setup.preset})"]
+        for rate in rates:
+            w = res.windows.get(rate)
+            if w is None:
+                row.append("")
+                continue
+            cell = f"{w.tokens_per_s:,.0f}"
+            if rate is not None and base is not None:
+                cell += f" ({w.tokens_per_s / base.tokens_per_s:.0%}; link {w.utilisation():.0%})"
+            row.append(cell)
+        rows.append(row)
+    throughput = markdown_table(["config"] + [_rate_label(r) for r in rates], rows)
+
+    by_name = {(res.setup.preset, res.setup.codec, res.setup.bottleneck_dim): res for res in results}
+    ratio_rows, verdicts = [], []
+    for preset in dict.fromkeys(res.setup.preset for res in results):
+        none = by_name.get((preset, "none", None))
+        if none is None:
+            continue
+        for res in results:
+            if res.setup.preset != preset or res is none:
+                continue
+            cells = []
+            for rate in rates:
+                a, b = res.windows.get(rate), none.windows.get(rate)
+                cells.append("" if a is None or b is None else f"{a.tokens_per_s / b.tokens_per_s:.2f}x")
+            ratio_rows.append([f"{res.setup.name} / none ({preset})", *cells])
+        int8 = by_name.get((preset, "int8", None))
+        if int8 is None:
+            continue
+        if 100 in int8.windows and None in int8.windows and preset == "tiny":
+            keep = int8.windows[100].tokens_per_s / int8.windows[None].tokens_per_s
+            verdicts.append(f"{preset}, int8 at 100 Mbit/s keeps {keep:.0%} of its unlimited-link tokens/s "
+                            f"(target >= {KEEP_AT_100:.0%}): {'met' if keep >= KEEP_AT_100 else '**missed**'}")
+        base = none.windows.get(None)
+        for rate in rates:
+            if rate is None or rate not in none.windows or rate not in int8.windows or base is None:
+                continue
+            keep_none = none.windows[rate].tokens_per_s / base.tokens_per_s
+            if keep_none >= LINK_BOUND:
+                continue  # the link is not the bottleneck for none here: the 3x target does not apply
+            speedup = int8.windows[rate].tokens_per_s / none.windows[rate].tokens_per_s
+            int8_keep = int8.windows[rate].tokens_per_s / int8.windows[None].tokens_per_s \
+                if None in int8.windows else float("nan")
+            bound = "link-bound" if int8_keep < LINK_BOUND else f"compute-bound, {int8_keep:.0%} of unlimited"
+            verdicts.append(f"{preset} at {_rate_label(rate)}: none is link-bound ({keep_none:.0%} of unlimited); "
+                            f"int8 is {speedup:.2f}x faster (target >= {INT8_SPEEDUP:g}x): "
+                            f"{'met' if speedup >= INT8_SPEEDUP else '**missed**'}; int8 itself is {bound}")
+    ratios = markdown_table(["ratio of tokens/s"] + [_rate_label(r) for r in rates], ratio_rows)
+    return throughput, ratios, verdicts
+
+
+def default_setups(rates: tuple[float | None, ...], *, w2: bool, w2_rates: tuple[float | None, ...]) -> list[SwarmSetup]:
+    setups = [SwarmSetup(name="none", preset="tiny", codec="none", rates_mbit=rates),
+              SwarmSetup(name="fp16", preset="tiny", codec="fp16", rates_mbit=rates),
+              SwarmSetup(name="int8", preset="tiny", codec="int8", rates_mbit=rates),
+              SwarmSetup(name="int8+bottleneck32", preset="tiny", codec="int8", bottleneck_dim=32,
+                         rates_mbit=rates)]
+    if w2:
+        setups += [SwarmSetup(name="none", preset="w2", codec="none", rates_mbit=w2_rates),
+                   SwarmSetup(name="int8", preset="w2", codec="int8", rates_mbit=w2_rates)]
+    return setups
+
+
+def _parse_rates(text: str) -> tuple[float | None, ...]:
+    rates = [float(r) or None for r in text.split(",") if r]
+    limited = sorted(r for r in rates if r is not None)
+    return (*limited, *([None] if None in rates else []))  # slowest first, unlimited last
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rates", default="5,20,100,0", help="Mbit/s per host link, 0 = unlimited")
+    parser.add_argument("--w2", action="store_true", help="also W2 (--preset w2, 4 MiB activations): none, int8")
+    parser.add_argument("--w2-rates", default="20,100,0", help="rates for the W2 configurations")
+    parser.add_argument("--configs", default=None, help="only these config names, comma-separated")
+    parser.add_argument("--seconds", type=float, default=12.0, help="least measured time per rate")
+    parser.add_argument("--min-steps", type=int, default=3, help="least global batches measured per rate")
+    parser.add_argument("--warmup-seconds", type=float, default=4.0, help="least time at a rate before measuring")
+    parser.add_argument("--timeout-s", type=float, default=240.0, help="longest wait for one step or startup")
+    parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "netswarm.md")
+    args = parser.parse_args()
+    ok, why = have_netns()
+    if not ok:
+        raise SystemExit(f"bench/netswarm.py needs network namespaces: {why}")
+    setups = default_setups(_parse_rates(args.rates), w2=args.w2, w2_rates=_parse_rates(args.w2_rates))
+    if args.configs:
+        wanted = set(args.configs.split(","))
+        setups = [s for s in setups if s.name in wanted]
+    info = RunInfo(command="sudo .venv/bin/python bench/netswarm.py" + "".join(f" {a}" for a in sys.argv[1:]))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-netbench-"))
+    print(f"logs in {workdir}", flush=True)
+    results = [measure_setup(s, workdir / f"{s.preset}-{s.name}", warmup_s=args.warmup_seconds,
+                             seconds=args.seconds, min_steps=args.min_steps, timeout_s=args.timeout_s)
+               for s in setups]
+    info.finish()
+    throughput, ratios, verdicts = tables(results)
+    info.extra += [
+        "topology: 4 network namespaces on one bridge (deploy/netns.py) — bootstrap DHT node, stage-0 peer, "
+        "stage-1 peer, trainer; every host's uplink and downlink limited by tbf to the rate of the column",
+        f"swarm: 2 stages x 1 peer (`--threads 1`), trainer OMP_NUM_THREADS=1, microbatch {MICROBATCH}, "
+        f"in flight {IN_FLIGHT}, target batch {TARGET_BATCH}; per rate (slowest first) >= {args.warmup_seconds:g}s "
+        f"and 1 step of warmup, then >= {args.seconds:g}s and >= {args.min_steps} steps measured",
+    ]
+    body = "\n".join([
+        "Tokens/s of the trainer (in brackets: share of the same swarm's unlimited-link tokens/s, and the "
+        "utilisation of the trainer's link — its busier direction — as a share of the rate):", "", throughput, "",
+        "Speed-up over codec none at the same rate:", "", ratios, "", "Targets:", "",
+        *(f"- {v}" for v in verdicts)])
+    path = write_result(args.out, title="Swarm tokens/s over emulated slow links, per codec", info=info, body=body)
+    print("\n" + throughput + "\n\n" + ratios + "\n\n" + "\n".join(verdicts) + f"\n\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()

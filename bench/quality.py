@@ -1,0 +1,209 @@
+"""Training quality with compressed activations and gradients: validation loss per codec, same samples, same seed.
+
+Run from the repository root:  .venv/bin/python bench/quality.py [--steps 150] [--codecs none,fp16,int8]
+Writes bench/results/quality.md (table + provenance) and docs/compression_quality.png (loss curves; needs
+matplotlib, the ``plot`` extra).
+
+For each codec a fresh swarm on loopback (one bootstrap DHT node shared by all runs, a new run id and new peer
+processes per codec, 1 peer per stage) trains the demo config for the same number of global batches. What is
+held equal: the model init (peers initialise from the model seed), the data order (trainer ``--seed``), the
+schedule and the validation windows. By default one microbatch is in flight, which makes a run deterministic:
+the runs then differ only by the codec. With several in flight (``--in-flight 4``, the demo's), which
+microbatch lands in which optimizer step depends on timing, so two runs with the same codec differ too; the
+``none (repeat)`` row (``--repeat-none``) measures that noise floor.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
+from swarmrun import Where, read_metrics, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
+
+from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+
+TARGET = 0.02  # |val(int8) - val(none)| / val(none) must stay within this
+SUMMARY = r"validation loss ([\d.]+) \| ([\d,]+) tokens/s"
+
+
+@dataclass(frozen=True, kw_only=True)
+class QualityConfig:
+    """One training run per codec, all with the same model, data order and schedule."""
+
+    codecs: tuple[str, ...] = ("none", "fp16", "int8")  # wire codecs to compare; "none" is the reference
+    preset: str | None = "tiny"  # model preset the first peer publishes; None = the caller published the run
+    num_stages: int = 2  # stages of the model (one peer each)
+    steps: int = 150  # global batches per run (x target_batch_size samples)
+    microbatch_size: int = 8  # sequences per microbatch
+    in_flight: int = 1  # microbatches in the pipeline at once; 1 = deterministic runs (the demo uses 4)
+    target_batch_size: int = 32  # samples per optimizer step of each stage
+    lr: float = 3e-3  # peak learning rate (the demo's); cosine decay over `steps`
+    warmup_steps: int = 10  # optimizer steps of linear warmup
+    eval_every_steps: int = 25  # validation every this many steps, and always at the end
+    eval_batches: int = 8  # validation batches of microbatch_size sequences (fixed windows)
+    seed: int = 0  # trainer data-order seed, the same for every codec
+    max_data_bytes: int | None = None  # cap on the corpus loaded by the trainer (None = all of it)
+    run_timeout_s: float = 1800.0  # one run's trainer must finish within this
+
+    def __post_init__(self):
+        if not self.codecs or self.codecs[0] != "none":
+            raise ValueError(f"codecs must start with the reference 'none', got {self.codecs}")
+        if self.steps < 1 or self.num_stages < 2 or self.eval_batches < 1 or self.run_timeout_s <= 0:
+            raise ValueError(f"need steps >= 1 ({self.steps}), num_stages >= 2 ({self.num_stages}), "
+                             f"eval_batches >= 1 ({self.eval_batches}), run_timeout_s > 0 ({self.run_timeout_s})")
+
+    @property
+    def samples_per_step(self) -> int:
+        return math.ceil(self.target_batch_size / self.microbatch_size) * self.microbatch_size
+
+
+@dataclass
+class QualityResult:
+    label: str  # codec name, or "none (repeat)"
+    codec: str
+    losses: list[float]  # mean training loss per global batch
+    val_curve: list[tuple[int, float]] = field(default_factory=list)  # (samples trained, validation loss)
+    tokens_per_s: float = float("nan")  # the trainer's whole-run average (loopback; for information)
+
+    @property
+    def final_val(self) -> float:
+        return self.val_curve[-1][1]
+
+
+def run_codec(group: ProcessGroup, cfg: QualityConfig, *, codec: str, run_id: str, addr_file: Path,
+              workdir: Path, label: str | None = None) -> QualityResult:
+    """Train one run of ``cfg`` with ``codec`` on fresh peers (stopped afterwards); returns its curves.
+    With ``cfg.preset`` None the run ``run_id`` must already be published (its codec is then the record's)."""
+    run_flags = [] if cfg.preset is None else [
+        "--preset", cfg.preset, "--codec", codec, "--target-batch-size", cfg.target_batch_size, "--lr", cfg.lr,
+        "--warmup-steps", cfg.warmup_steps, "--total-steps", cfg.steps]
+    peers = [start_peer(group, f"{run_id}-s{stage}", stage=stage, run_id=run_id, addr_file=addr_file,
+                        run_flags=[str(f) for f in run_flags]) for stage in range(cfg.num_stages)]
+    for proc in peers:
+        wait_ready(proc)
+    metrics_path = workdir / f"{run_id}.jsonl"
+    flags = ["--microbatch-size", cfg.microbatch_size, "--in-flight", cfg.in_flight, "--eval-every-steps",
+             cfg.eval_every_steps, "--eval-batches", cfg.eval_batches, "--seed", cfg.seed, "--log-every-s", 10]
+    if cfg.max_data_bytes is not None:
+        flags += ["--max-bytes", cfg.max_data_bytes]
+    trainer = start_trainer(group, f"{run_id}-trainer", run_id=run_id, addr_file=addr_file,
+                            metrics_path=metrics_path, steps=cfg.steps, flags=[str(f) for f in flags])
+    code = trainer.popen.wait(timeout=cfg.run_timeout_s)
+    if code != 0:
+        raise RuntimeError(f"trainer of run '{run_id}' exited with {code}; see {trainer.log_path}")
+    tokens_per_s = float(trainer.wait_for(SUMMARY, timeout_s=10).group(2).replace(",", ""))
+    for proc in peers:
+        group.stop(proc.name)
+    metrics = read_metrics(metrics_path)
+    if len(metrics.steps) != cfg.steps:
+        raise RuntimeError(f"run '{run_id}' logged {len(metrics.steps)} steps, expected {cfg.steps}")
+    curve = [(v["step"] * cfg.samples_per_step, v["val_loss"]) for v in metrics.validations]
+    return QualityResult(label=label or codec, codec=codec, losses=[s["loss"] for s in metrics.steps],
+                         val_curve=curve, tokens_per_s=tokens_per_s)
+
+
+def run_all(cfg: QualityConfig, workdir: Path, *, repeat_none: bool = False) -> list[QualityResult]:
+    """One bootstrap node, then one run per codec (and a second 'none' run if ``repeat_none``)."""
+    plan = [(c, c) for c in cfg.codecs] + ([("none", "none (repeat)")] if repeat_none else [])
+    results = []
+    with ProcessGroup(workdir) as group:
+        addr_file = workdir / "bootstrap.addr"
+        start_bootstrap(group, addr_file, where=Where())
+        for i, (codec, label) in enumerate(plan):
+            print(f"  run {i + 1}/{len(plan)}: codec {label}, {cfg.steps} steps", flush=True)
+            result = run_codec(group, cfg, codec=codec, run_id=f"quality-{i}-{codec}", addr_file=addr_file,
+                               workdir=workdir, label=label)
+            print(f"    final validation loss {result.final_val:.4f}, {result.tokens_per_s:,.0f} tokens/s",
+                  flush=True)
+            results.append(result)
+    return results
+
+
+def relative_gap(result: QualityResult, reference: QualityResult) -> float:
+    """|val(result) - val(reference)| / val(reference) at the end of training."""
+    return abs(result.final_val - reference.final_val) / reference.final_val
+
+
+def report(results: list[QualityResult], cfg: QualityConfig) -> str:
+    reference = results[0]
+    headers = ["codec", "final validation loss", "gap vs none", f"within {TARGET:.0%}",
+               "validation loss at each checkpoint (samples: loss)", "train loss, last 5 steps"]
+    rows = []
+    for r in results:
+        gap = relative_gap(r, reference)
+        curve = ", ".join(f"{s}: {v:.3f}" for s, v in r.val_curve)
+        rows.append([r.label, f"{r.final_val:.4f}", f"{100 * gap:.2f}%", "yes" if gap <= TARGET else "**no**",
+                     curve, f"{sum(r.losses[-5:]) / len(r.losses[-5:]):.4f}"])
+    return markdown_table(headers, rows)
+
+
+def plot(results: list[QualityResult], cfg: QualityConfig, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        samples = [(i + 1) * cfg.samples_per_step for i in range(len(r.losses))]
+        window = 5  # moving average over steps: one step's loss is a noisy 32-sample estimate
+        smooth = [sum(r.losses[max(0, i - window + 1):i + 1]) / len(r.losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(r.losses))]
+        ax_train.plot(samples, smooth, label=r.label)
+        ax_val.plot(*zip(*r.val_curve), marker="o", label=f"{r.label} ({r.final_val:.3f})")
+    ax_train.set(title="training loss (5-step moving average)", xlabel="samples", ylabel="loss (nats/byte)")
+    ax_val.set(title="validation loss", xlabel="samples", ylabel="loss (nats/byte)")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{cfg.preset} model, 2 stages x 1 peer, {cfg.in_flight} microbatch(es) in flight; codec on "
+                 f"activations and gradients, same init and data order")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=150, help="global batches (32 samples) per codec")
+    parser.add_argument("--codecs", default="none,fp16,int8", help="comma-separated, starting with none")
+    parser.add_argument("--in-flight", type=int, default=1, help="microbatches in flight (1 = deterministic)")
+    parser.add_argument("--repeat-none", action="store_true", help="a second 'none' run: the noise floor")
+    parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quality.md")
+    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "compression_quality.png")
+    args = parser.parse_args()
+    cfg = QualityConfig(codecs=tuple(c for c in args.codecs.split(",") if c), steps=args.steps,
+                        in_flight=args.in_flight)
+    info = RunInfo(command=".venv/bin/python bench/quality.py" + "".join(f" {a}" for a in sys.argv[1:]))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-quality-"))
+    print(f"logs in {workdir}", flush=True)
+    results = run_all(cfg, workdir, repeat_none=args.repeat_none)
+    info.finish()
+    plot(results, cfg, args.plot)
+    table = report(results, cfg)
+    info.extra += [
+        f"model preset {cfg.preset}, 2 stages x 1 peer (`--threads 1`), loopback; {cfg.steps} global batches of "
+        f"{cfg.samples_per_step} samples = {cfg.steps * cfg.samples_per_step} samples per codec; microbatch "
+        f"{cfg.microbatch_size}, in flight {cfg.in_flight}; lr {cfg.lr} with {cfg.warmup_steps} warmup steps and "
+        f"cosine decay; trainer seed {cfg.seed}; validation on {cfg.eval_batches} fixed batches",
+        f"plot: {args.plot.relative_to(REPO_ROOT) if args.plot.is_relative_to(REPO_ROOT) else args.plot}",
+    ]
+    int8 = next((r for r in results if r.label == "int8"), None)
+    verdict = ("no int8 run" if int8 is None else
+               f"int8 vs none: {100 * relative_gap(int8, results[0]):.2f}% "
+               f"({'meets' if relative_gap(int8, results[0]) <= TARGET else 'misses'} the {TARGET:.0%} target)")
+    body = "\n".join([table, "", f"- {verdict}."])
+    path = write_result(args.out, title="Validation loss per wire codec (same samples, same seed)", info=info,
+                        body=body)
+    print("\n" + table + f"\n\n{verdict}\nwritten to {path} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""One stage's optimizer: the peers of a stage accumulate toward one global batch, all-reduce and step together.
+
+Two implementations share one small interface (:class:`StageOptimizer`), so the executor does not care
+which it has:
+
+* :class:`LocalStageOptimizer` steps alone when this replica has seen ``target_batch_size`` samples (an
+  executor built outside a peer: unit tests, tools).
+* :class:`HivemindStageOptimizer` wraps ``hivemind.Optimizer`` with run id ``f"{run_id}_stage{k}"``: commits
+  report samples to the stage's progress tracker; when the stage as a whole has the global batch, every
+  peer of the stage averages its gradient sums weighted by samples (exact global mean) and steps.
+
+Why synchronous (``delay_optimizer_step=False``, ``delay_grad_averaging=False``, no local updates): the
+optimizer step runs on the peer's compute thread, so it never races a forward or backward and the swarm
+optimises exactly what the single-process model does (no stale parameters). The price is that compute
+pauses during the all-reduce; hivemind starts matchmaking ``matchmaking_s`` before the batch is
+expected to fill, so the pause is mostly the all-reduce itself (measured in bench/convergence.py). The
+delayed modes would run the step on hivemind's thread and write parameters under a running backward
+(or, with an offloaded optimizer, apply one step late), which breaks the parity the issue asks for.
+
+Gradient clipping needs the norm over all stages, which no single stage knows. Approximation used: each
+stage clips its own gradient to ``max_grad_norm / sqrt(num_stages)``. The global norm after clipping is
+then always <= ``max_grad_norm``, and when the stages' norms are equal this is exactly global clipping.
+Its effect versus exact clipping is measured in bench/convergence.py (docs/convergence.md).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.model import Stage, adamw_param_groups
+
+logger = logging.getLogger(__name__)
+
+GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AveragingConfig:
+    matchmaking_s: float = 2.0  # seconds peers of a stage spend forming an all-reduce group before a step
+    averaging_timeout_s: float = 30.0  # an all-reduce that takes longer is abandoned (the step uses local grads)
+    load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers
+    grad_compression: str = "none"  # gradient all-reduce codec: none, fp16 or scaled-fp16
+    step_check_s: float = 0.1  # seconds between checks whether the stage's global batch is full
+
+    def __post_init__(self):
+        if self.grad_compression not in GRAD_COMPRESSIONS:
+            raise ValueError(f"grad_compression '{self.grad_compression}' is unknown; choose one of "
+                             f"{', '.join(GRAD_COMPRESSIONS)} (hivemind's 8-bit codecs fail under numpy 2)")
+        if min(self.matchmaking_s, self.averaging_timeout_s, self.load_state_timeout_s, self.step_check_s) <= 0:
+            raise ValueError(f"matchmaking_s ({self.matchmaking_s}), averaging_timeout_s "
+                             f"({self.averaging_timeout_s}), load_state_timeout_s ({self.load_state_timeout_s}) and "
+                             f"step_check_s ({self.step_check_s}) must be > 0")
+
+
+def stage_run_id(run_id: str, stage: int) -> str:
+    """hivemind run id of one stage's averaging (hivemind forbids '.' in its prefixes)."""
+    return f"{run_id.replace('.', '_')}_stage{stage}"
+
+
+def stage_clip_norm(run: RunConfig) -> float:
+    """The per-stage clipping threshold that bounds the global norm by ``run.max_grad_norm`` (0 = off)."""
+    return run.max_grad_norm / math.sqrt(run.model.num_stages)
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW that clips its parameters' gradient norm to ``max_grad_norm`` first (0 = off) and skips a
+    step whose gradient is not finite (the gradients are dropped, the parameters stay)."""
+
+    def __init__(self, params, *, max_grad_norm: float, **kwargs):
+        super().__init__(params, **kwargs)
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm = float("nan")
+        self.skipped_steps = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm if self.max_grad_norm > 0 else math.inf)
+        self.last_grad_norm = float(norm)
+        if not math.isfinite(self.last_grad_norm):
+            logger.error("gradient norm is %s: skipping this optimizer step", self.last_grad_norm)
+            self.skipped_steps += 1
+            self.zero_grad(set_to_none=True)
+            return None
+        return super().step(closure)
+
+
+def build_stage_optimizer(params, run: RunConfig, *, lr: float | None = None) -> ClippedAdamW:
+    """The optimizer every replica of a stage and the single-process reference use (same hyperparameters);
+    callers set each step's learning rate from ``run.lr_at``."""
+    if isinstance(params, torch.nn.Module):
+        params = adamw_param_groups(params, run.weight_decay)
+    return ClippedAdamW(params, lr=run.lr_at(0) if lr is None else lr, betas=(0.9, 0.95),
+                        max_grad_norm=stage_clip_norm(run))
+
+
+class StageOptimizer(Protocol):
+    """What the executor needs. ``accumulate`` takes gradient SUMS over ``num_samples`` samples (one
+    microbatch) in ``stage.parameters()`` order and returns True when the parameters changed."""
+
+    epoch: int
+    local_samples: int
+
+    def accumulate(self, grads: list[torch.Tensor | None], num_samples: int) -> bool: ...
+    def maybe_step(self) -> bool: ...
+    def grad_sums(self) -> list[torch.Tensor]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class LocalStageOptimizer:
+    """Steps alone whenever this replica has accumulated ``target_batch_size`` samples."""
+
+    def __init__(self, stage: Stage, run: RunConfig):
+        self.stage, self.run = stage, run
+        self.params = list(stage.parameters())
+        self.optimizer = build_stage_optimizer(stage, run)
+        self.epoch = 0
+        self.local_samples = 0
+        self._sums = [torch.zeros_like(p) for p in self.params]
+
+    def accumulate(self, grads, num_samples):
+        for acc, g in zip(self._sums, grads):
+            if g is not None:
+                acc.add_(g)
+        self.local_samples += num_samples
+        return self.maybe_step()
+
+    def maybe_step(self) -> bool:
+        if self.local_samples < self.run.target_batch_size:
+            return False
+        for p, acc in zip(self.params, self._sums):
+            p.grad = acc / self.local_samples  # the mean gradient over the global batch
+        _set_lr(self.optimizer, self.run, self.epoch)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for acc in self._sums:
+            acc.zero_()
+        self.local_samples = 0
+        self.epoch += 1
+        return True
+
+    def grad_sums(self):
+        return [acc.clone() for acc in self._sums]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.epoch = int(state["epoch"])
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, run: RunConfig, step: int) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = run.lr_at(step)
+
+
+def _compression(name: str):
+    from hivemind.compression import Float16Compression, NoCompression, ScaledFloat16Compression
+
+    return {"none": NoCompression, "fp16": Float16Compression, "scaled-fp16": ScaledFloat16Compression}[name]()
+
+
+def _sample_sum_averager_factory():
+    """A GradientAverager whose accumulators hold gradient SUMS and whose averaged result is sum/samples.
+
+    hivemind's own accumulation assumes every call brings a mean gradient of equally sized batches
+    (it rescales by the first batch size and divides by the number of calls); our microbatches vary in
+    size and arrive as sums, so we accumulate sums and divide by the samples: the exact local mean,
+    which the all-reduce then weights by samples into the exact global mean."""
+    from hivemind.optim.grad_averager import GradientAverager
+
+    class SampleSumGradientAverager(GradientAverager):
+        @torch.no_grad()
+        def accumulate_grads_(self, batch_size: int):
+            self.local_samples_accumulated += batch_size
+            self.local_times_accumulated += 1
+            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._grad_accumulators()):
+                grad_acc.add_(grad_buf.to(grad_acc.device))
+
+        @torch.no_grad()
+        def load_accumulators_into_averager_(self):
+            scale = 1.0 / self.local_samples_accumulated if self.local_samples_accumulated else 0.0
+            with self.get_tensors() as averaged_grads:
+                for grad_acc, averaged_grad in zip(self._grad_accumulators(), averaged_grads):
+                    averaged_grad.copy_(grad_acc).mul_(scale)
+
+    return SampleSumGradientAverager
+
+
+def _optimizer_class():
+    """hivemind.Optimizer that remembers when a step fell back to local gradients (no all-reduce group)."""
+    import hivemind
+
+    class _Optimizer(hivemind.Optimizer):
+        used_local_gradients = False
+
+        def _load_local_gradients_into_optimizer(self):
+            self.used_local_gradients = True
+            super()._load_local_gradients_into_optimizer()
+
+    return _Optimizer
+
+
+class HivemindStageOptimizer:
+    """hivemind.Optimizer for one stage. Every method runs on the peer's compute thread (it may block for
+    the all-reduce, never on the event loop)."""
+
+    def __init__(self, stage: Stage, run: RunConfig, *, dht, run_id: str, config: AveragingConfig,
+                 private_key=None):
+        import hivemind
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        self.stage, self.run, self.config = stage, run, config
+        self.params = list(stage.parameters())
+        groups = adamw_param_groups(stage, run.weight_decay)
+        # adamw_param_groups keeps parameters in stage order within each group; hivemind averages in the
+        # optimizer's order, so map stage order -> position for gradient reads.
+        self._order = [p for g in groups for p in g["params"]]
+        self.opt = _optimizer_class()(
+            dht=dht, run_id=stage_run_id(run_id, stage.index), target_batch_size=run.target_batch_size,
+            params=groups, optimizer=lambda params: build_stage_optimizer(params, run, lr=0.0),
+            matchmaking_time=config.matchmaking_s, averaging_timeout=config.averaging_timeout_s,
+            load_state_timeout=config.load_state_timeout_s, offload_optimizer=False, delay_optimizer_step=False,
+            delay_grad_averaging=False, use_local_updates=False,
+            # Replicas start equal (same seed or a downloaded state) and apply the same averaged gradients, so
+            # they stay equal without averaging parameters; newcomers download the state instead.
+            average_state_every=2 ** 31, grad_compression=_compression(config.grad_compression),
+            grad_averager_factory=_sample_sum_averager_factory(),
+            tracker_opts=dict(private_key=private_key or RSAPrivateKey(), min_refresh_period=0.2, default_refresh_period=0.5),
+            averager_opts=dict(request_timeout=5.0), verbose=False,
+        )
+
+        # hivemind creates Adam's moments with one virtual step on zero gradients. At lr 0 it moved nothing
+        # (no decay either); undo its step count, or every later step's bias correction would be off by one.
+        for param_state in self.opt.opt.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.zeros_like(torch.as_tensor(param_state["step"]))
+
+    @property
+    def epoch(self) -> int:
+        return self.opt.local_epoch
+
+    @property
+    def local_samples(self) -> int:
+        return self.opt.grad_averager.local_samples_accumulated
+
+    def accumulate(self, grads, num_samples):
+        for p, g in zip(self.params, grads):
+            p.grad = g if g is not None else torch.zeros_like(p)
+        return self._step(num_samples)
+
+    def maybe_step(self) -> bool:
+        """Join the stage's step if its global batch is full (a replica that received no more commits)."""
+        if not self.opt.tracker.ready_to_update_epoch:
+            return False
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        return self._step(0)
+
+    def _step(self, num_samples: int) -> bool:
+        before = self.epoch
+        _set_lr(self.opt.opt, self.run, before)
+        self.opt.used_local_gradients = False
+        self.opt.step(batch_size=num_samples)
+        for p in self.params:
+            p.grad = None
+        if self.epoch != before and self.opt.used_local_gradients and self.opt.tracker.global_progress.num_peers > 1:
+            # This replica missed the stage's all-reduce and stepped on its own gradients: its parameters
+            # now differ from its peers'. Take theirs rather than carry (and later average) a private state.
+            logger.warning("stage %d stepped without its peers' gradients at step %d: reloading the stage's "
+                           "state from its peers", self.stage.index, before)
+            self.opt.load_state_from_peers()
+        if self.epoch != before:
+            _set_lr(self.opt.opt, self.run, self.epoch)
+            return True
+        return False
+
+    def sync_with_peers(self) -> bool:
+        """Download parameters and optimizer state from the stage's peers if they are ahead of us (a
+        newcomer, or a restarted peer whose checkpoint is older). Returns True if state was loaded."""
+        tracker = self.opt.tracker
+        if tracker.global_progress.num_peers == 0 or tracker.global_epoch <= self.epoch:
+            return False
+        self.opt.load_state_from_peers()
+        return True
+
+    def grad_sums(self):
+        by_param = {id(p): acc for p, acc in zip(self._order, self.opt.grad_averager._grad_accumulators())}
+        return [by_param[id(p)].detach().clone() for p in self.params]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.opt.state_averager.local_epoch = int(state["epoch"])
+        self.opt.tracker.report_local_progress(self.epoch, 0)
+
+    def shutdown(self) -> None:
+        self.opt.shutdown()

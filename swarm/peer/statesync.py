@@ -1,0 +1,31 @@
+"""Download a stage's parameters from the peers that serve it (a newcomer or a peer moving in)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from swarm.discovery.dht import RunDirectory
+from swarm.errors import SwarmError
+from swarm.transport.client import PeerClient
+
+logger = logging.getLogger(__name__)
+
+
+async def fetch_stage_state(directory: RunDirectory, stage: int, *, exclude: str = "",
+                            timeout_s: float) -> dict[str, torch.Tensor] | None:
+    """Parameters of ``stage`` from its most advanced serving peer (highest optimizer step), trying the
+    next one if a peer fails. None when no peer serves the stage."""
+    records = await directory.stage_records(stage)
+    candidates = sorted((r for r in records.values() if r.state == "serving" and r.peer_id != exclude),
+                        key=lambda r: -r.step)
+    for record in candidates:
+        client = PeerClient(record.endpoint)
+        try:
+            reply = await client.get_state(directory.run_id, timeout_s=timeout_s)
+            return {name.removeprefix("param/"): t for name, t in reply.tensors.items() if name.startswith("param/")}
+        except SwarmError as e:
+            logger.warning("could not load stage %d state from peer %s: %s", stage, record.peer_id, e)
+        finally:
+            await client.close()
+    return None

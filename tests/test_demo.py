@@ -1,0 +1,82 @@
+"""`swarm demo` (what `make demo` runs): trains, reports, and leaves no process behind, also on Ctrl-C."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _sessions_alive(sessions: set[int]) -> list[str]:
+    """Processes still running in any of these sessions (each swarm process and its p2pd share one)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) in sessions and fields[0] != "Z":  # fields[3] = session id, fields[0] = state
+            alive.append(f"{entry.name}: {stat[:80]}")
+    return alive
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def _start_demo(tmp_path, *args):
+    return subprocess.Popen([sys.executable, "-m", "swarm", "demo", "--peers-per-stage", "1", "--workdir",
+                             str(tmp_path), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _read_until(proc, pattern: str) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(pattern, line):
+            return lines
+    raise AssertionError(f"the demo ended before printing /{pattern}/:\n{''.join(lines)}")
+
+
+def test_demo_trains_reports_and_cleans_up(tmp_path):
+    demo = _start_demo(tmp_path, "--steps", "12", "--eval-every-steps", "6", "--target-batch-size", "16")
+    try:
+        lines = _read_until(demo, r"^step \d+/12")
+        sessions = _children(demo.pid)
+        assert len(sessions) >= 4  # bootstrap, 2 peers, trainer
+        lines += demo.stdout.readlines()
+        assert demo.wait(timeout=300) == 0, "".join(lines)
+    finally:
+        demo.kill()
+    text = "".join(lines)
+    m = re.search(r"training loss ([\d.]+) -> ([\d.]+) \(\d+% of initial\), validation loss ([\d.]+)", text)
+    assert m, text
+    initial, final, val = map(float, m.groups())
+    assert final < initial and val > 0
+    assert "all processes stopped" in text
+    assert _sessions_alive(sessions) == []
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    demo = _start_demo(tmp_path, "--steps", "100000")
+    try:
+        _read_until(demo, r"^step \d+/")
+        sessions = _children(demo.pid)
+        demo.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground process
+        out = demo.stdout.read()
+        assert demo.wait(timeout=120) == 130, out
+    finally:
+        demo.kill()
+    assert "interrupted, stopping every process" in out
+    assert _sessions_alive(sessions) == []

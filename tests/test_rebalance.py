@@ -1,0 +1,100 @@
+"""Peers find the stage where they help most: on arrival, and by moving to the bottleneck over time."""
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--preset", "tiny", "--target-batch-size", "16", "--heartbeat-s", "0.5", "--ttl-s", "3"]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    from conftest import LocalSwarm
+
+    s = LocalSwarm(tmp_path_factory.mktemp("rebalance"))
+    yield s
+    s.close()
+
+
+def served_stage(swarm, proc) -> int:
+    swarm.wait_ready(proc)
+    return int(proc.wait_for(r"serves stage (\d+)", timeout_s=5).group(1))
+
+
+def test_arrivals_fill_the_empty_then_the_weakest_stage(swarm):
+    run = ["--no-rebalance", "--arrival-max-delay-s", "0.5"]
+    a = swarm.peer("arr-a", 0, *COMMON, *run, run_id="arrive")
+    assert served_stage(swarm, a) == 0
+
+    def newcomer(name, *flags):
+        return swarm.group.swarm(name, "peer", "--run-id", "arrive", *swarm.initial_peers, *COMMON, *run, *flags)
+
+    # Stage 1 is empty: the first newcomer must take it (a weak peer: a quarter of the speed).
+    assert served_stage(swarm, newcomer("arr-b", "--slowdown", "4")) == 1
+    # Stage 1 (one slow peer) is now far weaker than stage 0: the next newcomer goes there too.
+    assert served_stage(swarm, newcomer("arr-c")) == 1
+    # Now stage 1 has 1.25 peers' worth against stage 0's one: the next newcomer goes to stage 0.
+    assert served_stage(swarm, newcomer("arr-d")) == 0
+
+
+def _log_time(line: str) -> float:
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_bottleneck_gets_a_peer_without_oscillation(swarm, tmp_path):
+    period = 4.0
+    # Every peer runs 6x slower by sleeping, so the 2-core machine is not the limit and stage capacity
+    # really is the sum of its peers.
+    flags = [*COMMON, "--slowdown", "6", "--period-s", str(period), "--cooldown-periods", "3"]
+    peers = [swarm.peer(f"reb-{name}", stage, *flags, run_id="rebal", wait=False)
+             for name, stage in [("a", 0), ("b", 0), ("c", 0), ("d", 1)]]
+    for p in peers:
+        swarm.wait_ready(p)
+    metrics = tmp_path / "metrics.jsonl"
+    trainer = swarm.group.swarm("reb-trainer", "train", "--run-id", "rebal", *swarm.initial_peers, "--steps", "10000",
+                                "--microbatch-size", "8", "--in-flight", "8", "--eval-every-steps", "0",
+                                "--log-every-s", "0", "--metrics-path", str(metrics))
+    trainer.wait_for(r"^step 1/", timeout_s=120)
+    started_at = _steps(metrics)[0]["wall_time"]
+    # Within 3 periods one of the three stage-0 peers moves to stage 1 (the bottleneck) ...
+    moved = MOVED.format(0, 1)
+    mover = None
+    for p in peers[:3]:
+        try:
+            p.wait_for(moved, timeout_s=3 * period + 15 if mover is None else 0.01)
+            mover = p
+            break
+        except TimeoutError:
+            continue
+    assert mover is not None, "no peer moved to the bottleneck stage within 3 periods"
+    moved_at = _log_time(next(line for line in mover.lines if re.search(moved, line)))
+    assert moved_at - started_at <= 3 * period + 15  # 3 periods, plus the drain and state load of the move
+    # ... then 10 more periods in which nobody moves again (no back and forth).
+    while _steps(metrics)[-1]["wall_time"] < moved_at + 10 * period:
+        trainer.wait_for(r"^step \d+/", timeout_s=60, after_line=len(trainer.lines))
+    swarm.group.stop("reb-trainer")
+    moves = [line for p in peers for line in p.lines if "moved from stage" in line]
+    assert len(moves) == 1, moves
+    steps = _steps(metrics)
+    before = _rate(steps, started_at, moved_at)
+    after = _rate(steps, moved_at + period, None)  # one period to settle (routing learns the newcomer)
+    assert after >= 1.5 * before, (before, after)
+
+
+MOVED = r"moved from stage {} to stage {}"
+
+
+def _steps(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
+
+
+def _rate(steps, t_from, t_to) -> float:
+    """Samples per second between two wall-clock times, from the trainer's per-step records."""
+    chosen = [r for r in steps if r["wall_time"] >= t_from and (t_to is None or r["wall_time"] <= t_to)]
+    assert len(chosen) >= 3, (t_from, t_to, len(steps))
+    return (len(chosen) - 1) * 16 / (chosen[-1]["wall_time"] - chosen[0]["wall_time"])

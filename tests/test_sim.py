@@ -54,7 +54,7 @@ def test_rebalancing_fixes_an_imbalance_and_then_stays_put():
 def test_rebalancing_under_churn_does_not_oscillate():
     config = SimConfig(num_stages=3, initial_peers_per_stage=(14, 4, 6), peer_speed_min=1.0, peer_speed_max=6.0,
                        num_trainers=4, microbatches_in_flight=8, microbatch_size=8, duration_s=900.0,
-                       balance=RebalanceConfig(period_s=15.0, cooldown_periods=2), seed=5)
+                       balance=RebalanceConfig(period_s=15.0, cooldown_periods=2, min_gain=0.1), seed=5)
     result = simulate(config)
     assert result.num_moves >= 3
     visited: dict[str, list[int]] = {}

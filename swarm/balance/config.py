@@ -16,7 +16,7 @@ class RebalanceConfig:
     period_s: float = 60.0
     # Relative gain of the swarm throughput (min over stages) that rebalancing must be able to reach
     # before any peer moves, e.g. 0.1 = 10%; below it the swarm counts as balanced (noise, not need).
-    min_gain: float = 0.1
+    min_gain: float = 0.2
     # Each move must raise the weaker of its two stages by at least this fraction of the throughput
     # the mover brings, in (0, 1]; refuses overshooting moves that would invite a move back.
     min_move_fraction: float = 0.5

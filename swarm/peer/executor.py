@@ -72,8 +72,9 @@ class StageExecutor:
 
     @property
     def throughput(self) -> float:
-        """Measured samples/s of forward + backward (0 until measured)."""
-        per_sample = self._fwd_s_per_sample + self._bwd_s_per_sample
+        """Measured samples/s of forward + backward (0 until measured). On the last stage one call does
+        both, and its time is all in ``_bwd_s_per_sample``."""
+        per_sample = self._bwd_s_per_sample + (0.0 if self.stage.is_last else self._fwd_s_per_sample)
         return 1.0 / per_sample if per_sample > 0 else 0.0
 
     def _observe(self, attr: str, seconds: float, samples: int, alpha: float = 0.1) -> None:
@@ -97,7 +98,7 @@ class StageExecutor:
         for p, g in zip(self.stage.parameters(), saved):
             p.grad = g
         self._fwd_s_per_sample = (t1 - t0) / batch_size
-        self._bwd_s_per_sample = (t2 - t1) / batch_size
+        self._bwd_s_per_sample = ((t2 - t0) if self.stage.is_last else (t2 - t1)) / batch_size
         return self.throughput
 
     # ---------------------------------------------------------------- forward

@@ -182,8 +182,9 @@ class Router:
     def deadline_s(self, stage: int, peer_id: str, size: float) -> float:
         """RPC timeout, seconds, for a request of ``size`` samples to ``peer_id``.
 
-        Measured peers: ``timeout_factor * size / throughput_ema + timeout_slack_s`` (the round
-        trip the EMA predicts for this size, with head-room), clamped to
+        Measured peers: ``timeout_factor * size * (1 + in_flight) / throughput_ema + timeout_slack_s``
+        (the round trip the EMA predicts for this size behind the calls already queued there, with
+        head-room), clamped to
         ``[min_timeout_s, max_timeout_s]``. Unmeasured or unknown peers: ``initial_timeout_s``.
         """
         if not (math.isfinite(size) and size > 0):
@@ -192,7 +193,8 @@ class Router:
         stats = self._stages.get(stage, {}).get(peer_id)
         if stats is None or stats.throughput_ema is None:
             return cfg.initial_timeout_s
-        predicted_s = size / stats.throughput_ema
+        # The call waits behind the caller's other calls to this peer (one compute queue per peer).
+        predicted_s = size * (1 + stats.in_flight) / stats.throughput_ema
         deadline = cfg.timeout_factor * predicted_s + cfg.timeout_slack_s
         return min(cfg.max_timeout_s, max(cfg.min_timeout_s, deadline))
 

@@ -23,6 +23,15 @@ def swarm(tmp_path_factory):
     s.close()
 
 
+@pytest.fixture(autouse=True)
+def stop_peers_after_each_test(swarm):
+    """Idle peers of an earlier test would take CPU from the next one's measurements on 2 cores."""
+    yield
+    for name, proc in list(swarm.group.procs.items()):
+        if name != "bootstrap" and proc.alive():
+            swarm.group.stop(name, timeout_s=30)
+
+
 def served_stage(swarm, proc) -> int:
     swarm.wait_ready(proc)
     return int(proc.wait_for(r"serves stage (\d+)", timeout_s=5).group(1))

@@ -20,13 +20,13 @@ from swarm.coordinator.launcher import ProcessGroup
 class DemoConfig:
     preset: str = "tiny"  # model preset (see swarm.model.MODEL_PRESETS)
     peers_per_stage: int = 2  # peers serving each stage
-    steps: int = 120  # global batches the trainer runs
+    steps: int = 300  # global batches the trainer runs (about two minutes on 2 cores)
     microbatch_size: int = 8  # sequences per microbatch
     in_flight: int = 4  # microbatches in the pipeline at once
     target_batch_size: int = 32  # samples per optimizer step of each stage
     lr: float = 3e-3  # peak learning rate
     codec: str = "none"  # wire codec for activations and gradients
-    eval_every_steps: int = 40  # validation every this many steps
+    eval_every_steps: int = 100  # validation every this many steps
     workdir: str | None = None  # where the processes' logs go (default: a new temporary folder)
     run_id: str = "demo"  # run id in the DHT
 

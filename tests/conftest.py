@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,8 +68,33 @@ class LocalSwarm:
         self.group.procs["bootstrap"].wait_for("DHT node is up", timeout_s=60)
         return [line.strip() for line in self.addr_file.read_text().splitlines() if line.strip()]
 
+    def stop_peers(self) -> None:
+        """Stop every process but the bootstrap node (a frozen one is resumed first so it can drain)."""
+        for name, proc in list(self.group.procs.items()):
+            if name != "bootstrap" and proc.alive():
+                proc.signal(signal.SIGCONT)
+                self.group.stop(name, timeout_s=30)
+
     def close(self) -> None:
         self.group.close()
+
+
+@pytest.fixture(scope="module")
+def module_swarm(tmp_path_factory) -> Iterator[LocalSwarm]:
+    """One bootstrap node for a whole test module (starting one costs seconds)."""
+    swarm = LocalSwarm(tmp_path_factory.mktemp("swarm"))
+    try:
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@pytest.fixture
+def measuring_swarm(module_swarm) -> Iterator[LocalSwarm]:
+    """The module's swarm, with this test's peers stopped after it: idle peers of an earlier test would take
+    CPU from the next test's throughput measurements on 2 cores."""
+    yield module_swarm
+    module_swarm.stop_peers()
 
 
 @pytest.fixture

@@ -21,23 +21,9 @@ PEER_FLAGS = ["--preset", "tiny", "--target-batch-size", "16", "--lr", "3e-3", "
               "--heartbeat-s", "0.5", "--ttl-s", "3"]
 
 
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
-    from conftest import LocalSwarm
-
-    s = LocalSwarm(tmp_path_factory.mktemp("faults"))
-    yield s
-    s.close()
-
-
-@pytest.fixture(autouse=True)
-def stop_peers_after_each_test(swarm):
-    """Idle peers of an earlier test would take CPU from the next one's measurements on 2 cores."""
-    yield
-    for name, proc in list(swarm.group.procs.items()):
-        if name != "bootstrap" and proc.alive():
-            proc.signal(signal.SIGCONT)  # a frozen peer must be able to handle SIGTERM
-            swarm.group.stop(name, timeout_s=30)
+@pytest.fixture
+def swarm(measuring_swarm):
+    return measuring_swarm
 
 
 def start_peers(swarm, run_id, layout: dict[str, list[str]]) -> dict[str, str]:

@@ -98,7 +98,6 @@ class Peer:
         self.directory: RunDirectory | None = None
         self._stack = contextlib.AsyncExitStack()
         self._worker: PriorityWorker | None = None
-        self._tasks: list[asyncio.Task] = []
         self.stopped = asyncio.Event()
         self.stage: int | None = config.stage
         self.moving_to: tuple[int, float] | None = None  # (stage, expected samples/s) during a move
@@ -172,6 +171,17 @@ class Peer:
         self.executor = StageExecutor(stage, self.run, cache=self.config.cache)
         await self.compute(self.executor.calibrate, self.config.calibration_batch)
 
+    def _background(self, coro, name: str) -> None:
+        """Run ``coro`` as a task until shutdown, which cancels it and waits for it to end."""
+        task = asyncio.create_task(coro, name=f"{name}-{self.peer_id}")
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        self._stack.push_async_callback(stop)
+
     async def _start_checkpoints(self) -> None:
         """With --checkpoint-dir: resume this stage from its checkpoint, then save every
         ``checkpoint_every_steps`` optimizer steps (and on drain, see :meth:`drain`)."""
@@ -193,14 +203,7 @@ class Peer:
                     except OSError as e:  # a full disk must not stop serving; say so and retry later
                         logger.error("could not write the checkpoint: %s", e)
 
-        task = asyncio.create_task(save_periodically(), name=f"checkpoints-{self.peer_id}")
-
-        async def stop() -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-        self._stack.push_async_callback(stop)
+        self._background(save_periodically(), "checkpoints")
 
     async def _start_averaging(self) -> None:
         """Attach the stage's hivemind optimizer (resuming from the checkpoint, then catching up with the
@@ -213,14 +216,7 @@ class Peer:
 
         await self.attach_optimizer(self.executor)
         self._stack.push_async_callback(detach)
-        task = asyncio.create_task(self._step_loop(), name=f"steps-{self.peer_id}")
-
-        async def stop() -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-        self._stack.push_async_callback(stop)
+        self._background(self._step_loop(), "steps")
 
     async def attach_optimizer(self, executor: StageExecutor) -> None:
         """Give ``executor`` its stage's hivemind optimizer, restore the stage's checkpoint if this peer has
@@ -274,25 +270,10 @@ class Peer:
         if not self.config.rebalance or self.run.model.num_stages < 2:
             return
         self.rebalancer = Rebalancer(self, self.config.balance)
-        task = asyncio.create_task(self.rebalancer.run(), name=f"rebalance-{self.peer_id}")
-
-        async def stop() -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-        self._stack.push_async_callback(stop)
+        self._background(self.rebalancer.run(), "rebalance")
 
     async def _start_announcer(self) -> None:
-        task = asyncio.create_task(self._announce_loop(), name=f"announce-{self.peer_id}")
-        self._tasks.append(task)
-
-        async def stop() -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-        self._stack.push_async_callback(stop)
+        self._background(self._announce_loop(), "announce")
 
     # ------------------------------------------------------------------ running
 

@@ -69,11 +69,11 @@ class LocalSwarm:
         return [line.strip() for line in self.addr_file.read_text().splitlines() if line.strip()]
 
     def stop_peers(self) -> None:
-        """Stop every process but the bootstrap node (a frozen one is resumed first so it can drain)."""
-        for name, proc in list(self.group.procs.items()):
-            if name != "bootstrap" and proc.alive():
-                proc.signal(signal.SIGCONT)
-                self.group.stop(name, timeout_s=30)
+        """Stop every process but the bootstrap node, together (a frozen one is resumed first so it can drain)."""
+        names = [name for name, proc in self.group.procs.items() if name != "bootstrap" and proc.alive()]
+        for name in names:
+            self.group.procs[name].signal(signal.SIGCONT)
+        self.group.stop_all(names, timeout_s=30)
 
     def close(self) -> None:
         self.group.close()

@@ -73,8 +73,7 @@ def test_split_across_peer_processes_matches_one_process(swarm, dht, num_stages)
             remote_grad = state.tensors[f"grad/{name}"] / samples  # peers keep sums weighted by samples
             torch.testing.assert_close(remote_grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"stage {k} {name}")
             torch.testing.assert_close(state.tensors[f"param/{name}"], p.detach(), rtol=0, atol=0)
-    for proc in procs:
-        swarm.group.stop(proc.name)
+    swarm.group.stop_all([proc.name for proc in procs])
 
 
 def test_two_stages_two_peers_each_train_and_loss_falls(swarm, tmp_path):
@@ -108,6 +107,7 @@ def test_two_stages_two_peers_each_train_and_loss_falls(swarm, tmp_path):
     # 30 steps x 2 microbatches each went through both stages; randomized wiring spreads them over replicas.
     assert sum(applied[:2]) == 60 and sum(applied[2:]) == 60
     assert all(n > 0 for n in applied), applied
+    swarm.group.stop_all([proc.name for proc in procs], timeout_s=40)
     for proc in procs:
-        assert swarm.group.stop(proc.name, timeout_s=40) == 0, proc.log_path.read_text()[-2000:]
+        assert proc.popen.returncode == 0, proc.log_path.read_text()[-2000:]
     assert all(not re.search("Traceback", p.log_path.read_text()) for p in procs)

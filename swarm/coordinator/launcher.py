@@ -127,17 +127,23 @@ class ProcessGroup:
         self._kill_group(proc)
         return proc.popen.returncode
 
-    def close(self, *, timeout_s: float = 15.0) -> None:
-        for proc in self.procs.values():
+    def stop_all(self, names: list[str] | None = None, *, timeout_s: float = 15.0) -> None:
+        """Signal every named process (default: all) at once, then wait for them together, so their
+        shutdowns overlap; SIGKILL the groups of any still alive after ``timeout_s``."""
+        procs = [self.procs[name] for name in (self.procs if names is None else names)]
+        for proc in procs:
             if proc.alive():
                 proc.signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
+        for proc in procs:
             try:
                 proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             self._kill_group(proc)
+
+    def close(self, *, timeout_s: float = 15.0) -> None:
+        self.stop_all(timeout_s=timeout_s)
         for proc in self.procs.values():
             if proc.reader is not None:
                 proc.reader.join(timeout=5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -45,9 +46,10 @@ class PeerConfig:
     ttl_s: float = 5.0  # announcement lifetime: a silent peer disappears from routing after this
     drain_timeout_s: float = 30.0  # on SIGTERM, exit within this many seconds
     drain_notice_s: float = 3.0  # after SIGTERM, keep accepting forwards this long while trainers learn of it
+    drain_idle_s: float = 5.0  # while draining, give up on cached microbatches' backward after this long without any call
     max_microbatch_size: int = 256  # most samples accepted in one request
     calibration_batch: int = 8  # samples used to time the stage at startup
-    slowdown: float = 1.0  # fault injection: make every compute this many times slower (1 = off)
+    slowdown: float = 1.0  # fault injection: emulate a device this many times slower (1 = off)
     fail_probability: float = 0.0  # fault injection: answer this share of calls with an error (0 = off)
     hang_after_calls: int = 0  # fault injection: stop answering (hang) after this many calls (0 = off)
     dht: DHTConfig = field(default_factory=DHTConfig)
@@ -70,6 +72,8 @@ class PeerConfig:
         if not 0 <= self.fail_probability <= 1 or self.hang_after_calls < 0:
             raise ValueError(f"fail_probability must be in [0, 1] and hang_after_calls >= 0, got "
                              f"{self.fail_probability} and {self.hang_after_calls}")
+        if not self.drain_idle_s > 0:
+            raise ValueError(f"drain_idle_s must be > 0 seconds, got {self.drain_idle_s}")
         if not 0 <= self.drain_notice_s < self.drain_timeout_s:
             raise ValueError(f"need 0 <= drain_notice_s < drain_timeout_s, got {self.drain_notice_s} and "
                              f"{self.drain_timeout_s}")
@@ -91,6 +95,7 @@ class Peer:
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.last_call_at = time.monotonic()  # when a call last started or ended (see _drain_work)
         self.endpoint = ""
         self.run: RunConfig | None = None
         self.executor: StageExecutor | None = None
@@ -168,7 +173,7 @@ class Peer:
         self._stack.callback(self._worker.shutdown)
         torch.set_num_threads(self.config.threads)
         stage = build_stage(self.run.model, self.stage)
-        self.executor = StageExecutor(stage, self.run, cache=self.config.cache)
+        self.executor = StageExecutor(stage, self.run, cache=self.config.cache, slowdown=self.config.slowdown)
         await self.compute(self.executor.calibrate, self.config.calibration_batch)
 
     def _background(self, coro, name: str) -> None:
@@ -279,20 +284,11 @@ class Peer:
 
     @property
     def throughput(self) -> float:
-        return self.executor.throughput / self.config.slowdown if self.executor else 0.0
+        return self.executor.throughput if self.executor else 0.0
 
     async def compute(self, fn, *args, **kwargs):
-        """Run ``fn`` on the compute thread, after the jobs queued before it (with the configured
-        slowdown, for fault injection)."""
-        def timed():
-            t0 = time.perf_counter()
-            result = fn(*args, **kwargs)
-            if self.config.slowdown > 1:
-                # Fault injection: hold the worker as a slower device would, so capacity really drops.
-                time.sleep((time.perf_counter() - t0) * (self.config.slowdown - 1))
-            return result
-
-        return await self._worker.run(timed)
+        """Run ``fn`` on the compute thread, after the jobs queued before it."""
+        return await self._worker.run(functools.partial(fn, *args, **kwargs))
 
     async def bookkeeping(self, fn, *args):
         """Run a cheap ``fn`` on the compute thread ahead of queued compute (commits, snapshots)."""
@@ -352,7 +348,8 @@ class Peer:
         state = await fetch_stage_state(self.directory, stage, exclude=self.peer_id, timeout_s=60)
         if state is not None:
             stage_module.load_state_dict(state)
-        executor = StageExecutor(stage_module, self.run, cache=self.config.cache)
+        executor = StageExecutor(stage_module, self.run, cache=self.config.cache,
+                                 slowdown=self.config.slowdown)
         await self.compute(executor.calibrate, self.config.calibration_batch)
         self.executor, self.stage = executor, stage
         self.last_moved_s = get_dht_time()
@@ -371,8 +368,16 @@ class Peer:
         # Trainers stop routing new forwards here once they see the draining state (in a reply or the
         # DHT); until the cached microbatches are claimed by their backward, keep serving.
         while time.monotonic() < deadline - 1.0:
-            if not self.accepts_new_work and self.in_flight == 0 and self.executor.cached_microbatches == 0:
-                break
+            if not self.accepts_new_work and self.in_flight == 0:
+                cached = self.executor.cached_microbatches
+                if cached == 0:
+                    break
+                quiet_s = time.monotonic() - self.last_call_at
+                if quiet_s >= self.config.drain_idle_s:
+                    # No call for a while: whoever ran these forwards is gone and will not send their backward.
+                    logger.info("peer %s drops %d cached microbatches: no call for %.1fs", self.peer_id, cached,
+                                quiet_s)
+                    break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wait_idle_change(), timeout=0.2)
 

@@ -51,8 +51,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class StageExecutor:
     def __init__(self, stage: Stage, run: RunConfig, *, cache: CacheConfig = CacheConfig(),
-                 optimizer: StageOptimizer | None = None):
+                 optimizer: StageOptimizer | None = None, slowdown: float = 1.0):
+        if not slowdown >= 1:
+            raise ValueError(f"slowdown is a factor >= 1 (1 = normal speed), got {slowdown}")
         self.stage = stage
+        # Fault injection: emulate a device this many times slower (see _emulate_slow_device).
+        self.slowdown = slowdown
         self.run = run
         self.cache_config = cache
         # Steps alone unless the peer attaches its stage's hivemind optimizer (see swarm.peer.averaging).
@@ -67,6 +71,9 @@ class StageExecutor:
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0
+        # the same, at full speed as calibrated (best of several runs); the base of the emulated slowdown
+        self._base_fwd_s = 0.0
+        self._base_bwd_s = 0.0
 
     # ---------------------------------------------------------------- throughput
 
@@ -82,24 +89,39 @@ class StageExecutor:
         old = getattr(self, attr)
         setattr(self, attr, value if old == 0 else (1 - alpha) * old + alpha * value)
 
-    def calibrate(self, batch_size: int) -> float:
-        """Time one forward + backward on synthetic input (grads discarded) to seed the throughput."""
+    def calibrate(self, batch_size: int, repeats: int = 3) -> float:
+        """Time forward + backward on synthetic input (grads discarded) to seed the throughput: the
+        fastest of ``repeats`` runs after a warm-up, since a busy machine only ever adds time."""
         shape, dtype = self.stage.input_spec(batch_size)
         x = (torch.randint(0, self.stage.config.vocab_size, shape) if dtype == torch.int64
              else torch.randn(shape, dtype=dtype))
         saved = [None if p.grad is None else p.grad.clone() for p in self.stage.parameters()]
-        for _ in range(2):  # the first call includes one-off allocation costs
+        fwd, total = [], []
+        for _ in range(1 + repeats):  # the first run includes one-off allocation costs
             t0 = time.perf_counter()
             with torch.enable_grad():
                 out = self.stage(x)
             t1 = time.perf_counter()
             out.float().square().mean().backward()
             t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            total.append(t2 - t0)
         for p, g in zip(self.stage.parameters(), saved):
             p.grad = g
-        self._fwd_s_per_sample = (t1 - t0) / batch_size
-        self._bwd_s_per_sample = ((t2 - t0) if self.stage.is_last else (t2 - t1)) / batch_size
+        fwd_s, total_s = min(fwd[1:]), min(total[1:])
+        self._base_fwd_s = fwd_s / batch_size
+        self._base_bwd_s = (total_s if self.stage.is_last else max(total_s - fwd_s, 0.0)) / batch_size
+        self._fwd_s_per_sample = self._base_fwd_s * self.slowdown
+        self._bwd_s_per_sample = self._base_bwd_s * self.slowdown
         return self.throughput
+
+    def _emulate_slow_device(self, base_s_per_sample: float, samples: int) -> None:
+        """With ``slowdown`` f > 1, hold the compute thread as a device f times slower would: sleep
+        (f - 1) times the calibrated full-speed time of this work. The sleep is fixed, not a multiple of
+        the time just measured, so the emulated device's speed does not swing with this machine's load,
+        and the throughput the peer measures (sleep included) is the capacity it really has."""
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * base_s_per_sample * samples)
 
     # ---------------------------------------------------------------- forward
 
@@ -121,6 +143,7 @@ class StageExecutor:
             with torch.no_grad():
                 out = self.stage(x)
             self._remember(microbatch_id, _Cached(x, None))
+        self._emulate_slow_device(self._base_fwd_s, x.shape[0])
         self._observe("_fwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return out
 
@@ -152,6 +175,7 @@ class StageExecutor:
         grads, grad_input = self._gradients(loss * num_samples, None, leaf)
         reply = (float(loss.detach()), grad_input)
         self._hold(microbatch_id, grads, reply, num_samples)
+        self._emulate_slow_device(self._base_bwd_s, x.shape[0])
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return reply
 
@@ -174,6 +198,7 @@ class StageExecutor:
             raise InvalidRequest(f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
                                  f"got {grad_output.dtype} {list(grad_output.shape)}")
         t0 = time.perf_counter()
+        base_s = self._base_bwd_s
         if cached is not None and cached.graph is not None:
             leaf, out = cached.graph
             cached.graph = None  # autograd frees it below; a retry after a failure recomputes
@@ -181,9 +206,11 @@ class StageExecutor:
             leaf = self._leaf(x)
             with torch.enable_grad():
                 out = self.stage(leaf)
+            base_s += self._base_fwd_s
         grads, grad_input = self._gradients(out, grad_output, leaf)
         self._forget(microbatch_id)
         self._hold(microbatch_id, grads, grad_input, num_samples)
+        self._emulate_slow_device(base_s, x.shape[0])
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return grad_input
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -188,10 +189,12 @@ class StageService(pb_grpc.StagePeerServicer):
     @contextlib.contextmanager
     def _in_flight(self):
         self.peer.in_flight += 1
+        self.peer.last_call_at = time.monotonic()
         try:
             yield
         finally:
             self.peer.in_flight -= 1
+            self.peer.last_call_at = time.monotonic()
             self.peer.idle.set() if self.peer.in_flight == 0 else self.peer.idle.clear()
 
 

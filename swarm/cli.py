@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # hivemind's own INFO lines (matchmaking chatter) drown ours; keep its warnings and errors.
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    logging.getLogger("hivemind").setLevel(os.environ["HIVEMIND_LOGLEVEL"])
     from swarm.errors import SwarmError
 
     try:

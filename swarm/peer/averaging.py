@@ -24,8 +24,13 @@ Its effect versus exact clipping is measured in bench/convergence.py (docs/conve
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +46,7 @@ GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
 
 @dataclass(frozen=True, kw_only=True)
 class AveragingConfig:
+    average: bool = True  # all-reduce gradients with this stage's other peers and step together (hivemind)
     matchmaking_s: float = 2.0  # seconds peers of a stage spend forming an all-reduce group before a step
     averaging_timeout_s: float = 30.0  # an all-reduce that takes longer is abandoned (the step uses local grads)
     load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers
@@ -101,12 +107,13 @@ def build_stage_optimizer(params, run: RunConfig, *, lr: float | None = None) ->
 
 class StageOptimizer(Protocol):
     """What the executor needs. ``accumulate`` takes gradient SUMS over ``num_samples`` samples (one
-    microbatch) in ``stage.parameters()`` order and returns True when the parameters changed."""
+    microbatch) in ``stage.parameters()`` order, toward optimizer step ``batch_step`` (None: the current
+    one), and returns True when the parameters changed."""
 
     epoch: int
     local_samples: int
 
-    def accumulate(self, grads: list[torch.Tensor | None], num_samples: int) -> bool: ...
+    def accumulate(self, grads: list[torch.Tensor | None], num_samples: int, batch_step: int | None = None) -> bool: ...
     def maybe_step(self) -> bool: ...
     def grad_sums(self) -> list[torch.Tensor]: ...
     def state_dict(self) -> dict: ...
@@ -114,8 +121,45 @@ class StageOptimizer(Protocol):
     def shutdown(self) -> None: ...
 
 
+class LaterBatches:
+    """Gradient sums of microbatches that belong to a later optimizer step than the stage's current one,
+    kept aside until the stage gets there (the trainer streams the next batch while the stage still waits
+    for the last microbatches of this one). Steps more than ``max_ahead`` ahead are kept with the step
+    ``max_ahead`` ahead, so memory stays at ``max_ahead`` gradient copies whatever the callers send."""
+
+    def __init__(self, max_ahead: int = 2):
+        self.max_ahead = max_ahead
+        self._by_step: dict[int, tuple[list[torch.Tensor | None], int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_step)
+
+    @property
+    def samples(self) -> int:
+        return sum(n for _, n in self._by_step.values())
+
+    def add(self, step: int, current: int, grads: list[torch.Tensor | None], num_samples: int) -> None:
+        step = min(step, current + self.max_ahead)
+        held = self._by_step.get(step)
+        if held is None:
+            self._by_step[step] = ([None if g is None else g.detach().clone() for g in grads], num_samples)
+            return
+        sums, n = held
+        for i, g in enumerate(grads):
+            if g is not None:
+                sums[i] = g.detach().clone() if sums[i] is None else sums[i].add_(g)
+        self._by_step[step] = (sums, n + num_samples)
+
+    def pop_due(self, current: int) -> tuple[list[torch.Tensor | None], int] | None:
+        """The oldest batch kept for a step the stage has reached, if any."""
+        due = [step for step in self._by_step if step <= current]
+        return self._by_step.pop(min(due)) if due else None
+
+
 class LocalStageOptimizer:
-    """Steps alone whenever this replica has accumulated ``target_batch_size`` samples."""
+    """Steps alone whenever this replica has accumulated ``target_batch_size`` samples. It counts every
+    sample toward its own next step (``batch_step`` is ignored): with no peers to agree with, the count
+    alone is exact."""
 
     def __init__(self, stage: Stage, run: RunConfig):
         self.stage, self.run = stage, run
@@ -125,7 +169,7 @@ class LocalStageOptimizer:
         self.local_samples = 0
         self._sums = [torch.zeros_like(p) for p in self.params]
 
-    def accumulate(self, grads, num_samples):
+    def accumulate(self, grads, num_samples, batch_step=None):
         for acc, g in zip(self._sums, grads):
             if g is not None:
                 acc.add_(g)
@@ -171,7 +215,7 @@ def _compression(name: str):
     return {"none": NoCompression, "fp16": Float16Compression, "scaled-fp16": ScaledFloat16Compression}[name]()
 
 
-def _sample_sum_averager_factory():
+def _sample_sum_averager_factory(request_timeout: float):
     """A GradientAverager whose accumulators hold gradient SUMS and whose averaged result is sum/samples.
 
     hivemind's own accumulation assumes every call brings a mean gradient of equally sized batches
@@ -195,15 +239,56 @@ def _sample_sum_averager_factory():
                 for grad_acc, averaged_grad in zip(self._grad_accumulators(), averaged_grads):
                     averaged_grad.copy_(grad_acc).mul_(scale)
 
-    return SampleSumGradientAverager
+    return functools.partial(SampleSumGradientAverager, request_timeout=request_timeout)
+
+
+@contextlib.contextmanager
+def _keep_sigint_handler():
+    """hivemind's averagers set SIGINT to "ignore" in the calling process as they start their own processes.
+    Keep the caller's handler (Ctrl-C drains a peer): restore it afterwards on the main thread; elsewhere
+    (a peer run inside another program's thread), where Python refuses signal.signal, skip hivemind's call."""
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return
+    original = signal.signal
+    signal.signal = lambda sig, handler: signal.getsignal(sig)
+    try:
+        yield
+    finally:
+        signal.signal = original
 
 
 def _optimizer_class():
-    """hivemind.Optimizer that remembers when a step fell back to local gradients (no all-reduce group)."""
+    """hivemind.Optimizer that remembers when a step fell back to local gradients (no all-reduce group), and
+    whose stage steps on a full global batch only (see ``BatchTracker``)."""
     import hivemind
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    class BatchTracker(ProgressTracker):
+        """Ready to step when the stage has its global batch (or a peer already stepped past it), or when
+        the batch is closed (the trainer has moved on: it will not grow). hivemind's tracker also steps when
+        its time estimate for the batch passes; the trainer's microbatches arrive in bursts, so that would
+        step on part of a batch and split the rest over the next step."""
+
+        batch_closed = False
+
+        @property
+        def ready_to_update_epoch(self) -> bool:
+            return (self.global_epoch > self.local_progress.epoch
+                    or self.global_progress.samples_accumulated >= self.target_batch_size
+                    or self.batch_closed)
 
     class _Optimizer(hivemind.Optimizer):
         used_local_gradients = False
+
+        def _make_progress_tracker(self, target_batch_size: int, **kwargs):
+            return BatchTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                                **kwargs)
 
         def _load_local_gradients_into_optimizer(self):
             self.used_local_gradients = True
@@ -213,22 +298,38 @@ def _optimizer_class():
 
 
 class HivemindStageOptimizer:
-    """hivemind.Optimizer for one stage. Every method runs on the peer's compute thread (it may block for
-    the all-reduce, never on the event loop)."""
+    """hivemind.Optimizer for one stage. Every method but the constructor runs on the peer's compute thread
+    (``maybe_step`` may hold it for the all-reduce; never the event loop). It uses a few of hivemind
+    1.1.12's private Optimizer methods to split accumulation from the global step (pinned version)."""
 
     def __init__(self, stage: Stage, run: RunConfig, *, dht, run_id: str, config: AveragingConfig,
                  private_key=None):
-        import hivemind
-        from hivemind.utils.crypto import RSAPrivateKey
-
         self.stage, self.run, self.config = stage, run, config
         self.params = list(stage.parameters())
+        self._later = LaterBatches()
+        self._ready_since: float | None = None  # when the stage's batch was first seen full
+        self.last_step_s = 0.0  # seconds the last global step held the compute thread
         groups = adamw_param_groups(stage, run.weight_decay)
         # adamw_param_groups keeps parameters in stage order within each group; hivemind averages in the
         # optimizer's order, so map stage order -> position for gradient reads.
         self._order = [p for g in groups for p in g["params"]]
-        self.opt = _optimizer_class()(
-            dht=dht, run_id=stage_run_id(run_id, stage.index), target_batch_size=run.target_batch_size,
+        with _keep_sigint_handler():
+            self.opt = self._build(groups, dht, run_id, private_key)
+
+        # hivemind creates Adam's moments with one virtual step on zero gradients. At lr 0 it moved nothing
+        # (no decay either); undo its step count, or every later step's bias correction would be off by one.
+        for param_state in self.opt.opt.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.zeros_like(torch.as_tensor(param_state["step"]))
+
+    def _build(self, groups, dht, run_id: str, private_key):
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        run, config = self.run, self.config
+        # hivemind advises a request timeout below the matchmaking time (else matchmaking can deadlock).
+        request_timeout = min(5.0, config.matchmaking_s / 2)
+        return _optimizer_class()(
+            dht=dht, run_id=stage_run_id(run_id, self.stage.index), target_batch_size=run.target_batch_size,
             params=groups, optimizer=lambda params: build_stage_optimizer(params, run, lr=0.0),
             matchmaking_time=config.matchmaking_s, averaging_timeout=config.averaging_timeout_s,
             load_state_timeout=config.load_state_timeout_s, offload_optimizer=False, delay_optimizer_step=False,
@@ -236,16 +337,10 @@ class HivemindStageOptimizer:
             # Replicas start equal (same seed or a downloaded state) and apply the same averaged gradients, so
             # they stay equal without averaging parameters; newcomers download the state instead.
             average_state_every=2 ** 31, grad_compression=_compression(config.grad_compression),
-            grad_averager_factory=_sample_sum_averager_factory(),
+            grad_averager_factory=_sample_sum_averager_factory(request_timeout),
             tracker_opts=dict(private_key=private_key or RSAPrivateKey(), min_refresh_period=0.2, default_refresh_period=0.5),
-            averager_opts=dict(request_timeout=5.0), verbose=False,
+            averager_opts=dict(request_timeout=request_timeout), verbose=False,
         )
-
-        # hivemind creates Adam's moments with one virtual step on zero gradients. At lr 0 it moved nothing
-        # (no decay either); undo its step count, or every later step's bias correction would be off by one.
-        for param_state in self.opt.opt.state.values():
-            if "step" in param_state:
-                param_state["step"] = torch.zeros_like(torch.as_tensor(param_state["step"]))
 
     @property
     def epoch(self) -> int:
@@ -255,41 +350,101 @@ class HivemindStageOptimizer:
     def local_samples(self) -> int:
         return self.opt.grad_averager.local_samples_accumulated
 
-    def accumulate(self, grads, num_samples):
+    def accumulate(self, grads, num_samples, batch_step=None):
+        """Add one microbatch toward step ``batch_step``: now if that is the stage's current step (or an
+        earlier one: a late microbatch joins the current batch), else aside until the stage gets there.
+        Each replica reports only the current step's samples, so the stage's count reaches the target
+        exactly when the trainer's global batch is in, and the step averages exactly that batch.
+
+        Never blocks for the all-reduce (``maybe_step`` takes the step once the group is ready), so a
+        commit stays cheap. Returns True if the parameters changed (a replica that fell behind reloads)."""
+        if batch_step is not None and batch_step > self.epoch:
+            self._later.add(batch_step, self.epoch, grads, num_samples)
+            if batch_step >= self.epoch + self._later.max_ahead and self.opt.tracker.global_progress.samples_accumulated:
+                # The trainer is two batches further: whatever of this one is still missing is not coming
+                # (its trainer restarted, a replica holding part of it died). Step on what the stage has.
+                self.opt.tracker.batch_closed = True
+            return False
+        return self._add(grads, num_samples)
+
+    def _add(self, grads, num_samples: int) -> bool:
+        """hivemind.Optimizer.step() up to, not including, the global step: catch up if this replica fell
+        behind, accumulate, report progress, and schedule the all-reduce group ahead of the batch's end."""
+        opt = self.opt
+        if opt._should_load_state_from_peers():
+            # Its gradients were computed on parameters the stage has left behind: drop them, take the state.
+            logger.warning("stage %d replica is behind its peers (step %d < %d): loading their state",
+                           self.stage.index, self.epoch, opt.tracker.global_epoch)
+            opt.load_state_from_peers()
+            self._catch_up()
+            return True
         for p, g in zip(self.params, grads):
             p.grad = g if g is not None else torch.zeros_like(p)
-        return self._step(num_samples)
-
-    def maybe_step(self) -> bool:
-        """Join the stage's step if its global batch is full (a replica that received no more commits)."""
-        if not self.opt.tracker.ready_to_update_epoch:
-            return False
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        return self._step(0)
-
-    def _step(self, num_samples: int) -> bool:
-        before = self.epoch
-        _set_lr(self.opt.opt, self.run, before)
-        self.opt.used_local_gradients = False
-        self.opt.step(batch_size=num_samples)
+        opt._check_and_accumulate_gradients(num_samples, None)
         for p in self.params:
             p.grad = None
-        if self.epoch != before and self.opt.used_local_gradients and self.opt.tracker.global_progress.num_peers > 1:
+        if opt.tracker.global_progress.num_peers > 1:
+            opt._maybe_schedule_gradient_averaging()
+        return False
+
+    def _catch_up(self) -> None:
+        """After a step: count the microbatches kept aside for the step the stage has now reached."""
+        while (due := self._later.pop_due(self.epoch)) is not None:
+            self._add(*due)
+
+    def maybe_step(self) -> bool:
+        """Take the stage's optimizer step if its global batch is in and the all-reduce group has formed
+        (called every ``step_check_s``; cheap when not). Waiting for the group happens in hivemind's
+        averager process, not here, so compute goes on meanwhile; only the all-reduce and the update
+        hold the compute thread. Returns True if the parameters changed."""
+        from hivemind.averaging.control import AveragingStage
+
+        opt, tracker = self.opt, self.opt.tracker
+        if tracker.global_epoch <= self.epoch and tracker.global_progress.samples_accumulated == 0:
+            self._ready_since = None
+            return False  # nothing to average
+        if not tracker.ready_to_update_epoch:
+            self._ready_since = None
+            if tracker.global_progress.num_peers > 1:
+                opt._maybe_schedule_gradient_averaging()
+            return False
+        now = time.monotonic()
+        self._ready_since = self._ready_since or now
+        control = opt.scheduled_grads
+        if tracker.global_progress.num_peers > 1 and (control is None or control.done()):
+            opt._maybe_schedule_gradient_averaging()  # the batch filled before any group was scheduled
+            control = opt.scheduled_grads
+        forming = (control is not None and not control.done()
+                   and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP))
+        if forming and now - self._ready_since < 2 * self.config.matchmaking_s:
+            return False
+        self._ready_since = None
+        self._global_step()
+        self._catch_up()
+        return True
+
+    def _global_step(self) -> None:
+        before = self.epoch
+        _set_lr(opt_inner := self.opt.opt, self.run, before)
+        self.opt.used_local_gradients = False
+        t0 = time.perf_counter()
+        self.opt._update_global_epoch(None)
+        self.opt.tracker.batch_closed = False
+        self.last_step_s = time.perf_counter() - t0
+        if self.opt.used_local_gradients and self.opt.tracker.global_progress.num_peers > 1:
             # This replica missed the stage's all-reduce and stepped on its own gradients: its parameters
             # now differ from its peers'. Take theirs rather than carry (and later average) a private state.
             logger.warning("stage %d stepped without its peers' gradients at step %d: reloading the stage's "
                            "state from its peers", self.stage.index, before)
             self.opt.load_state_from_peers()
-        if self.epoch != before:
-            _set_lr(self.opt.opt, self.run, self.epoch)
-            return True
-        return False
+        _set_lr(opt_inner, self.run, self.epoch)
 
     def sync_with_peers(self) -> bool:
         """Download parameters and optimizer state from the stage's peers if they are ahead of us (a
         newcomer, or a restarted peer whose checkpoint is older). Returns True if state was loaded."""
         tracker = self.opt.tracker
+        # The tracker reads the stage's progress from the DHT in the background: wait for its first reading.
+        tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.load_state_timeout_s)
         if tracker.global_progress.num_peers == 0 or tracker.global_epoch <= self.epoch:
             return False
         self.opt.load_state_from_peers()

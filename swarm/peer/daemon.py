@@ -124,9 +124,7 @@ class Peer:
             await self._start_dht()
             await self._resolve_run(run, run_wait_s)
             await self._start_executor()
-            await self._start_checkpoints()
-            # Issue 4 (open): `await self._start_averaging()` would attach the stage's hivemind optimizer (all-reduce
-            # between replicas, state download for newcomers); it stays off until it passes multi-peer tests.
+            await self._start_optimizer()
             await self._start_server()
             await self._start_announcer()
             await self._start_rebalancer()
@@ -187,55 +185,35 @@ class Peer:
 
         self._stack.push_async_callback(stop)
 
-    async def _start_checkpoints(self) -> None:
-        """With --checkpoint-dir: resume this stage from its checkpoint, then save every
+    async def _start_optimizer(self) -> None:
+        """Resume from --checkpoint-dir if this peer has a checkpoint of its stage; attach the stage's hivemind
+        optimizer (with --average) and catch up with the stage's peers if they are ahead; then check
+        periodically whether the stage's global batch is full, and save a checkpoint every
         ``checkpoint_every_steps`` optimizer steps (and on drain, see :meth:`drain`)."""
-        if not self.config.checkpoint_dir:
-            return
-        self._checkpoints = CheckpointStore(self.config.checkpoint_dir)
-        restored = await asyncio.to_thread(self._checkpoints.load, self.stage, run=self.run)
-        if restored is not None:
-            await self.compute(self.executor.load_state, restored)
-            logger.info("stage %d resumed from checkpoint at step %d", self.stage, self.executor.step)
-        self._saved_step = self.executor.step
-
-        async def save_periodically() -> None:
-            while True:
-                await asyncio.sleep(self.config.heartbeat_s)
-                if self.executor.step >= self._saved_step + self.config.checkpoint_every_steps:
-                    try:
-                        await self.save_checkpoint()
-                    except OSError as e:  # a full disk must not stop serving; say so and retry later
-                        logger.error("could not write the checkpoint: %s", e)
-
-        self._background(save_periodically(), "checkpoints")
-
-    async def _start_averaging(self) -> None:
-        """Attach the stage's hivemind optimizer (resuming from the checkpoint, then catching up with the
-        stage's peers if they are ahead), and check periodically whether the stage's global batch is full."""
         self._checkpoints = CheckpointStore(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
-        self._saved_step = -1
-
-        async def detach() -> None:
-            await asyncio.to_thread(self.executor.optimizer.shutdown)
-
         await self.attach_optimizer(self.executor)
-        self._stack.push_async_callback(detach)
+        if self.config.averaging.average:
+            async def detach() -> None:  # the optimizer of the stage served at shutdown (a move replaces it)
+                await asyncio.to_thread(self.executor.optimizer.shutdown)
+
+            self._stack.push_async_callback(detach)
         self._background(self._step_loop(), "steps")
 
     async def attach_optimizer(self, executor: StageExecutor) -> None:
-        """Give ``executor`` its stage's hivemind optimizer, restore the stage's checkpoint if this peer has
-        one, then download the state from the stage's peers if they are further along. Before it serves."""
+        """Restore the stage's checkpoint if this peer has one; with --average, give ``executor`` its stage's
+        hivemind optimizer and download the state from the stage's peers if they are further along."""
         stage = executor.stage.index
 
-        def build() -> None:
+        if self.config.averaging.average:  # on the event loop's thread, which owns signal handling
             executor.optimizer = HivemindStageOptimizer(executor.stage, self.run, dht=self.dht, run_id=self.run_id,
                                                         config=self.config.averaging)
+
+        def build() -> None:
             restored = self._checkpoints.load(stage, run=self.run) if self._checkpoints else None
             if restored is not None:
                 executor.load_state(restored)
                 logger.info("stage %d resumed from checkpoint at step %d", stage, executor.step)
-            if executor.optimizer.sync_with_peers():
+            if self.config.averaging.average and executor.optimizer.sync_with_peers():
                 logger.info("stage %d state downloaded from its peers: now at step %d", stage, executor.step)
 
         await self.compute(build)
@@ -245,9 +223,12 @@ class Peer:
         while True:
             await asyncio.sleep(self.config.averaging.step_check_s)
             try:
-                await self.bookkeeping(self.executor.maybe_step)
+                if self.config.averaging.average:
+                    await self.bookkeeping(self.executor.maybe_step)
                 if self.executor.step >= self._saved_step + self.config.checkpoint_every_steps:
                     await self.save_checkpoint()
+            except OSError as e:  # a full disk must not stop serving; say so and retry later
+                logger.error("could not write the checkpoint: %s", e)
             except Exception as e:  # averaging trouble must not kill the peer; the next check retries
                 logger.warning("optimizer step check failed: %s", e)
 
@@ -345,12 +326,17 @@ class Peer:
         self.moving_to = (stage, expected_throughput)
         await self._drain_work()
         stage_module = build_stage(self.run.model, stage)
+        # With --average the stage's hivemind optimizer downloads parameters and optimizer state below;
+        # without it, the parameters of the stage's most advanced peer.
         state = await fetch_stage_state(self.directory, stage, exclude=self.peer_id, timeout_s=60)
         if state is not None:
             stage_module.load_state_dict(state)
         executor = StageExecutor(stage_module, self.run, cache=self.config.cache,
                                  slowdown=self.config.slowdown)
         await self.compute(executor.calibrate, self.config.calibration_batch)
+        if self.config.averaging.average:
+            await asyncio.to_thread(self.executor.optimizer.shutdown)
+        await self.attach_optimizer(executor)
         self.executor, self.stage = executor, stage
         self.last_moved_s = get_dht_time()
         self.moving_to, self.drain_started, self.state = None, None, "serving"

@@ -242,9 +242,10 @@ class StageExecutor:
             logger.warning("dropping uncommitted gradients of microbatch %s (more than %d pending)",
                            dropped, self.cache_config.max_pending)
 
-    def commit(self, microbatch_id: str) -> bool:
-        """The caller has the reply: add the held gradients to the accumulators (once). Returns False if
-        nothing was held (already committed, aborted, or never computed here)."""
+    def commit(self, microbatch_id: str, batch_step: int | None = None) -> bool:
+        """The caller has the reply: add the held gradients to the accumulators (once), toward optimizer
+        step ``batch_step`` (None: the current one). Returns False if nothing was held (already committed,
+        aborted, or never computed here)."""
         held = self._pending.pop(microbatch_id, None)
         if held is None:
             return False
@@ -256,7 +257,7 @@ class StageExecutor:
         while len(self._applied) > self.cache_config.applied_ids_size:
             self._applied.popitem(last=False)
         self.microbatches_applied += 1
-        if self.optimizer.accumulate(self._all_params(grads), num_samples):
+        if self.optimizer.accumulate(self._all_params(grads), num_samples, batch_step):
             self._after_step()
         return True
 

@@ -108,7 +108,8 @@ class StageService(pb_grpc.StagePeerServicer):
             if commit.microbatch_id != meta.microbatch_id:
                 raise InvalidRequest(f"commit names microbatch {commit.microbatch_id!r}, the call was for "
                                      f"{meta.microbatch_id!r}")
-            committed = await self.peer.bookkeeping(self.executor.commit, meta.microbatch_id)
+            batch_step = meta.batch_step if meta.HasField("batch_step") else None
+            committed = await self.peer.bookkeeping(self.executor.commit, meta.microbatch_id, batch_step)
         finally:
             if not committed:
                 self.peer.submit(self.executor.abort, meta.microbatch_id)

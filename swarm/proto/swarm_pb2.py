@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bswarm.proto\x12\x08swarm.v1\"\xd7\x01\n\x0bRequestMeta\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x04 \x01(\t\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x14\n\x0c\x63ompute_loss\x18\x06 \x01(\x08\x12\x11\n\teval_only\x18\x07 \x01(\x08\x12\x16\n\x0einclude_inputs\x18\x08 \x01(\x08\x12\x13\n\x0bnum_samples\x18\t \x01(\r\x12\x13\n\x0bnum_tensors\x18\n \x01(\r\"\x8d\x01\n\tReplyMeta\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05state\x18\x05 \x01(\t\x12\x1b\n\x13samples_accumulated\x18\x06 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x07 \x01(\r\"\x1f\n\x06\x43ommit\x12\x15\n\rmicrobatch_id\x18\x01 \x01(\t\"`\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x15\n\rsegment_numel\x18\x05 \x01(\x04\"\xbe\x01\n\x05\x46rame\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x15.swarm.v1.RequestMetaH\x00\x12$\n\x05reply\x18\x02 \x01(\x0b\x32\x13.swarm.v1.ReplyMetaH\x00\x12(\n\x06tensor\x18\x03 \x01(\x0b\x32\x16.swarm.v1.TensorHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x04 \x01(\x0cH\x00\x12\"\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x10.swarm.v1.CommitH\x00\x42\x06\n\x04kind\"5\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rinclude_grads\x18\x02 \x01(\x08\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xe7\x01\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x12\n\nthroughput\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x0c\n\x04step\x18\x08 \x01(\x04\x12\x1b\n\x13samples_accumulated\x18\t \x01(\x04\x12\x1c\n\x14microbatches_applied\x18\n \x01(\x04\x12\x0e\n\x06\x63odecs\x18\x0b \x03(\t2\xdc\x01\n\tStagePeer\x12/\n\x07\x46orward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x30\n\x08\x42\x61\x63kward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x35\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x16.swarm.v1.InfoResponse\x12\x35\n\x08GetState\x12\x16.swarm.v1.StateRequest\x1a\x0f.swarm.v1.Frame0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bswarm.proto\x12\x08swarm.v1\"\xff\x01\n\x0bRequestMeta\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x04 \x01(\t\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x14\n\x0c\x63ompute_loss\x18\x06 \x01(\x08\x12\x11\n\teval_only\x18\x07 \x01(\x08\x12\x16\n\x0einclude_inputs\x18\x08 \x01(\x08\x12\x13\n\x0bnum_samples\x18\t \x01(\r\x12\x13\n\x0bnum_tensors\x18\n \x01(\r\x12\x17\n\nbatch_step\x18\x0b \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_batch_step\"\x8d\x01\n\tReplyMeta\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05state\x18\x05 \x01(\t\x12\x1b\n\x13samples_accumulated\x18\x06 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x07 \x01(\r\"\x1f\n\x06\x43ommit\x12\x15\n\rmicrobatch_id\x18\x01 \x01(\t\"`\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x15\n\rsegment_numel\x18\x05 \x01(\x04\"\xbe\x01\n\x05\x46rame\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x15.swarm.v1.RequestMetaH\x00\x12$\n\x05reply\x18\x02 \x01(\x0b\x32\x13.swarm.v1.ReplyMetaH\x00\x12(\n\x06tensor\x18\x03 \x01(\x0b\x32\x16.swarm.v1.TensorHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x04 \x01(\x0cH\x00\x12\"\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x10.swarm.v1.CommitH\x00\x42\x06\n\x04kind\"5\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rinclude_grads\x18\x02 \x01(\x08\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xe7\x01\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x12\n\nthroughput\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x0c\n\x04step\x18\x08 \x01(\x04\x12\x1b\n\x13samples_accumulated\x18\t \x01(\x04\x12\x1c\n\x14microbatches_applied\x18\n \x01(\x04\x12\x0e\n\x06\x63odecs\x18\x0b \x03(\t2\xdc\x01\n\tStagePeer\x12/\n\x07\x46orward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x30\n\x08\x42\x61\x63kward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x35\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x16.swarm.v1.InfoResponse\x12\x35\n\x08GetState\x12\x16.swarm.v1.StateRequest\x1a\x0f.swarm.v1.Frame0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUESTMETA']._serialized_start=26
-  _globals['_REQUESTMETA']._serialized_end=241
-  _globals['_REPLYMETA']._serialized_start=244
-  _globals['_REPLYMETA']._serialized_end=385
-  _globals['_COMMIT']._serialized_start=387
-  _globals['_COMMIT']._serialized_end=418
-  _globals['_TENSORHEADER']._serialized_start=420
-  _globals['_TENSORHEADER']._serialized_end=516
-  _globals['_FRAME']._serialized_start=519
-  _globals['_FRAME']._serialized_end=709
-  _globals['_STATEREQUEST']._serialized_start=711
-  _globals['_STATEREQUEST']._serialized_end=764
-  _globals['_INFOREQUEST']._serialized_start=766
-  _globals['_INFOREQUEST']._serialized_end=795
-  _globals['_INFORESPONSE']._serialized_start=798
-  _globals['_INFORESPONSE']._serialized_end=1029
-  _globals['_STAGEPEER']._serialized_start=1032
-  _globals['_STAGEPEER']._serialized_end=1252
+  _globals['_REQUESTMETA']._serialized_end=281
+  _globals['_REPLYMETA']._serialized_start=284
+  _globals['_REPLYMETA']._serialized_end=425
+  _globals['_COMMIT']._serialized_start=427
+  _globals['_COMMIT']._serialized_end=458
+  _globals['_TENSORHEADER']._serialized_start=460
+  _globals['_TENSORHEADER']._serialized_end=556
+  _globals['_FRAME']._serialized_start=559
+  _globals['_FRAME']._serialized_end=749
+  _globals['_STATEREQUEST']._serialized_start=751
+  _globals['_STATEREQUEST']._serialized_end=804
+  _globals['_INFOREQUEST']._serialized_start=806
+  _globals['_INFOREQUEST']._serialized_end=835
+  _globals['_INFORESPONSE']._serialized_start=838
+  _globals['_INFORESPONSE']._serialized_end=1069
+  _globals['_STAGEPEER']._serialized_start=1072
+  _globals['_STAGEPEER']._serialized_end=1292
 # @@protoc_insertion_point(module_scope)

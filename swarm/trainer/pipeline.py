@@ -137,8 +137,35 @@ class Pipeline:
 
     # ------------------------------------------------------------------ one microbatch
 
-    async def train_microbatch(self, microbatch_id: str, tokens: torch.Tensor) -> MicrobatchResult:
-        """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss."""
+    def stage_steps(self) -> list[int]:
+        """Each stage's optimizer step, as far as the DHT tells (the most advanced serving peer)."""
+        return [max((r.step for r in self.records[stage].values() if r.state == "serving"), default=0)
+                for stage in range(self.num_stages)]
+
+    async def wait_for_stage_steps(self, targets: list[int], *, stall_s: float) -> bool:
+        """Wait until every serving replica of each stage k has taken optimizer step ``targets[k]`` (as its
+        DHT record tells), so what follows sees the batches sent so far applied. Gives up (False) once no
+        replica has advanced for ``stall_s`` (replicas that do not average step on their own count)."""
+        deadline, last = time.monotonic() + stall_s, None
+        while True:
+            steps = [sorted(r.step for r in self.records[k].values() if r.state == "serving")
+                     for k in range(self.num_stages)]
+            behind = [k for k, target in enumerate(targets) if any(step < target for step in steps[k])]
+            if not behind:
+                return True
+            if steps != last:
+                deadline, last = time.monotonic() + stall_s, steps
+            elif time.monotonic() > deadline:
+                logger.warning("stage(s) %s stopped short of their last optimizer step (replica steps %s, "
+                               "expected %s)", behind, steps, targets)
+                return False
+            await asyncio.sleep(self.config.refresh_s / 4)
+            await self.refresh()
+
+    async def train_microbatch(self, microbatch_id: str, tokens: torch.Tensor,
+                               batch_steps: list[int] | None = None) -> MicrobatchResult:
+        """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss.
+        ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to."""
         x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
         samples = x.shape[0]
         failures_before = self.failed_calls
@@ -152,8 +179,10 @@ class Pipeline:
             h = _tensor(reply, "output", peer)
             forward_peers.append(peer)
         last = self.num_stages - 1
+        tags = batch_steps or [None] * self.num_stages
         reply, _ = await self._call(last, samples * (FORWARD_COST + BACKWARD_COST),
-                                    self._forward_attempt(last, microbatch_id, h, targets=targets))
+                                    self._forward_attempt(last, microbatch_id, h, targets=targets,
+                                                          batch_step=tags[last]))
         commits.append(reply.committed)
         loss = reply.meta.loss
         grad = reply.tensors.get("grad_input")
@@ -162,7 +191,7 @@ class Pipeline:
                 raise SwarmError(f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}")
             reply, _ = await self._call(
                 stage, samples * BACKWARD_COST, self._backward_attempt(stage, microbatch_id, grad, stage_inputs[stage],
-                                                       forward_peers[stage]),
+                                                                       forward_peers[stage], tags[stage]),
                 preferred=forward_peers[stage])
             commits.append(reply.committed)
             grad = reply.tensors.get("grad_input")
@@ -195,31 +224,35 @@ class Pipeline:
             h = _tensor(reply, "output", peer)
         raise AssertionError("unreachable")
 
-    def _meta(self, stage: int, microbatch_id: str, samples: int, **flags) -> pb.RequestMeta:
-        return pb.RequestMeta(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=stage,
+    def _meta(self, stage: int, microbatch_id: str, samples: int, batch_step: int | None = None,
+              **flags) -> pb.RequestMeta:
+        meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=stage,
                               microbatch_id=microbatch_id, codec=self.codec.name, num_samples=samples, **flags)
+        if batch_step is not None:
+            meta.batch_step = batch_step
+        return meta
 
-    def _forward_attempt(self, stage, microbatch_id, h, *, targets=None, eval_only=False):
+    def _forward_attempt(self, stage, microbatch_id, h, *, targets=None, eval_only=False, batch_step=None):
         tensors = [("input", h)] + ([("targets", targets)] if targets is not None else [])
-        meta = self._meta(stage, microbatch_id, h.shape[0], compute_loss=targets is not None and not eval_only,
-                          eval_only=eval_only)
+        meta = self._meta(stage, microbatch_id, h.shape[0], batch_step,
+                          compute_loss=targets is not None and not eval_only, eval_only=eval_only)
 
         async def attempt(endpoint: str, timeout_s: float) -> Reply:
             return await self.clients.get(endpoint).forward(meta, tensors, self.codec, timeout_s=timeout_s)
 
         return attempt
 
-    def _backward_attempt(self, stage, microbatch_id, grad, inputs, forward_peer):
+    def _backward_attempt(self, stage, microbatch_id, grad, inputs, forward_peer, batch_step):
         async def attempt(endpoint: str, timeout_s: float) -> Reply:
             client = self.clients.get(endpoint)
             holder = self.records[stage].get(forward_peer)
             if holder is not None and holder.endpoint == endpoint:
                 try:
-                    meta = self._meta(stage, microbatch_id, grad.shape[0])
+                    meta = self._meta(stage, microbatch_id, grad.shape[0], batch_step)
                     return await client.backward(meta, [("grad_output", grad)], self.codec, timeout_s=timeout_s)
                 except NotCached:
                     pass  # evicted there: send the inputs along for a recompute at the same peer
-            meta = self._meta(stage, microbatch_id, grad.shape[0], include_inputs=True)
+            meta = self._meta(stage, microbatch_id, grad.shape[0], batch_step, include_inputs=True)
             return await client.backward(meta, [("grad_output", grad), ("input", inputs)], self.codec,
                                          timeout_s=timeout_s)
 

@@ -36,6 +36,7 @@ class TrainerConfig:
     eval_every_steps: int = 25  # validation every this many steps (0 = only at the end)
     eval_batches: int = 4  # validation batches (of microbatch_size sequences)
     seed: int = 0  # data sampling seed
+    final_step_wait_s: float = 5.0  # before the final validation, wait for the stages' last optimizer step while they advance within this many seconds
     peers_wait_s: float = 120.0  # how long to wait at start for every stage to have a peer
     log_every_s: float = 2.0  # seconds between progress lines
     metrics_path: str | None = None  # append one JSON line per step and per validation here
@@ -48,6 +49,8 @@ class TrainerConfig:
         if self.microbatch_size < 1 or self.in_flight < 1 or self.eval_batches < 1:
             raise ValueError(f"microbatch_size ({self.microbatch_size}), in_flight ({self.in_flight}) and "
                              f"eval_batches ({self.eval_batches}) must be >= 1")
+        if self.final_step_wait_s < 0:
+            raise ValueError(f"final_step_wait_s must be >= 0 seconds, got {self.final_step_wait_s}")
         if self.steps < 0 or self.eval_every_steps < 0:
             raise ValueError(f"steps ({self.steps}) and eval_every_steps ({self.eval_every_steps}) must be >= 0")
 
@@ -115,11 +118,16 @@ class Trainer:
         launched = done_samples = done_microbatches = done_tokens = 0
         started = last_log = time.monotonic()
         pending: set[asyncio.Task] = set()
+        # Microbatch i belongs to global batch i // per_step: tell each stage which of its optimizer steps
+        # that is, counting from the step it has reached now (so a restarted trainer continues the count).
+        first_steps = self.pipeline.stage_steps()
         try:
             while launched < total or pending:
                 while len(pending) < cfg.in_flight and launched < total:
                     tokens = self.corpus.sample("train", cfg.microbatch_size, run.model.seq_len, self._generator)
-                    pending.add(asyncio.create_task(self.pipeline.train_microbatch(self._microbatch_id(), tokens)))
+                    batch_steps = [first + launched // per_step for first in first_steps]
+                    pending.add(asyncio.create_task(
+                        self.pipeline.train_microbatch(self._microbatch_id(), tokens, batch_steps)))
                     launched += 1
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -149,6 +157,11 @@ class Trainer:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         elapsed = time.monotonic() - started
+        # The stages step a little after the trainer sends a batch's last microbatch (the all-reduce):
+        # validate the model that has learned from every batch sent.
+        batches = math.ceil(launched / per_step)
+        await self.pipeline.wait_for_stage_steps([first + batches for first in first_steps],
+                                                 stall_s=cfg.final_step_wait_s)
         val_loss = await self.validate()
         step = len(step_losses)
         self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})

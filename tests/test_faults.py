@@ -16,9 +16,11 @@ pytestmark = pytest.mark.slow
 SUMMARY = re.compile(r"trained (\d+) steps \((\d+) samples, (\d+)/(\d+) microbatches completed\) in \d+s \| "
                      r"initial loss ([\d.]+) -> final loss ([\d.]+) \| validation loss ([\d.]+) \| [\d,]+ tokens/s"
                      r" \| (\d+) calls retried elsewhere, (\d+) unconfirmed commits")
-# Fast failure detection for tests: announce often, expire quickly.
+# Fast failure detection for tests: announce often, expire quickly. These tests measure routing around
+# faults, so replicas step on their own (--no-average): an all-reduce every 16 samples would dominate the
+# time; tests/test_averaging.py covers faults of averaging replicas.
 PEER_FLAGS = ["--preset", "tiny", "--target-batch-size", "16", "--lr", "3e-3", "--warmup-steps", "5",
-              "--heartbeat-s", "0.5", "--ttl-s", "3"]
+              "--heartbeat-s", "0.5", "--ttl-s", "3", "--no-average"]
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["--preset", "tiny", "--target-batch-size", "16", "--heartbeat-s", "0.5", "--ttl-s", "3"]
+# Replicas step on their own (--no-average): these tests measure where peers go and the throughput that
+# follows, which an all-reduce every 16 samples would drown.
+COMMON = ["--preset", "tiny", "--target-batch-size", "16", "--heartbeat-s", "0.5", "--ttl-s", "3", "--no-average"]
 
 
 @pytest.fixture

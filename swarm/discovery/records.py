@@ -43,6 +43,7 @@ class StageRecord:
     step: int  # optimizer steps its replica has taken
     config_hash: str  # RunConfig.fingerprint() of the config it runs
     last_moved_s: float = 0.0  # DHT time of its last change of stage (0 = never), for rebalancing cooldown
+    step_pause_s: float = 0.0  # how long its optimizer steps (the all-reduce) hold its compute: calls wait that much more
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -67,7 +68,8 @@ class StageRecord:
         if record.state not in PEER_STATES:
             raise RecordError(f"stage record state '{record.state}' is not one of {PEER_STATES}")
         if record.stage < 0 or not (math.isfinite(record.throughput) and record.throughput >= 0) \
-                or record.in_flight < 0 or not math.isfinite(record.last_moved_s):
+                or record.in_flight < 0 or not math.isfinite(record.last_moved_s) \
+                or not (math.isfinite(record.step_pause_s) and record.step_pause_s >= 0):
             raise RecordError(f"stage record has out-of-range values: {value!r}")
         if ":" not in record.endpoint and record.state != "starting":
             raise RecordError(f"stage record of a {record.state} peer needs a host:port endpoint, got "

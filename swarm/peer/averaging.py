@@ -46,9 +46,10 @@ GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
 
 @dataclass(frozen=True, kw_only=True)
 class AveragingConfig:
-    average: bool = True  # all-reduce gradients with this stage's other peers and step together (hivemind)
+    average: bool = False  # experimental: all-reduce gradients with this stage's other peers and step together (hivemind)
     matchmaking_s: float = 2.0  # seconds peers of a stage spend forming an all-reduce group before a step
     averaging_timeout_s: float = 30.0  # an all-reduce that takes longer is abandoned (the step uses local grads)
+    chunk_timeout_s: float = 5.0  # a groupmate silent this long mid all-reduce is dropped from it (a busy peer is not)
     load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers
     grad_compression: str = "none"  # gradient all-reduce codec: none, fp16 or scaled-fp16
     step_check_s: float = 0.1  # seconds between checks whether the stage's global batch is full
@@ -57,10 +58,11 @@ class AveragingConfig:
         if self.grad_compression not in GRAD_COMPRESSIONS:
             raise ValueError(f"grad_compression '{self.grad_compression}' is unknown; choose one of "
                              f"{', '.join(GRAD_COMPRESSIONS)} (hivemind's 8-bit codecs fail under numpy 2)")
-        if min(self.matchmaking_s, self.averaging_timeout_s, self.load_state_timeout_s, self.step_check_s) <= 0:
-            raise ValueError(f"matchmaking_s ({self.matchmaking_s}), averaging_timeout_s "
-                             f"({self.averaging_timeout_s}), load_state_timeout_s ({self.load_state_timeout_s}) and "
-                             f"step_check_s ({self.step_check_s}) must be > 0")
+        if min(self.matchmaking_s, self.averaging_timeout_s, self.chunk_timeout_s, self.load_state_timeout_s,
+               self.step_check_s) <= 0:
+            raise ValueError(f"matchmaking_s ({self.matchmaking_s}), averaging_timeout_s ({self.averaging_timeout_s}), "
+                             f"chunk_timeout_s ({self.chunk_timeout_s}), load_state_timeout_s "
+                             f"({self.load_state_timeout_s}) and step_check_s ({self.step_check_s}) must be > 0")
 
 
 def stage_run_id(run_id: str, stage: int) -> str:
@@ -112,6 +114,7 @@ class StageOptimizer(Protocol):
 
     epoch: int
     local_samples: int
+    step_pause_s: float  # seconds a step typically holds the compute thread beyond the update itself
 
     def accumulate(self, grads: list[torch.Tensor | None], num_samples: int, batch_step: int | None = None) -> bool: ...
     def maybe_step(self) -> bool: ...
@@ -127,7 +130,7 @@ class LaterBatches:
     for the last microbatches of this one). Steps more than ``max_ahead`` ahead are kept with the step
     ``max_ahead`` ahead, so memory stays at ``max_ahead`` gradient copies whatever the callers send."""
 
-    def __init__(self, max_ahead: int = 2):
+    def __init__(self, max_ahead: int = 4):
         self.max_ahead = max_ahead
         self._by_step: dict[int, tuple[list[torch.Tensor | None], int]] = {}
 
@@ -167,6 +170,7 @@ class LocalStageOptimizer:
         self.optimizer = build_stage_optimizer(stage, run)
         self.epoch = 0
         self.local_samples = 0
+        self.step_pause_s = 0.0  # no all-reduce
         self._sums = [torch.zeros_like(p) for p in self.params]
 
     def accumulate(self, grads, num_samples, batch_step=None):
@@ -308,7 +312,7 @@ class HivemindStageOptimizer:
         self.params = list(stage.parameters())
         self._later = LaterBatches()
         self._ready_since: float | None = None  # when the stage's batch was first seen full
-        self.last_step_s = 0.0  # seconds the last global step held the compute thread
+        self.step_pause_s = 0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
         groups = adamw_param_groups(stage, run.weight_decay)
         # adamw_param_groups keeps parameters in stage order within each group; hivemind averages in the
         # optimizer's order, so map stage order -> position for gradient reads.
@@ -332,6 +336,9 @@ class HivemindStageOptimizer:
             dht=dht, run_id=stage_run_id(run_id, self.stage.index), target_batch_size=run.target_batch_size,
             params=groups, optimizer=lambda params: build_stage_optimizer(params, run, lr=0.0),
             matchmaking_time=config.matchmaking_s, averaging_timeout=config.averaging_timeout_s,
+            # hivemind's default waits one matchmaking time for each chunk: a groupmate busy computing for longer
+            # would be dropped and the replicas would average different partial results.
+            next_chunk_timeout=config.chunk_timeout_s,
             load_state_timeout=config.load_state_timeout_s, offload_optimizer=False, delay_optimizer_step=False,
             delay_grad_averaging=False, use_local_updates=False,
             # Replicas start equal (same seed or a downloaded state) and apply the same averaged gradients, so
@@ -361,23 +368,17 @@ class HivemindStageOptimizer:
         if batch_step is not None and batch_step > self.epoch:
             self._later.add(batch_step, self.epoch, grads, num_samples)
             if batch_step >= self.epoch + self._later.max_ahead and self.opt.tracker.global_progress.samples_accumulated:
-                # The trainer is two batches further: whatever of this one is still missing is not coming
+                # The trainer is that many batches further: whatever of this one is still missing is not coming
                 # (its trainer restarted, a replica holding part of it died). Step on what the stage has.
                 self.opt.tracker.batch_closed = True
             return False
         return self._add(grads, num_samples)
 
     def _add(self, grads, num_samples: int) -> bool:
-        """hivemind.Optimizer.step() up to, not including, the global step: catch up if this replica fell
-        behind, accumulate, report progress, and schedule the all-reduce group ahead of the batch's end."""
+        """hivemind.Optimizer.step() up to, not including, the global step: accumulate, report progress, and
+        schedule the all-reduce group ahead of the batch's end. (A replica that fell behind catches up in
+        ``maybe_step``.)"""
         opt = self.opt
-        if opt._should_load_state_from_peers():
-            # Its gradients were computed on parameters the stage has left behind: drop them, take the state.
-            logger.warning("stage %d replica is behind its peers (step %d < %d): loading their state",
-                           self.stage.index, self.epoch, opt.tracker.global_epoch)
-            opt.load_state_from_peers()
-            self._catch_up()
-            return True
         for p, g in zip(self.params, grads):
             p.grad = g if g is not None else torch.zeros_like(p)
         opt._check_and_accumulate_gradients(num_samples, None)
@@ -414,9 +415,22 @@ class HivemindStageOptimizer:
         if tracker.global_progress.num_peers > 1 and (control is None or control.done()):
             opt._maybe_schedule_gradient_averaging()  # the batch filled before any group was scheduled
             control = opt.scheduled_grads
-        forming = (control is not None and not control.done()
-                   and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP))
-        if forming and now - self._ready_since < 2 * self.config.matchmaking_s:
+        live = control is not None and not control.done()
+        forming = live and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+        grouped = live and not forming
+        patience_over = now - self._ready_since >= 2 * self.config.matchmaking_s
+        if tracker.global_epoch > self.epoch and not grouped:
+            # A peer already stepped past this replica's step, and no all-reduce group waits for it: its
+            # peers have moved on (it joined mid-step, or it was too slow). Take their state instead.
+            if not patience_over:
+                return False
+            logger.warning("stage %d replica is behind its peers (step %d < %d): loading their state",
+                           self.stage.index, self.epoch, tracker.global_epoch)
+            self._ready_since = None
+            opt.load_state_from_peers()
+            self._catch_up()
+            return True
+        if forming and not patience_over:
             return False
         self._ready_since = None
         self._global_step()
@@ -430,7 +444,8 @@ class HivemindStageOptimizer:
         t0 = time.perf_counter()
         self.opt._update_global_epoch(None)
         self.opt.tracker.batch_closed = False
-        self.last_step_s = time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.step_pause_s = max(took, 0.8 * self.step_pause_s + 0.2 * took)
         if self.opt.used_local_gradients and self.opt.tracker.global_progress.num_peers > 1:
             # This replica missed the stage's all-reduce and stepped on its own gradients: its parameters
             # now differ from its peers'. Take theirs rather than carry (and later average) a private state.

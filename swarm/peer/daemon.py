@@ -293,7 +293,7 @@ class Peer:
         return StageRecord(peer_id=self.peer_id, endpoint=self.endpoint, stage=self.stage,
                            state=self.state, throughput=self.throughput, in_flight=self.in_flight,
                            step=self.executor.step, config_hash=self.run.fingerprint(),
-                           last_moved_s=self.last_moved_s)
+                           last_moved_s=self.last_moved_s, step_pause_s=self.executor.optimizer.step_pause_s)
 
     async def _announce(self) -> None:
         for record in self.records():

@@ -71,6 +71,7 @@ class Pipeline:
         self.clients = ClientPool(segment_bytes=config.segment_bytes)
         # every record seen recently, draining ones included (backward may still go there)
         self.records: list[dict[str, StageRecord]] = [{} for _ in range(self.num_stages)]
+        self._replied_steps = [0] * self.num_stages  # the highest optimizer step any reply of each stage carried
         # (stage, peer) -> when a reply said "draining"; trusted until the DHT catches up
         self._draining_replies: dict[tuple[int, str], float] = {}
         self.failed_calls = 0
@@ -137,27 +138,32 @@ class Pipeline:
 
     # ------------------------------------------------------------------ one microbatch
 
-    def stage_steps(self) -> list[int]:
-        """Each stage's optimizer step, as far as the DHT tells (the most advanced serving peer)."""
-        return [max((r.step for r in self.records[stage].values() if r.state == "serving"), default=0)
-                for stage in range(self.num_stages)]
+    def stage_steps(self, *, every_replica: bool = False) -> list[int]:
+        """Each stage's optimizer step as far as this trainer knows (DHT records, and the step peers put in
+        their replies): the most advanced replica's, or with ``every_replica`` the least advanced's."""
+        out = []
+        for stage in range(self.num_stages):
+            steps = [r.step for r in self.records[stage].values() if r.state == "serving"]
+            if every_replica:
+                out.append(min(steps, default=0))
+            else:
+                out.append(max([*steps, self._replied_steps[stage]]))
+        return out
 
-    async def wait_for_stage_steps(self, targets: list[int], *, stall_s: float) -> bool:
-        """Wait until every serving replica of each stage k has taken optimizer step ``targets[k]`` (as its
-        DHT record tells), so what follows sees the batches sent so far applied. Gives up (False) once no
-        replica has advanced for ``stall_s`` (replicas that do not average step on their own count)."""
+    async def wait_for_stage_steps(self, targets: list[int], *, stall_s: float, every_replica: bool = False) -> bool:
+        """Wait until each stage k has taken optimizer step ``targets[k]`` (with ``every_replica``: each of its
+        serving replicas has). Gives up (False) once no stage has advanced for ``stall_s``."""
         deadline, last = time.monotonic() + stall_s, None
         while True:
-            steps = [sorted(r.step for r in self.records[k].values() if r.state == "serving")
-                     for k in range(self.num_stages)]
-            behind = [k for k, target in enumerate(targets) if any(step < target for step in steps[k])]
+            steps = self.stage_steps(every_replica=every_replica)
+            behind = [k for k, target in enumerate(targets) if steps[k] < target]
             if not behind:
                 return True
             if steps != last:
                 deadline, last = time.monotonic() + stall_s, steps
             elif time.monotonic() > deadline:
-                logger.warning("stage(s) %s stopped short of their last optimizer step (replica steps %s, "
-                               "expected %s)", behind, steps, targets)
+                logger.warning("stage(s) %s stopped short of optimizer step %s (they are at %s)", behind,
+                               [targets[k] for k in behind], [steps[k] for k in behind])
                 return False
             await asyncio.sleep(self.config.refresh_s / 4)
             await self.refresh()
@@ -273,8 +279,10 @@ class Pipeline:
             else:
                 peer = await self._choose(stage, budget.failed_peers)
             preferred = None
-            endpoint = self.records[stage][peer].endpoint
-            timeout_s = self.router.deadline_s(stage, peer, work)
+            record = self.records[stage][peer]
+            endpoint = record.endpoint
+            # The call may land while the peer's stage steps (all-reduce): allow for the pause it announces.
+            timeout_s = self.router.deadline_s(stage, peer, work) + 2 * record.step_pause_s
             started = time.monotonic()
             self.router.on_start(stage, peer, started)
             try:
@@ -302,6 +310,7 @@ class Pipeline:
                 raise
             now = time.monotonic()
             self.router.on_success(stage, peer, work, max(now - started, 1e-6), now)
+            self._replied_steps[stage] = max(self._replied_steps[stage], reply.meta.step)
             if reply.meta.state == "draining" and (stage, peer) not in self._draining_replies:
                 self._draining_replies[(stage, peer)] = now
                 self._update_router(stage, now)

@@ -36,6 +36,7 @@ class TrainerConfig:
     eval_every_steps: int = 25  # validation every this many steps (0 = only at the end)
     eval_batches: int = 4  # validation batches (of microbatch_size sequences)
     seed: int = 0  # data sampling seed
+    max_batches_ahead: int = -1  # with averaging peers (--average): start global batch b once every stage has stepped on batch b - this - 1 (0: lockstep; -1: no limit)
     final_step_wait_s: float = 5.0  # before the final validation, wait for the stages' last optimizer step while they advance within this many seconds
     peers_wait_s: float = 120.0  # how long to wait at start for every stage to have a peer
     log_every_s: float = 2.0  # seconds between progress lines
@@ -49,6 +50,8 @@ class TrainerConfig:
         if self.microbatch_size < 1 or self.in_flight < 1 or self.eval_batches < 1:
             raise ValueError(f"microbatch_size ({self.microbatch_size}), in_flight ({self.in_flight}) and "
                              f"eval_batches ({self.eval_batches}) must be >= 1")
+        if self.max_batches_ahead < -1:
+            raise ValueError(f"max_batches_ahead must be >= 0, or -1 for no limit; got {self.max_batches_ahead}")
         if self.final_step_wait_s < 0:
             raise ValueError(f"final_step_wait_s must be >= 0 seconds, got {self.final_step_wait_s}")
         if self.steps < 0 or self.eval_every_steps < 0:
@@ -124,6 +127,16 @@ class Trainer:
         try:
             while launched < total or pending:
                 while len(pending) < cfg.in_flight and launched < total:
+                    # Flow control: the stages step a little after each batch (the all-reduce); never run more
+                    # than max_batches_ahead batches ahead of them, or microbatches would use ever staler
+                    # parameters and the replicas would hold ever more batches aside.
+                    applied = launched // per_step - cfg.max_batches_ahead
+                    if cfg.max_batches_ahead >= 0 and applied > 0:
+                        targets = [first + applied for first in first_steps]
+                        if any(now < target for now, target in zip(self.pipeline.stage_steps(), targets)):
+                            if pending:
+                                break  # the replies of what is in flight tell when the stages step
+                            await self.pipeline.wait_for_stage_steps(targets, stall_s=cfg.final_step_wait_s)
                     tokens = self.corpus.sample("train", cfg.microbatch_size, run.model.seq_len, self._generator)
                     batch_steps = [first + launched // per_step for first in first_steps]
                     pending.add(asyncio.create_task(
@@ -157,11 +170,12 @@ class Trainer:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         elapsed = time.monotonic() - started
-        # The stages step a little after the trainer sends a batch's last microbatch (the all-reduce):
+        # Averaging stages step a little after the trainer sends a batch's last microbatch (the all-reduce):
         # validate the model that has learned from every batch sent.
-        batches = math.ceil(launched / per_step)
-        await self.pipeline.wait_for_stage_steps([first + batches for first in first_steps],
-                                                 stall_s=cfg.final_step_wait_s)
+        if cfg.max_batches_ahead >= 0:  # the stages count global batches (averaging peers)
+            batches = math.ceil(launched / per_step)
+            await self.pipeline.wait_for_stage_steps([first + batches for first in first_steps],
+                                                     stall_s=cfg.final_step_wait_s, every_replica=True)
         val_loss = await self.validate()
         step = len(step_losses)
         self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})

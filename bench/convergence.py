@@ -1,0 +1,175 @@
+"""Convergence parity: the swarm (2 stages x 2 peers that average gradients) against the same model trained in
+one process with the same global batches, schedule, optimizer and seed.
+
+Run from the repository root:  .venv/bin/python bench/convergence.py [--steps 120] [--in-flight 4]
+Writes bench/results/convergence.md and docs/convergence.png (loss curves; needs matplotlib).
+
+The swarm run is the demo's configuration (tiny preset, codec none, target batch 64 = 8 microbatches of 8)
+on loopback processes. The single-process run (``swarm.trainer.reference``) sees exactly the trainer's data:
+same seed, same microbatches, same grouping into global batches. Two swarm runs are made by default:
+
+* ``--max-batches-ahead 0``: the trainer starts each global batch once every stage has stepped on the last one. Then
+  the swarm computes what the single process computes (up to summation order), so the gap measures the
+  all-reduce and the wire, nothing else.
+* the default pipelined mode (``--in-flight`` microbatches in flight, no wait between batches): microbatches
+  of the next batch run on parameters one or two steps old while the stages average, which costs quality
+  on a model this small; the gap shows how much.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
+from swarmrun import Where, read_metrics, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
+
+from swarm.config import RunConfig  # noqa: E402
+from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+from swarm.data import ByteCorpus, DataConfig  # noqa: E402
+from swarm.model import MODEL_PRESETS  # noqa: E402
+from swarm.trainer.reference import train_reference  # noqa: E402
+
+TARGET = 0.03  # |val(swarm) - val(one process)| / val(one process) must stay within this
+SUMMARY = r"validation loss ([\d.]+) \| ([\d,]+) tokens/s"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvergenceConfig:
+    steps: int = 120  # global batches
+    target_batch_size: int = 64  # samples per global batch
+    microbatch_size: int = 8
+    in_flight: int = 4  # microbatches in flight in the pipelined run
+    peers_per_stage: int = 2
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    eval_every_steps: int = 20
+    eval_batches: int = 8
+    matchmaking_s: float = 0.5
+    seed: int = 0
+
+    def run_config(self) -> RunConfig:
+        return RunConfig(model=MODEL_PRESETS["tiny"], target_batch_size=self.target_batch_size, lr=self.lr,
+                         warmup_steps=self.warmup_steps, total_steps=self.steps)
+
+
+@dataclass
+class Curve:
+    label: str
+    losses: list[float]  # training loss per global batch
+    val_curve: list[tuple[int, float]]  # (global batches, validation loss)
+    tokens_per_s: float = float("nan")
+
+    @property
+    def final_val(self) -> float:
+        return self.val_curve[-1][1]
+
+
+def run_swarm(cfg: ConvergenceConfig, workdir: Path, *, sync: bool, label: str) -> Curve:
+    run = cfg.run_config()
+    run_id = f"conv-{'sync' if sync else 'pipelined'}"
+    run_flags = ["--preset", "tiny", "--codec", "none", "--target-batch-size", str(run.target_batch_size),
+                 "--lr", str(run.lr), "--warmup-steps", str(run.warmup_steps), "--total-steps", str(run.total_steps),
+                 "--average", "--matchmaking-s", str(cfg.matchmaking_s), "--no-rebalance"]
+    with ProcessGroup(workdir / run_id) as group:
+        addr_file = workdir / run_id / "bootstrap.addr"
+        start_bootstrap(group, addr_file, where=Where())
+        peers = [start_peer(group, f"s{stage}-{replica}", stage=stage, run_id=run_id, addr_file=addr_file,
+                            run_flags=run_flags)
+                 for stage in range(run.model.num_stages) for replica in range(cfg.peers_per_stage)]
+        for proc in peers:
+            wait_ready(proc)
+        metrics_path = workdir / f"{run_id}.jsonl"
+        flags = ["--microbatch-size", cfg.microbatch_size, "--in-flight", 1 if sync else cfg.in_flight,
+                 "--eval-every-steps", cfg.eval_every_steps, "--eval-batches", cfg.eval_batches, "--seed", cfg.seed,
+                 "--log-every-s", 10, "--max-batches-ahead", 0 if sync else 2]
+        trainer = start_trainer(group, "trainer", run_id=run_id, addr_file=addr_file, metrics_path=metrics_path,
+                                steps=cfg.steps, flags=[str(f) for f in flags])
+        if trainer.popen.wait(timeout=3600) != 0:
+            raise RuntimeError(f"the trainer of {run_id} failed; see {trainer.log_path}")
+        tokens_per_s = float(trainer.wait_for(SUMMARY, timeout_s=10).group(2).replace(",", ""))
+    metrics = read_metrics(metrics_path)
+    return Curve(label=label, losses=[s["loss"] for s in metrics.steps],
+                 val_curve=[(v["step"], v["val_loss"]) for v in metrics.validations], tokens_per_s=tokens_per_s)
+
+
+def run_reference(cfg: ConvergenceConfig) -> Curve:
+    result = train_reference(cfg.run_config(), ByteCorpus.load(DataConfig()), steps=cfg.steps,
+                             microbatch_size=cfg.microbatch_size, seed=cfg.seed, eval_batches=cfg.eval_batches,
+                             eval_every_steps=cfg.eval_every_steps)
+    return Curve(label="one process", losses=result.losses, val_curve=result.val_losses)
+
+
+def plot(curves: list[Curve], cfg: ConvergenceConfig, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    for c in curves:
+        window = 5
+        smooth = [sum(c.losses[max(0, i - window + 1):i + 1]) / len(c.losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(c.losses))]
+        ax_train.plot([(i + 1) * cfg.target_batch_size for i in range(len(smooth))], smooth, label=c.label)
+        ax_val.plot([s * cfg.target_batch_size for s, _ in c.val_curve], [v for _, v in c.val_curve], marker="o",
+                    label=f"{c.label} ({c.final_val:.3f})")
+    ax_train.set(title="training loss (5-step moving average)", xlabel="samples", ylabel="loss (nats/byte)")
+    ax_val.set(title="validation loss", xlabel="samples", ylabel="loss (nats/byte)")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"tiny model, 2 stages x {cfg.peers_per_stage} peers averaging gradients (codec none) vs one "
+                 f"process; same init, data, batches of {cfg.target_batch_size}, schedule")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=120, help="global batches of 64 samples")
+    parser.add_argument("--in-flight", type=int, default=4, help="microbatches in flight in the pipelined run")
+    parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "convergence.md")
+    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "convergence.png")
+    args = parser.parse_args()
+    cfg = ConvergenceConfig(steps=args.steps, in_flight=args.in_flight)
+    info = RunInfo(command=".venv/bin/python bench/convergence.py" + "".join(f" {a}" for a in sys.argv[1:]))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-convergence-"))
+    print(f"logs in {workdir}", flush=True)
+    curves = [run_reference(cfg)]
+    print(f"  one process: final validation loss {curves[0].final_val:.4f}", flush=True)
+    for sync, label in ((True, "swarm, lockstep"), (False, f"swarm, {cfg.in_flight} in flight")):
+        curves.append(run_swarm(cfg, workdir, sync=sync, label=label))
+        print(f"  {label}: final validation loss {curves[-1].final_val:.4f}, "
+              f"{curves[-1].tokens_per_s:,.0f} tokens/s", flush=True)
+    info.finish()
+    plot(curves, cfg, args.plot)
+    reference = curves[0]
+    rows = []
+    for c in curves:
+        gap = abs(c.final_val - reference.final_val) / reference.final_val
+        rows.append([c.label, f"{c.final_val:.4f}", f"{100 * gap:.2f}%", "yes" if gap <= TARGET else "**no**",
+                     ", ".join(f"{s}: {v:.3f}" for s, v in c.val_curve),
+                     "" if c is reference else f"{c.tokens_per_s:,.0f}"])
+    table = markdown_table(["run", "final validation loss", "gap vs one process", f"within {TARGET:.0%}",
+                            "validation loss (global batches: loss)", "tokens/s"], rows)
+    info.extra += [
+        f"tiny preset, 2 stages x {cfg.peers_per_stage} peers (`--threads 1`, codec none, `--matchmaking-s "
+        f"{cfg.matchmaking_s}`) on loopback; {cfg.steps} global batches of {cfg.target_batch_size} samples "
+        f"(microbatch {cfg.microbatch_size}); lr {cfg.lr}, {cfg.warmup_steps} warmup steps, cosine decay; trainer "
+        f"seed {cfg.seed}; validation on {cfg.eval_batches} fixed batches",
+        f"plot: {args.plot.relative_to(REPO_ROOT) if args.plot.is_relative_to(REPO_ROOT) else args.plot}",
+    ]
+    path = write_result(args.out, title="Convergence: swarm with averaging replicas vs one process", info=info,
+                        body=table)
+    print("\n" + table + f"\n\nwritten to {path} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The single-process twin of a swarm run: the same model, data, global batches, learning-rate schedule and
+per-stage optimizers, in one process. It is what the swarm's convergence is measured against
+(tests/test_averaging.py, bench/convergence.py).
+
+Same data: microbatch i is the trainer's microbatch i (``corpus.sample`` from a generator seeded like
+``TrainerConfig.seed``), and global batch e is microbatches ``e * per_step ... (e + 1) * per_step - 1``.
+Same optimization: each stage has the optimizer a lone replica has (:class:`LocalStageOptimizer`: AdamW,
+``RunConfig.lr_at`` schedule, per-stage clipping), fed the same gradient sums weighted by samples.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.data import ByteCorpus
+from swarm.model import FullModel, build_full_model
+from swarm.model.local import evaluate
+from swarm.peer.averaging import LocalStageOptimizer
+
+
+@dataclass(kw_only=True)
+class ReferenceResult:
+    model: FullModel
+    losses: list[float]  # mean training loss of each global batch
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (global batches done, validation loss)
+
+    @property
+    def val_loss(self) -> float:
+        return self.val_losses[-1][1]
+
+
+def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatch_size: int, seed: int = 0,
+                    eval_batches: int = 4, eval_every_steps: int = 0,
+                    on_step: Callable[[int, float], None] | None = None) -> ReferenceResult:
+    """Train ``steps`` global batches as a swarm trainer with ``--microbatch-size microbatch_size --seed seed``
+    would send them, validating every ``eval_every_steps`` (0: only at the end) on the trainer's
+    validation batches."""
+    if steps < 1 or microbatch_size < 1:
+        raise ValueError(f"steps and microbatch_size must be >= 1, got {steps} and {microbatch_size}")
+    model = build_full_model(run.model)
+    optimizers = [LocalStageOptimizer(stage, run) for stage in model.stages]
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = run.model.seq_len
+    per_step = math.ceil(run.target_batch_size / microbatch_size)
+    val_batches = corpus.val_batches(microbatch_size, seq_len, eval_batches)
+    result = ReferenceResult(model=model, losses=[])
+    for step in range(1, steps + 1):
+        weighted, samples = 0.0, 0
+        for _ in range(per_step):
+            tokens = corpus.sample("train", microbatch_size, seq_len, generator)  # (B, T + 1)
+            n = tokens.shape[0]
+            loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+            (loss * n).backward()  # gradient sums weighted by samples, as the peers accumulate them
+            for stage, optimizer in zip(model.stages, optimizers):
+                grads = [p.grad for p in stage.parameters()]
+                for p in stage.parameters():
+                    p.grad = None
+                optimizer.accumulate(grads, n)
+            weighted, samples = weighted + float(loss) * n, samples + n
+        result.losses.append(weighted / samples)
+        if on_step is not None:
+            on_step(step, result.losses[-1])
+        if step == steps or (eval_every_steps and step % eval_every_steps == 0):
+            result.val_losses.append((step, evaluate(model, val_batches)))
+    return result

@@ -1,0 +1,112 @@
+"""Replicas of a stage that average (--average, hivemind) train one model: they all-reduce gradients and step
+together on exactly one global batch, a peer that joins downloads the stage's state, and the swarm converges
+like the same model in one process."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from swarm.config import RunConfig
+from swarm.data import ByteCorpus, DataConfig
+from swarm.model import MODEL_PRESETS
+from swarm.trainer.reference import train_reference
+from swarm.transport.client import PeerClient
+
+pytestmark = pytest.mark.slow
+
+RUN_ID = "replicas"
+FLAGS = ["--preset", "tiny", "--target-batch-size", "64", "--average", "--matchmaking-s", "0.5", "--heartbeat-s", "0.5",
+         "--ttl-s", "3", "--no-rebalance"]
+STEPS = 8
+
+
+async def _ask(endpoints, call):
+    out = []
+    for endpoint in endpoints:
+        client = PeerClient(endpoint)
+        try:
+            out.append(await call(client))
+        finally:
+            await client.close()
+    return out
+
+
+def _wait_for_step(endpoints, step: int, timeout_s: float = 60.0) -> list[int]:
+    """Poll the replicas until each has taken optimizer step ``step``; return their steps."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = asyncio.run(_ask(endpoints, lambda c: c.info(RUN_ID, timeout_s=10)))
+        steps = [info.step for info in infos]
+        if min(steps) >= step or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.2)
+
+
+def _assert_same_state(endpoints, step: int) -> None:
+    states = asyncio.run(_ask(endpoints, lambda c: c.get_state(RUN_ID, timeout_s=30)))
+    reference = states[0].tensors
+    assert any(name.startswith("param/") for name in reference)
+    for state in states:
+        assert state.meta.step == step
+        for name, tensor in reference.items():
+            # Codec none on fp32: the replicas apply the same averaged gradient up to summation order.
+            torch.testing.assert_close(state.tensors[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_replicas_agree_and_a_newcomer_loads_the_same_state(local_swarm):
+    first = local_swarm.peer("s0", 0, *FLAGS, run_id=RUN_ID, wait=False)
+    replicas = [local_swarm.peer(f"s1-{i}", 1, *FLAGS, run_id=RUN_ID, wait=False) for i in range(2)]
+    local_swarm.wait_ready(first)
+    endpoints = [local_swarm.wait_ready(p) for p in replicas]
+    trainer = local_swarm.group.swarm("trainer", "train", "--run-id", RUN_ID, *local_swarm.initial_peers,
+                                      "--steps", str(STEPS), "--microbatch-size", "8", "--in-flight", "4",
+                                      "--max-batches-ahead", "2", "--eval-every-steps", "0", "--eval-batches", "2",
+                                      "--log-every-s", "0")
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
+    # One optimizer step per global batch the trainer sent: no batch split or merged, none lost.
+    assert _wait_for_step(endpoints, STEPS) == [STEPS] * 2
+    _assert_same_state(endpoints, STEPS)
+    for proc in replicas:  # they averaged with each other, never stepped alone on their own gradients
+        assert not [line for line in proc.lines if re.search("stepped without its peers|Traceback", line)], proc.name
+    infos = asyncio.run(_ask(endpoints, lambda c: c.info(RUN_ID, timeout_s=10)))
+    assert all(info.microbatches_applied > 0 for info in infos), [i.microbatches_applied for i in infos]
+    assert sum(info.microbatches_applied for info in infos) == STEPS * 64 // 8
+    # A third replica joins: it downloads parameters and optimizer state before it serves.
+    newcomer = local_swarm.peer("s1-new", 1, *FLAGS, run_id=RUN_ID)
+    assert newcomer.wait_for(r"state downloaded from its peers: now at step (\d+)", timeout_s=5).group(1) == str(STEPS)
+    _assert_same_state([*endpoints, local_swarm.wait_ready(newcomer)], STEPS)
+
+
+def test_swarm_converges_like_one_process(local_swarm, tmp_path):
+    """2 stages x 2 averaging peers (codec none) against the same model trained in one process on the same
+    global batches, schedule and seed. With --max-batches-ahead 0 no microbatch runs on parameters a step old, so
+    the two compute the same thing up to the all-reduce's summation order."""
+    steps, batch = 8, 32
+    run_flags = ["--preset", "tiny", "--codec", "none", "--target-batch-size", str(batch), "--lr", "3e-3",
+                 "--warmup-steps", "2", "--total-steps", str(steps), "--average", "--matchmaking-s", "0.5",
+                 "--no-rebalance"]
+    procs = [local_swarm.peer(f"conv-s{k}-{r}", k, *run_flags, run_id="conv", wait=False) for k in (0, 1) for r in (0, 1)]
+    for proc in procs:
+        local_swarm.wait_ready(proc)
+    metrics = tmp_path / "metrics.jsonl"
+    trainer = local_swarm.group.swarm("trainer", "train", "--run-id", "conv", *local_swarm.initial_peers,
+                                      "--steps", str(steps), "--microbatch-size", "8", "--in-flight", "1",
+                                      "--max-batches-ahead", "0", "--eval-every-steps", "0", "--eval-batches", "4",
+                                      "--log-every-s", "0", "--metrics-path", str(metrics))
+    assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    swarm_losses = [r["loss"] for r in records if "loss" in r]
+    swarm_val = [r["val_loss"] for r in records if "val_loss" in r][-1]
+
+    run = RunConfig(model=MODEL_PRESETS["tiny"], target_batch_size=batch, lr=3e-3, warmup_steps=2, total_steps=steps)
+    reference = train_reference(run, ByteCorpus.load(DataConfig()), steps=steps, microbatch_size=8, seed=0,
+                                eval_batches=4)
+    # The issue's bar is 3% on validation loss; in lockstep the swarm is much closer than that.
+    assert swarm_val == pytest.approx(reference.val_loss, rel=0.03)
+    assert swarm_losses == pytest.approx(reference.losses, rel=1e-3), (swarm_losses, reference.losses)
+    assert reference.losses[-1] < 0.9 * reference.losses[0]  # it did learn: the comparison is not of two idle runs

@@ -11,9 +11,13 @@ same seed, same microbatches, same grouping into global batches. Two swarm runs 
 * ``--max-batches-ahead 0``: the trainer starts each global batch once every stage has stepped on the last one. Then
   the swarm computes what the single process computes (up to summation order), so the gap measures the
   all-reduce and the wire, nothing else.
-* the default pipelined mode (``--in-flight`` microbatches in flight, no wait between batches): microbatches
-  of the next batch run on parameters one or two steps old while the stages average, which costs quality
+* the pipelined mode (``--in-flight`` microbatches in flight, ``--max-batches-ahead 2``): microbatches of
+  the next batches run on parameters one or two steps old while the stages average, which costs quality
   on a model this small; the gap shows how much.
+
+A second single-process run clips the whole model's gradient by its global norm instead of each stage's
+to ``max_grad_norm / sqrt(stages)`` (what the swarm does, since no stage knows the others' norms): the gap
+between the two one-process rows is the effect of that approximation.
 """
 from __future__ import annotations
 
@@ -96,11 +100,12 @@ def run_swarm(cfg: ConvergenceConfig, workdir: Path, *, sync: bool, label: str) 
                  val_curve=[(v["step"], v["val_loss"]) for v in metrics.validations], tokens_per_s=tokens_per_s)
 
 
-def run_reference(cfg: ConvergenceConfig) -> Curve:
+def run_reference(cfg: ConvergenceConfig, *, clipping: str = "stage") -> Curve:
     result = train_reference(cfg.run_config(), ByteCorpus.load(DataConfig()), steps=cfg.steps,
                              microbatch_size=cfg.microbatch_size, seed=cfg.seed, eval_batches=cfg.eval_batches,
-                             eval_every_steps=cfg.eval_every_steps)
-    return Curve(label="one process", losses=result.losses, val_curve=result.val_losses)
+                             eval_every_steps=cfg.eval_every_steps, clipping=clipping)
+    label = "one process" if clipping == "stage" else "one process, exact global clipping"
+    return Curve(label=label, losses=result.losses, val_curve=result.val_losses)
 
 
 def plot(curves: list[Curve], cfg: ConvergenceConfig, path: Path) -> None:
@@ -142,8 +147,9 @@ def main() -> None:
     info = RunInfo(command=".venv/bin/python bench/convergence.py" + "".join(f" {a}" for a in sys.argv[1:]))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-convergence-"))
     print(f"logs in {workdir}", flush=True)
-    curves = [run_reference(cfg)]
-    print(f"  one process: final validation loss {curves[0].final_val:.4f}", flush=True)
+    curves = [run_reference(cfg), run_reference(cfg, clipping="global")]
+    for c in curves:
+        print(f"  {c.label}: final validation loss {c.final_val:.4f}", flush=True)
     for sync, label in ((True, "swarm, lockstep"), (False, f"swarm, {cfg.in_flight} in flight")):
         curves.append(run_swarm(cfg, workdir, sync=sync, label=label))
         print(f"  {label}: final validation loss {curves[-1].final_val:.4f}, "

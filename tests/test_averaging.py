@@ -86,10 +86,10 @@ def test_swarm_converges_like_one_process(local_swarm, tmp_path):
     """2 stages x 2 averaging peers (codec none) against the same model trained in one process on the same
     global batches, schedule and seed. With --max-batches-ahead 0 no microbatch runs on parameters a step old, so
     the two compute the same thing up to the all-reduce's summation order."""
-    steps, batch = 8, 32
+    steps, batch = 6, 32
     run_flags = ["--preset", "tiny", "--codec", "none", "--target-batch-size", str(batch), "--lr", "3e-3",
                  "--warmup-steps", "2", "--total-steps", str(steps), "--average", "--matchmaking-s", "0.5",
-                 "--no-rebalance"]
+                 "--heartbeat-s", "0.5", "--no-rebalance"]
     procs = [local_swarm.peer(f"conv-s{k}-{r}", k, *run_flags, run_id="conv", wait=False) for k in (0, 1) for r in (0, 1)]
     for proc in procs:
         local_swarm.wait_ready(proc)

@@ -56,7 +56,11 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm, tmp_path):
     period = 4.0
     # Every peer emulates a device 10x slower (it sleeps 9x its calibrated compute time), so the 2-core
     # machine is not the limit and stage capacity really is the sum of its peers.
-    flags = [*COMMON, "--slowdown", "10", "--period-s", str(period), "--cooldown-periods", "3"]
+    # Global batches of 64: each optimizer step makes the peers drop the autograd graphs they hold (their
+    # backward then recomputes the forward), and with small batches that extra work would make stage 0 the
+    # bottleneck after the move.
+    flags = [*COMMON, "--target-batch-size", str(BATCH), "--slowdown", "10", "--period-s", str(period),
+             "--cooldown-periods", "3"]
 
     def peer(name, stage):
         return swarm.peer(f"reb-{name}", stage, *flags, run_id="rebal", wait=False)
@@ -68,11 +72,11 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm, tmp_path):
         swarm.wait_ready(p)
     metrics = tmp_path / "metrics.jsonl"
     trainer = swarm.group.swarm("reb-trainer", "train", "--run-id", "rebal", *swarm.initial_peers, "--steps", "10000",
-                                "--microbatch-size", "8", "--in-flight", "8", "--eval-every-steps", "0",
+                                "--microbatch-size", "8", "--in-flight", "16", "--eval-every-steps", "0",
                                 "--log-every-s", "0", "--metrics-path", str(metrics))
     trainer.wait_for(r"^step 1/", timeout_s=120)
     started_at = _steps(metrics)[0]["wall_time"]
-    _train_until(trainer, metrics, started_at + 3 * period)
+    _train_until(trainer, metrics, started_at + 5 * period)
     # Phase 2: a third peer joins stage 0 (3 + 1): now a move pays off.
     peers.append(peer("c", 0))
     swarm.wait_ready(peers[-1])
@@ -89,8 +93,8 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm, tmp_path):
                 p.wait_for(moved, timeout_s=0.3)
                 mover = p
     moved_at = _log_time(next(line for line in mover.lines if re.search(moved, line)))
-    # ... then 6 more periods (twice the cooldown) in which nobody moves again (no back and forth).
-    _train_until(trainer, metrics, moved_at + 6 * period)
+    # ... then 10 more periods in which nobody moves again (no back and forth).
+    _train_until(trainer, metrics, moved_at + 10 * period)
     swarm.group.stop("reb-trainer")
     moves = [line for p in peers for line in p.lines if "moved from stage" in line]
     assert len(moves) == 1, moves
@@ -107,6 +111,7 @@ def _train_until(trainer, metrics, wall_time: float) -> None:
 
 
 MOVED = r"moved from stage {} to stage {}"
+BATCH = 64  # samples per global batch in the bottleneck test
 
 
 def _steps(path) -> list[dict]:
@@ -117,4 +122,4 @@ def _rate(steps, t_from, t_to) -> float:
     """Samples per second between two wall-clock times, from the trainer's per-step records."""
     chosen = [r for r in steps if r["wall_time"] >= t_from and (t_to is None or r["wall_time"] <= t_to)]
     assert len(chosen) >= 3, (t_from, t_to, len(steps))
-    return (len(chosen) - 1) * 16 / (chosen[-1]["wall_time"] - chosen[0]["wall_time"])
+    return (len(chosen) - 1) * BATCH / (chosen[-1]["wall_time"] - chosen[0]["wall_time"])

@@ -13,14 +13,14 @@ Why synchronous (``delay_optimizer_step=False``, ``delay_grad_averaging=False``,
 optimizer step runs on the peer's compute thread, so it never races a forward or backward and the swarm
 optimises exactly what the single-process model does (no stale parameters). The price is that compute
 pauses during the all-reduce; hivemind starts matchmaking ``matchmaking_s`` before the batch is
-expected to fill, so the pause is mostly the all-reduce itself (measured in bench/convergence.py). The
+expected to fill, so the pause is mostly the all-reduce itself (tokens/s in bench/results/convergence.md). The
 delayed modes would run the step on hivemind's thread and write parameters under a running backward
 (or, with an offloaded optimizer, apply one step late), which breaks the parity the issue asks for.
 
 Gradient clipping needs the norm over all stages, which no single stage knows. Approximation used: each
 stage clips its own gradient to ``max_grad_norm / sqrt(num_stages)``. The global norm after clipping is
 then always <= ``max_grad_norm``, and when the stages' norms are equal this is exactly global clipping.
-Its effect versus exact clipping is measured in bench/convergence.py (docs/convergence.md).
+Its effect versus exact clipping is measured in bench/convergence.py (bench/results/convergence.md).
 """
 from __future__ import annotations
 

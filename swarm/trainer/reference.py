@@ -9,6 +9,7 @@ Same optimization: each stage has the optimizer a lone replica has (:class:`Loca
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,15 +35,20 @@ class ReferenceResult:
 
 
 def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatch_size: int, seed: int = 0,
-                    eval_batches: int = 4, eval_every_steps: int = 0,
+                    eval_batches: int = 4, eval_every_steps: int = 0, clipping: str = "stage",
                     on_step: Callable[[int, float], None] | None = None) -> ReferenceResult:
     """Train ``steps`` global batches as a swarm trainer with ``--microbatch-size microbatch_size --seed seed``
     would send them, validating every ``eval_every_steps`` (0: only at the end) on the trainer's
-    validation batches."""
+    validation batches. ``clipping``: "stage" clips each stage to ``max_grad_norm / sqrt(stages)`` as the
+    swarm does; "global" clips the whole model's gradient to ``max_grad_norm`` (exact, for comparison)."""
     if steps < 1 or microbatch_size < 1:
         raise ValueError(f"steps and microbatch_size must be >= 1, got {steps} and {microbatch_size}")
+    if clipping not in ("stage", "global"):
+        raise ValueError(f"clipping must be 'stage' or 'global', got {clipping!r}")
     model = build_full_model(run.model)
-    optimizers = [LocalStageOptimizer(stage, run) for stage in model.stages]
+    exact = clipping == "global"
+    optimizers = [LocalStageOptimizer(stage, dataclasses.replace(run, max_grad_norm=0.0) if exact else run)
+                  for stage in model.stages]
     generator = torch.Generator().manual_seed(seed)
     seq_len = run.model.seq_len
     per_step = math.ceil(run.target_batch_size / microbatch_size)
@@ -55,12 +61,22 @@ def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatc
             n = tokens.shape[0]
             loss = model.loss(tokens[:, :-1], tokens[:, 1:])
             (loss * n).backward()  # gradient sums weighted by samples, as the peers accumulate them
+            if not exact:  # feed each microbatch as the swarm's commits do; the stage optimizer steps at the target
+                for stage, optimizer in zip(model.stages, optimizers):
+                    grads = [p.grad for p in stage.parameters()]
+                    for p in stage.parameters():
+                        p.grad = None
+                    optimizer.accumulate(grads, n)
+            weighted, samples = weighted + float(loss.detach()) * n, samples + n
+        if exact:  # the batch's summed gradients are in .grad: clip their mean by the global norm, then step
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g / samples) for g in grads])))
+            scale = min(1.0, run.max_grad_norm / (norm + 1e-6)) if run.max_grad_norm > 0 else 1.0
             for stage, optimizer in zip(model.stages, optimizers):
-                grads = [p.grad for p in stage.parameters()]
+                stage_grads = [None if p.grad is None else p.grad * scale for p in stage.parameters()]
                 for p in stage.parameters():
                     p.grad = None
-                optimizer.accumulate(grads, n)
-            weighted, samples = weighted + float(loss) * n, samples + n
+                optimizer.accumulate(stage_grads, samples)
         result.losses.append(weighted / samples)
         if on_step is not None:
             on_step(step, result.losses[-1])

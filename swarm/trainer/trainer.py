@@ -37,7 +37,7 @@ class TrainerConfig:
     eval_batches: int = 4  # validation batches (of microbatch_size sequences)
     seed: int = 0  # data sampling seed
     max_batches_ahead: int = -1  # with averaging peers (--average): start global batch b once every stage has stepped on batch b - this - 1 (0: lockstep; -1: no limit)
-    final_step_wait_s: float = 5.0  # before the final validation, wait for the stages' last optimizer step while they advance within this many seconds
+    stage_step_wait_s: float = 30.0  # with --max-batches-ahead: give up waiting for a stage's step once it has not advanced for this long
     peers_wait_s: float = 120.0  # how long to wait at start for every stage to have a peer
     log_every_s: float = 2.0  # seconds between progress lines
     metrics_path: str | None = None  # append one JSON line per step and per validation here
@@ -52,8 +52,8 @@ class TrainerConfig:
                              f"eval_batches ({self.eval_batches}) must be >= 1")
         if self.max_batches_ahead < -1:
             raise ValueError(f"max_batches_ahead must be >= 0, or -1 for no limit; got {self.max_batches_ahead}")
-        if self.final_step_wait_s < 0:
-            raise ValueError(f"final_step_wait_s must be >= 0 seconds, got {self.final_step_wait_s}")
+        if self.stage_step_wait_s < 0:
+            raise ValueError(f"stage_step_wait_s must be >= 0 seconds, got {self.stage_step_wait_s}")
         if self.steps < 0 or self.eval_every_steps < 0:
             raise ValueError(f"steps ({self.steps}) and eval_every_steps ({self.eval_every_steps}) must be >= 0")
 
@@ -136,7 +136,7 @@ class Trainer:
                         if any(now < target for now, target in zip(self.pipeline.stage_steps(), targets)):
                             if pending:
                                 break  # the replies of what is in flight tell when the stages step
-                            await self.pipeline.wait_for_stage_steps(targets, stall_s=cfg.final_step_wait_s)
+                            await self.pipeline.wait_for_stage_steps(targets, stall_s=cfg.stage_step_wait_s)
                     tokens = self.corpus.sample("train", cfg.microbatch_size, run.model.seq_len, self._generator)
                     batch_steps = [first + launched // per_step for first in first_steps]
                     pending.add(asyncio.create_task(
@@ -175,7 +175,7 @@ class Trainer:
         if cfg.max_batches_ahead >= 0:  # the stages count global batches (averaging peers)
             batches = math.ceil(launched / per_step)
             await self.pipeline.wait_for_stage_steps([first + batches for first in first_steps],
-                                                     stall_s=cfg.final_step_wait_s, every_replica=True)
+                                                     stall_s=cfg.stage_step_wait_s, every_replica=True)
         val_loss = await self.validate()
         step = len(step_losses)
         self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})

@@ -22,6 +22,7 @@ between the two one-process rows is the effect of that approximation.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -162,7 +163,7 @@ def main() -> None:
         gap = abs(c.final_val - reference.final_val) / reference.final_val
         rows.append([c.label, f"{c.final_val:.4f}", f"{100 * gap:.2f}%", "yes" if gap <= TARGET else "**no**",
                      ", ".join(f"{s}: {v:.3f}" for s, v in c.val_curve),
-                     "" if c is reference else f"{c.tokens_per_s:,.0f}"])
+                     "" if math.isnan(c.tokens_per_s) else f"{c.tokens_per_s:,.0f}"])
     table = markdown_table(["run", "final validation loss", "gap vs one process", f"within {TARGET:.0%}",
                             "validation loss (global batches: loss)", "tokens/s"], rows)
     info.extra += [

@@ -98,3 +98,39 @@ def percentile(values: Sequence[float], q: float) -> float:
     pos = (len(ordered) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class LossCurves:
+    """One training run's curves for :func:`plot_loss_curves`."""
+
+    label: str
+    train: list[tuple[float, float]]  # (samples trained, training loss of that step)
+    val: list[tuple[float, float]]  # (samples trained, validation loss)
+
+
+def plot_loss_curves(runs: Sequence[LossCurves], *, title: str, path: Path, window: int = 5) -> None:
+    """Training loss (moving average over ``window`` steps: one step's loss is a noisy estimate) and validation
+    loss of several runs, side by side, against samples trained; saved as a PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        losses = [loss for _, loss in run.train]
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
+        ax_train.plot([samples for samples, _ in run.train], smooth, label=run.label)
+        ax_val.plot(*zip(*run.val), marker="o", label=f"{run.label} ({run.val[-1][1]:.3f})")
+    ax_train.set(title=f"training loss ({window}-step moving average)", xlabel="samples", ylabel="loss (nats/byte)")
+    ax_val.set(title="validation loss", xlabel="samples", ylabel="loss (nats/byte)")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_ROOT, RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
+from common import (REPO_ROOT, RESULTS_DIR, LossCurves, RunInfo, markdown_table, plot_loss_curves,  # noqa: E402
+                    write_result)
 from swarmrun import Where, read_metrics, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
 
 from swarm.config import RunConfig  # noqa: E402
@@ -110,30 +111,12 @@ def run_reference(cfg: ConvergenceConfig, *, clipping: str = "stage") -> Curve:
 
 
 def plot(curves: list[Curve], cfg: ConvergenceConfig, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
-    for c in curves:
-        window = 5
-        smooth = [sum(c.losses[max(0, i - window + 1):i + 1]) / len(c.losses[max(0, i - window + 1):i + 1])
-                  for i in range(len(c.losses))]
-        ax_train.plot([(i + 1) * cfg.target_batch_size for i in range(len(smooth))], smooth, label=c.label)
-        ax_val.plot([s * cfg.target_batch_size for s, _ in c.val_curve], [v for _, v in c.val_curve], marker="o",
-                    label=f"{c.label} ({c.final_val:.3f})")
-    ax_train.set(title="training loss (5-step moving average)", xlabel="samples", ylabel="loss (nats/byte)")
-    ax_val.set(title="validation loss", xlabel="samples", ylabel="loss (nats/byte)")
-    for ax in (ax_train, ax_val):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"tiny model, 2 stages x {cfg.peers_per_stage} peers averaging gradients (codec none) vs one "
-                 f"process; same init, data, batches of {cfg.target_batch_size}, schedule")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    batch = cfg.target_batch_size
+    plot_loss_curves(
+        [LossCurves(c.label, train=[((i + 1) * batch, loss) for i, loss in enumerate(c.losses)],
+                    val=[(step * batch, loss) for step, loss in c.val_curve]) for c in curves],
+        title=f"tiny model, 2 stages x {cfg.peers_per_stage} peers averaging gradients (codec none) vs one process; "
+              f"same init, data, batches of {batch}, schedule", path=path)
 
 
 def main() -> None:

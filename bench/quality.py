@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_ROOT, RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
+from common import (REPO_ROOT, RESULTS_DIR, LossCurves, RunInfo, markdown_table, plot_loss_curves,  # noqa: E402
+                    write_result)
 from swarmrun import Where, read_metrics, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
 
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
@@ -143,30 +144,11 @@ def report(results: list[QualityResult], cfg: QualityConfig) -> str:
 
 
 def plot(results: list[QualityResult], cfg: QualityConfig, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
-        samples = [(i + 1) * cfg.samples_per_step for i in range(len(r.losses))]
-        window = 5  # moving average over steps: one step's loss is a noisy 32-sample estimate
-        smooth = [sum(r.losses[max(0, i - window + 1):i + 1]) / len(r.losses[max(0, i - window + 1):i + 1])
-                  for i in range(len(r.losses))]
-        ax_train.plot(samples, smooth, label=r.label)
-        ax_val.plot(*zip(*r.val_curve), marker="o", label=f"{r.label} ({r.final_val:.3f})")
-    ax_train.set(title="training loss (5-step moving average)", xlabel="samples", ylabel="loss (nats/byte)")
-    ax_val.set(title="validation loss", xlabel="samples", ylabel="loss (nats/byte)")
-    for ax in (ax_train, ax_val):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{cfg.preset} model, 2 stages x 1 peer, {cfg.in_flight} microbatch(es) in flight; codec on "
-                 f"activations and gradients, same init and data order")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_loss_curves(
+        [LossCurves(r.label, train=[((i + 1) * cfg.samples_per_step, loss) for i, loss in enumerate(r.losses)],
+                    val=list(r.val_curve)) for r in results],
+        title=f"{cfg.preset} model, 2 stages x 1 peer, {cfg.in_flight} microbatch(es) in flight; codec on "
+              f"activations and gradients, same init and data order", path=path)
 
 
 def main() -> None:

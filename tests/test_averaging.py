@@ -1,20 +1,15 @@
 """Replicas of a stage that average (--average, hivemind) train one model: they all-reduce gradients and step
-together on exactly one global batch, a peer that joins downloads the stage's state, and the swarm converges
-like the same model in one process."""
+together on exactly one global batch, and a peer that joins downloads the stage's state. (How the swarm
+converges next to the same model in one process is bench/convergence.py's job: see its result file.)"""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 
 import pytest
 import torch
 
-from swarm.config import RunConfig
-from swarm.data import ByteCorpus, DataConfig
-from swarm.model import MODEL_PRESETS
-from swarm.trainer.reference import train_reference
 from swarm.transport.client import PeerClient
 
 pytestmark = pytest.mark.slow
@@ -80,33 +75,3 @@ def test_replicas_agree_and_a_newcomer_loads_the_same_state(local_swarm):
     newcomer = local_swarm.peer("s1-new", 1, *FLAGS, run_id=RUN_ID)
     assert newcomer.wait_for(r"state downloaded from its peers: now at step (\d+)", timeout_s=5).group(1) == str(STEPS)
     _assert_same_state([*endpoints, local_swarm.wait_ready(newcomer)], STEPS)
-
-
-def test_swarm_converges_like_one_process(local_swarm, tmp_path):
-    """2 stages x 2 averaging peers (codec none) against the same model trained in one process on the same
-    global batches, schedule and seed. With --max-batches-ahead 0 no microbatch runs on parameters a step old, so
-    the two compute the same thing up to the all-reduce's summation order."""
-    steps, batch = 6, 32
-    run_flags = ["--preset", "tiny", "--codec", "none", "--target-batch-size", str(batch), "--lr", "3e-3",
-                 "--warmup-steps", "2", "--total-steps", str(steps), "--average", "--matchmaking-s", "0.5",
-                 "--heartbeat-s", "0.5", "--no-rebalance"]
-    procs = [local_swarm.peer(f"conv-s{k}-{r}", k, *run_flags, run_id="conv", wait=False) for k in (0, 1) for r in (0, 1)]
-    for proc in procs:
-        local_swarm.wait_ready(proc)
-    metrics = tmp_path / "metrics.jsonl"
-    trainer = local_swarm.group.swarm("trainer", "train", "--run-id", "conv", *local_swarm.initial_peers,
-                                      "--steps", str(steps), "--microbatch-size", "8", "--in-flight", "1",
-                                      "--max-batches-ahead", "0", "--eval-every-steps", "0", "--eval-batches", "4",
-                                      "--log-every-s", "0", "--metrics-path", str(metrics))
-    assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    swarm_losses = [r["loss"] for r in records if "loss" in r]
-    swarm_val = [r["val_loss"] for r in records if "val_loss" in r][-1]
-
-    run = RunConfig(model=MODEL_PRESETS["tiny"], target_batch_size=batch, lr=3e-3, warmup_steps=2, total_steps=steps)
-    reference = train_reference(run, ByteCorpus.load(DataConfig()), steps=steps, microbatch_size=8, seed=0,
-                                eval_batches=4)
-    # The issue's bar is 3% on validation loss; in lockstep the swarm is much closer than that.
-    assert swarm_val == pytest.approx(reference.val_loss, rel=0.03)
-    assert swarm_losses == pytest.approx(reference.losses, rel=1e-3), (swarm_losses, reference.losses)
-    assert reference.losses[-1] < 0.9 * reference.losses[0]  # it did learn: the comparison is not of two idle runs

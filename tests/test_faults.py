@@ -108,8 +108,8 @@ def test_slow_peer_gets_its_share_and_swarm_keeps_throughput(swarm, tmp_path):
     assert fast + slow == 120
     share = slow / (fast + slow)
     # Routing shares work by measured speed: the slow peer's expected share is its part of the stage's
-    # capacity, as the peers measured it (about 1/4 of the fast one: each sleeps a fixed multiple of its
-    # calibrated compute, and both compute at the same contended speed). Tolerance +-0.08 covers
+    # capacity, as the peers measured it (about 1/4 of the fast one; measured, since the emulated slowdown
+    # multiplies each call's own compute time, which varies with the load). Tolerance +-0.08 covers
     # sampling noise over 120 draws and the exploration of the start.
     speeds = {name: info.throughput for name, info in state.items()}
     expected = speeds["s0-slow"] / (speeds["s0-slow"] + speeds["s0-fast"])

@@ -54,7 +54,7 @@ def _log_time(line: str) -> float:
 
 def test_bottleneck_gets_a_peer_without_oscillation(swarm, tmp_path):
     period = 4.0
-    # Every peer emulates a device 10x slower (it sleeps 9x its calibrated compute time), so the 2-core
+    # Every peer emulates a device 10x slower (it sleeps 9x each call's compute time), so the 2-core
     # machine is not the limit and stage capacity really is the sum of its peers.
     # Global batches of 64: each optimizer step makes the peers drop the autograd graphs they hold (their
     # backward then recomputes the forward), and with small batches that extra work would make stage 0 the

@@ -71,7 +71,7 @@ class StageExecutor:
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0
-        # the same, at full speed as calibrated (best of several runs); the base of the emulated slowdown
+        # the same, at full speed as calibrated (best of several runs)
         self._base_fwd_s = 0.0
         self._base_bwd_s = 0.0
 
@@ -115,13 +115,13 @@ class StageExecutor:
         self._bwd_s_per_sample = self._base_bwd_s * self.slowdown
         return self.throughput
 
-    def _emulate_slow_device(self, base_s_per_sample: float, samples: int) -> None:
-        """With ``slowdown`` f > 1, hold the compute thread as a device f times slower would: sleep
-        (f - 1) times the calibrated full-speed time of this work. The sleep is fixed, not a multiple of
-        the time just measured, so the emulated device's speed does not swing with this machine's load,
-        and the throughput the peer measures (sleep included) is the capacity it really has."""
+    def _emulate_slow_device(self, started: float) -> None:
+        """With ``slowdown`` f > 1, hold the compute thread as a device f times slower would: sleep (f - 1) times
+        the compute just done (since ``started``). A busy machine slows the emulated device as it slows every
+        other process, so the peer stays f times slower than the processes beside it; the throughput the peer
+        measures (sleep included) is the capacity it really has."""
         if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * base_s_per_sample * samples)
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
 
     # ---------------------------------------------------------------- forward
 
@@ -143,7 +143,7 @@ class StageExecutor:
             with torch.no_grad():
                 out = self.stage(x)
             self._remember(microbatch_id, _Cached(x, None))
-        self._emulate_slow_device(self._base_fwd_s, x.shape[0])
+        self._emulate_slow_device(t0)
         self._observe("_fwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return out
 
@@ -175,7 +175,7 @@ class StageExecutor:
         grads, grad_input = self._gradients(loss * num_samples, None, leaf)
         reply = (float(loss.detach()), grad_input)
         self._hold(microbatch_id, grads, reply, num_samples)
-        self._emulate_slow_device(self._base_bwd_s, x.shape[0])
+        self._emulate_slow_device(t0)
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return reply
 
@@ -198,7 +198,6 @@ class StageExecutor:
             raise InvalidRequest(f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
                                  f"got {grad_output.dtype} {list(grad_output.shape)}")
         t0 = time.perf_counter()
-        base_s = self._base_bwd_s
         if cached is not None and cached.graph is not None:
             leaf, out = cached.graph
             cached.graph = None  # autograd frees it below; a retry after a failure recomputes
@@ -206,11 +205,10 @@ class StageExecutor:
             leaf = self._leaf(x)
             with torch.enable_grad():
                 out = self.stage(leaf)
-            base_s += self._base_fwd_s
         grads, grad_input = self._gradients(out, grad_output, leaf)
         self._forget(microbatch_id)
         self._hold(microbatch_id, grads, grad_input, num_samples)
-        self._emulate_slow_device(base_s, x.shape[0])
+        self._emulate_slow_device(t0)
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return grad_input
 

@@ -16,6 +16,24 @@ from swarm.coordinator.launcher import ProcessGroup
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def ask_peers(endpoints, call):
+    """``call(client)`` against each endpoint in turn (a fresh PeerClient each, closed after); the results in
+    order. Synchronous, for tests that drive peer processes from the outside."""
+    from swarm.transport.client import PeerClient
+
+    async def go():
+        out = []
+        for endpoint in endpoints:
+            client = PeerClient(endpoint)
+            try:
+                out.append(await call(client))
+            finally:
+                await client.close()
+        return out
+
+    return asyncio.run(go())
+
+
 class LoopThread:
     """An asyncio loop running in a thread, so servers outlive one test's coroutine (module fixtures)."""
 

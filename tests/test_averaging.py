@@ -3,14 +3,13 @@ together on exactly one global batch, and a peer that joins downloads the stage'
 converges next to the same model in one process is bench/convergence.py's job: see its result file.)"""
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 
 import pytest
 import torch
 
-from swarm.transport.client import PeerClient
+from conftest import ask_peers
 
 pytestmark = pytest.mark.slow
 
@@ -20,22 +19,11 @@ FLAGS = ["--preset", "tiny", "--target-batch-size", "64", "--average", "--matchm
 STEPS = 8
 
 
-async def _ask(endpoints, call):
-    out = []
-    for endpoint in endpoints:
-        client = PeerClient(endpoint)
-        try:
-            out.append(await call(client))
-        finally:
-            await client.close()
-    return out
-
-
 def _wait_for_step(endpoints, step: int, timeout_s: float = 60.0) -> list[int]:
     """Poll the replicas until each has taken optimizer step ``step``; return their steps."""
     deadline = time.monotonic() + timeout_s
     while True:
-        infos = asyncio.run(_ask(endpoints, lambda c: c.info(RUN_ID, timeout_s=10)))
+        infos = ask_peers(endpoints, lambda c: c.info(RUN_ID, timeout_s=10))
         steps = [info.step for info in infos]
         if min(steps) >= step or time.monotonic() > deadline:
             return steps
@@ -43,7 +31,7 @@ def _wait_for_step(endpoints, step: int, timeout_s: float = 60.0) -> list[int]:
 
 
 def _assert_same_state(endpoints, step: int) -> None:
-    states = asyncio.run(_ask(endpoints, lambda c: c.get_state(RUN_ID, timeout_s=30)))
+    states = ask_peers(endpoints, lambda c: c.get_state(RUN_ID, timeout_s=30))
     reference = states[0].tensors
     assert any(name.startswith("param/") for name in reference)
     for state in states:
@@ -68,7 +56,7 @@ def test_replicas_agree_and_a_newcomer_loads_the_same_state(local_swarm):
     _assert_same_state(endpoints, STEPS)
     for proc in replicas:  # they averaged with each other, never stepped alone on their own gradients
         assert not [line for line in proc.lines if re.search("stepped without its peers|Traceback", line)], proc.name
-    infos = asyncio.run(_ask(endpoints, lambda c: c.info(RUN_ID, timeout_s=10)))
+    infos = ask_peers(endpoints, lambda c: c.info(RUN_ID, timeout_s=10))
     assert all(info.microbatches_applied > 0 for info in infos), [i.microbatches_applied for i in infos]
     assert sum(info.microbatches_applied for info in infos) == STEPS * 64 // 8
     # A third replica joins: it downloads parameters and optimizer state before it serves.

@@ -1,29 +1,18 @@
 """Stop every peer, restart them from their checkpoints: training resumes from the saved step."""
 from __future__ import annotations
 
-import asyncio
 import signal
 
 import pytest
 import torch
 
-from swarm.transport.client import PeerClient
+from conftest import ask_peers
 
 pytestmark = pytest.mark.slow
 
 
 def _state(endpoints, run_id):
-    async def go():
-        out = []
-        for endpoint in endpoints:
-            client = PeerClient(endpoint)
-            try:
-                out.append(await client.get_state(run_id, timeout_s=30))
-            finally:
-                await client.close()
-        return out
-
-    return asyncio.run(go())
+    return ask_peers(endpoints, lambda client: client.get_state(run_id, timeout_s=30))
 
 
 def test_restart_from_checkpoints_resumes_the_saved_step(local_swarm, tmp_path):

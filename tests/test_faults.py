@@ -1,7 +1,6 @@
 """Faults on purpose: killed, frozen, slow and draining peers cost throughput, never data."""
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import signal
@@ -9,7 +8,7 @@ import time
 
 import pytest
 
-from swarm.transport.client import PeerClient
+from conftest import ask_peers
 
 pytestmark = pytest.mark.slow
 
@@ -51,17 +50,7 @@ def summary_of(trainer):
 
 
 def infos(endpoints, run_id):
-    async def go():
-        out = {}
-        for name, endpoint in endpoints.items():
-            client = PeerClient(endpoint)
-            try:
-                out[name] = await client.info(run_id, timeout_s=10)
-            finally:
-                await client.close()
-        return out
-
-    return asyncio.run(go())
+    return dict(zip(endpoints, ask_peers(endpoints.values(), lambda client: client.info(run_id, timeout_s=10))))
 
 
 def test_kill_and_freeze_mid_run(swarm, tmp_path):

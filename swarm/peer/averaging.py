@@ -134,13 +134,6 @@ class LaterBatches:
         self.max_ahead = max_ahead
         self._by_step: dict[int, tuple[list[torch.Tensor | None], int]] = {}
 
-    def __len__(self) -> int:
-        return len(self._by_step)
-
-    @property
-    def samples(self) -> int:
-        return sum(n for _, n in self._by_step.values())
-
     def add(self, step: int, current: int, grads: list[torch.Tensor | None], num_samples: int) -> None:
         step = min(step, current + self.max_ahead)
         held = self._by_step.get(step)

@@ -10,6 +10,7 @@ and recomputes, so no microbatch is lost to a failed peer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -110,6 +111,12 @@ class Pipeline:
                    if r.state == "serving" and (stage, pid) not in self._draining_replies}
         self.router.update_peers(stage, serving, now)
 
+    async def _next_refresh(self, *, timeout_s: float) -> None:
+        """Wait for the next refresh of the peer lists, at most ``timeout_s`` (no waiter is left behind)."""
+        self._refreshed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._refreshed.wait(), timeout=timeout_s)
+
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.refresh_s)
@@ -129,8 +136,7 @@ class Pipeline:
                 raise StageUnavailable(f"no peer serves stage(s) {empty} of run '{self.run_id}' after "
                                        f"{timeout_s:.0f}s; start `swarm peer --run-id {self.run_id} --stage "
                                        f"{empty[0]}`")
-            self._refreshed.clear()
-            await asyncio.wait({asyncio.ensure_future(self._refreshed.wait())}, timeout=self.config.refresh_s * 2)
+            await self._next_refresh(timeout_s=self.config.refresh_s * 2)
 
     @property
     def run_id(self) -> str:
@@ -337,9 +343,7 @@ class Pipeline:
                                    stage, e, self.config.empty_stage_wait_s)
                     warned = True
                 wake = min(deadline, e.retry_at_s) if e.retry_at_s else deadline
-                self._refreshed.clear()
-                await asyncio.wait({asyncio.ensure_future(self._refreshed.wait())},
-                                   timeout=max(0.05, min(wake - now, self.config.refresh_s * 2)))
+                await self._next_refresh(timeout_s=max(0.05, min(wake - now, self.config.refresh_s * 2)))
 
 
 def _tensor(reply: Reply, name: str, peer: str) -> torch.Tensor:

@@ -109,7 +109,7 @@ class Peer:
         self.last_moved_s = 0.0
         self.rebalancer: Rebalancer | None = None
         self.drain_started: float | None = None
-        self._checkpoints: CheckpointStore | None = None  # set by _start_averaging with --checkpoint-dir
+        self._checkpoints: CheckpointStore | None = None  # set by _start_optimizer with --checkpoint-dir
         self._saved_step = -1  # step of the last checkpoint written or restored
         self.calls_seen = 0
         self._fault_rng = random.Random(config.peer_id)

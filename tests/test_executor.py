@@ -19,21 +19,24 @@ def test_emulated_slow_device_is_slower_by_its_factor_and_measures_it():
     slow = StageExecutor(build_stage(MODEL, 0), RUN, slowdown=5.0)
     fast.calibrate(8)
     slow.calibrate(8)
-    # The seed of the announced speed is the calibrated full speed divided by the factor, exactly.
-    assert slow.throughput == pytest.approx(1.0 / (5.0 * (slow._base_fwd_s + slow._base_bwd_s)))
+    # The seed of the announced speed is what the emulated device takes: about a fifth of the full speed
+    # (the two calibrations are separate runs on a shared machine, hence the margin).
+    assert 0.1 * fast.throughput < slow.throughput < 0.35 * fast.throughput
     tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.seq_len))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     slow.forward("mb", tokens, keep=True)
-    took = time.perf_counter() - t0
-    # The call holds the compute thread for 5x its compute: at least (5 - 1) x the calibrated full-speed time
-    # (less a margin: calibration kept the fastest of its runs).
-    assert took >= 0.8 * 5 * slow._base_fwd_s * 8
+    took, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    # The call holds the compute thread for its compute plus 4x that compute asleep (compute = this thread's
+    # CPU time, torch being single-threaded here; measured out here it also counts the call's own checks).
+    assert torch.get_num_threads() == 1
+    assert took >= 3.5 * cpu
     before = slow.throughput
     grad = torch.randn(8, MODEL.seq_len, MODEL.d_model)
     slow.backward("mb", grad, None, 8)
     slow.commit("mb")
     # What it measures includes the emulated time, so it stays near a fifth of the full speed.
     assert slow.throughput < 0.5 * fast.throughput and slow.throughput == pytest.approx(before, rel=0.5)
+    assert slow.samples_applied == 8 and slow.busy_s >= took
 
 
 def test_slowdown_below_one_is_refused():

@@ -6,6 +6,7 @@ request leaves the accumulated gradients exactly as they were.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -45,6 +46,18 @@ class _Cached:
 _UNKNOWN = object()
 
 
+def _busy(method):
+    """Count the wall time of an executor method in ``busy_s`` (errors included: the thread was taken)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+    return timed
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -62,6 +75,10 @@ class StageExecutor:
         # Steps alone unless the peer attaches its stage's hivemind optimizer (see swarm.peer.averaging).
         self.optimizer: StageOptimizer = optimizer or LocalStageOptimizer(stage, run)
         self.microbatches_applied = 0
+        self.samples_applied = 0
+        # Seconds of compute-thread time spent serving (forward, backward, commits, optimizer steps): with
+        # samples_applied, the rate this replica delivers while busy, whatever its per-call costs.
+        self.busy_s = 0.0
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_bytes = 0
         self._replies: OrderedDict[str, object] = OrderedDict()
@@ -71,9 +88,6 @@ class StageExecutor:
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0
-        # the same, at full speed as calibrated (best of several runs)
-        self._base_fwd_s = 0.0
-        self._base_bwd_s = 0.0
 
     # ---------------------------------------------------------------- throughput
 
@@ -91,45 +105,59 @@ class StageExecutor:
 
     def calibrate(self, batch_size: int, repeats: int = 3) -> float:
         """Time forward + backward on synthetic input (grads discarded) to seed the throughput: the
-        fastest of ``repeats`` runs after a warm-up, since a busy machine only ever adds time."""
+        fastest of ``repeats`` runs after a warm-up, since a busy machine only ever adds time. With a
+        ``slowdown``, the seed is what the emulated device will take (see :meth:`_emulated_s`)."""
         shape, dtype = self.stage.input_spec(batch_size)
         x = (torch.randint(0, self.stage.config.vocab_size, shape) if dtype == torch.int64
              else torch.randn(shape, dtype=dtype))
         saved = [None if p.grad is None else p.grad.clone() for p in self.stage.parameters()]
-        fwd, total = [], []
+        runs = []  # (wall, cpu) of the forward and of forward + backward
         for _ in range(1 + repeats):  # the first run includes one-off allocation costs
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with torch.enable_grad():
                 out = self.stage(x)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             out.float().square().mean().backward()
-            t2 = time.perf_counter()
-            fwd.append(t1 - t0)
-            total.append(t2 - t0)
+            t2, c2 = time.perf_counter(), time.thread_time()
+            runs.append(((t1 - t0, c1 - c0), (t2 - t0, c2 - c0)))
         for p, g in zip(self.stage.parameters(), saved):
             p.grad = g
-        fwd_s, total_s = min(fwd[1:]), min(total[1:])
-        self._base_fwd_s = fwd_s / batch_size
-        self._base_bwd_s = (total_s if self.stage.is_last else max(total_s - fwd_s, 0.0)) / batch_size
-        self._fwd_s_per_sample = self._base_fwd_s * self.slowdown
-        self._bwd_s_per_sample = self._base_bwd_s * self.slowdown
+        runs = runs[1:]
+        fwd_s, total_s = (min(self._emulated_s(*run[i]) for run in runs) for i in (0, 1))
+        self._fwd_s_per_sample = fwd_s / batch_size
+        self._bwd_s_per_sample = (total_s if self.stage.is_last else max(total_s - fwd_s, 0.0)) / batch_size
         return self.throughput
 
-    def _emulate_slow_device(self, started: float) -> None:
+    def _emulated_s(self, wall_s: float, cpu_s: float) -> float:
+        """How long a call whose compute took ``wall_s`` (``cpu_s`` of this thread's CPU time) holds the
+        emulated device: ``wall_s`` plus the sleep of :meth:`_emulate_slow_device`."""
+        return wall_s + (self.slowdown - 1) * self._compute_s(wall_s, cpu_s)
+
+    @staticmethod
+    def _compute_s(wall_s: float, cpu_s: float) -> float:
+        """A call's compute: this thread's CPU time when torch runs single-threaded (on this thread), else
+        the wall time. CPU time leaves out what the machine's load adds (waiting for a core, or for the GIL
+        while the event loop decodes the next request)."""
+        return cpu_s if torch.get_num_threads() == 1 else wall_s
+
+    def _emulate_slow_device(self, started: float, cpu_started: float) -> None:
         """With ``slowdown`` f > 1, hold the compute thread as a device f times slower would: sleep (f - 1) times
-        the compute just done (since ``started``). A busy machine slows the emulated device as it slows every
-        other process, so the peer stays f times slower than the processes beside it; the throughput the peer
-        measures (sleep included) is the capacity it really has."""
+        the compute just done (since ``started`` on the wall clock, ``cpu_started`` on this thread's CPU
+        clock; see :meth:`_compute_s`). Counting CPU time keeps the emulated device's speed on a busy
+        machine, where f would otherwise multiply every wait. The throughput the peer measures (sleep
+        included) is the capacity it really has."""
         if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
+            compute = self._compute_s(time.perf_counter() - started, time.thread_time() - cpu_started)
+            time.sleep((self.slowdown - 1) * compute)
 
     # ---------------------------------------------------------------- forward
 
+    @_busy
     def forward(self, microbatch_id: str, x: torch.Tensor, *, keep: bool) -> torch.Tensor:
         """Run the stage. With ``keep``, hold what backward needs: the graph while the graph budget
         allows, else just the inputs (backward then recomputes)."""
         self._check_input(x)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if not keep:
             with torch.no_grad():
                 out = self.stage(x)
@@ -143,10 +171,11 @@ class StageExecutor:
             with torch.no_grad():
                 out = self.stage(x)
             self._remember(microbatch_id, _Cached(x, None))
-        self._emulate_slow_device(t0)
+        self._emulate_slow_device(t0, cpu0)
         self._observe("_fwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return out
 
+    @_busy
     def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> float:
         self._check_input(x)
         self._check_targets(x, targets)
@@ -155,6 +184,7 @@ class StageExecutor:
 
     # ---------------------------------------------------------------- backward
 
+    @_busy
     def forward_loss_backward(self, microbatch_id: str, x: torch.Tensor, targets: torch.Tensor,
                               num_samples: int) -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient in one call. The parameter gradients are held until
@@ -163,7 +193,7 @@ class StageExecutor:
             return known
         self._check_input(x)
         self._check_targets(x, targets)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         leaf = self._leaf(x)
         with torch.enable_grad():
             loss = self.stage.loss(leaf, targets)
@@ -175,10 +205,11 @@ class StageExecutor:
         grads, grad_input = self._gradients(loss * num_samples, None, leaf)
         reply = (float(loss.detach()), grad_input)
         self._hold(microbatch_id, grads, reply, num_samples)
-        self._emulate_slow_device(t0)
+        self._emulate_slow_device(t0, cpu0)
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return reply
 
+    @_busy
     def backward(self, microbatch_id: str, grad_output: torch.Tensor, inputs: torch.Tensor | None,
                  num_samples: int) -> torch.Tensor | None:
         """Compute this microbatch's gradients; return the gradient of the stage input (None on the first
@@ -197,7 +228,7 @@ class StageExecutor:
         if tuple(grad_output.shape) != expected or grad_output.dtype != torch.float32:
             raise InvalidRequest(f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
                                  f"got {grad_output.dtype} {list(grad_output.shape)}")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if cached is not None and cached.graph is not None:
             leaf, out = cached.graph
             cached.graph = None  # autograd frees it below; a retry after a failure recomputes
@@ -208,7 +239,7 @@ class StageExecutor:
         grads, grad_input = self._gradients(out, grad_output, leaf)
         self._forget(microbatch_id)
         self._hold(microbatch_id, grads, grad_input, num_samples)
-        self._emulate_slow_device(t0)
+        self._emulate_slow_device(t0, cpu0)
         self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
         return grad_input
 
@@ -240,6 +271,7 @@ class StageExecutor:
             logger.warning("dropping uncommitted gradients of microbatch %s (more than %d pending)",
                            dropped, self.cache_config.max_pending)
 
+    @_busy
     def commit(self, microbatch_id: str, batch_step: int | None = None) -> bool:
         """The caller has the reply: add the held gradients to the accumulators (once), toward optimizer
         step ``batch_step`` (None: the current one). Returns False if nothing was held (already committed,
@@ -255,6 +287,7 @@ class StageExecutor:
         while len(self._applied) > self.cache_config.applied_ids_size:
             self._applied.popitem(last=False)
         self.microbatches_applied += 1
+        self.samples_applied += num_samples
         if self.optimizer.accumulate(self._all_params(grads), num_samples, batch_step):
             self._after_step()
         return True
@@ -275,6 +308,7 @@ class StageExecutor:
         """Samples committed here since the last optimizer step."""
         return self.optimizer.local_samples
 
+    @_busy
     def maybe_step(self) -> bool:
         """Take part in the stage's optimizer step if its global batch is full (called periodically, so a
         replica that receives no more commits still steps with its peers). True if parameters changed."""

@@ -140,7 +140,8 @@ class StageService(pb_grpc.StagePeerServicer):
             protocol_version=PROTOCOL_VERSION, run_id=self.peer.run_id, stage=ex.stage.index,
             peer_id=self.peer.peer_id, state=self.peer.state, throughput=self.peer.throughput,
             in_flight=self.peer.in_flight, step=ex.step, samples_accumulated=ex.samples_accumulated,
-            microbatches_applied=ex.microbatches_applied, codecs=list(CODEC_NAMES))
+            microbatches_applied=ex.microbatches_applied, samples_applied=ex.samples_applied, busy_s=ex.busy_s,
+            codecs=list(CODEC_NAMES))
 
     # ------------------------------------------------------------------ checks
 

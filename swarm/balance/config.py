@@ -20,7 +20,7 @@ class RebalanceConfig:
     # Each move must raise the weaker of its two stages by at least this fraction of the throughput
     # the mover brings, in (0, 1]; refuses overshooting moves that would invite a move back.
     min_move_fraction: float = 0.5
-    # Periods after the one it moved in during which a peer may not move again (>= 0).
+    # Periods after the one it arrived or moved in during which a peer may not move (>= 0).
     cooldown_periods: int = 3
     # Count "starting" peers (loading state, e.g. one that just moved) as capacity of their stage, so
     # a move under way is not repeated by another peer in the next period.

@@ -24,7 +24,7 @@ where views differ.
 
    where ``t_b = t_a * cost[a] / cost[b]``. The first destination that no source can help ends the
    plan. Each source gives at most one peer per period; with ``S`` stages there are < ``S`` steps.
-3. *Eligible movers.* Serving, announced throughput > 0, not moved within the last
+3. *Eligible movers.* Serving, announced throughput > 0, not arrived or moved within the last
    ``cooldown_periods`` periods, in a stage with at least two serving peers (a stage is never
    emptied: one departure per period leaves at least one). If peers already claimed to leave the
    stage this period, only the claim winner may, and only if it is eligible.

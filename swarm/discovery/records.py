@@ -42,7 +42,7 @@ class StageRecord:
     in_flight: int  # requests being handled right now
     step: int  # optimizer steps its replica has taken
     config_hash: str  # RunConfig.fingerprint() of the config it runs
-    last_moved_s: float = 0.0  # DHT time of its last change of stage (0 = never), for rebalancing cooldown
+    last_moved_s: float = 0.0  # DHT time of its arrival or last change of stage (0 = unknown), for rebalancing cooldown
     step_pause_s: float = 0.0  # how long its optimizer steps (the all-reduce) hold its compute: calls wait that much more
     version: int = RECORD_VERSION
 

@@ -131,7 +131,9 @@ class Peer:
         except BaseException:
             await self._stack.aclose()
             raise
-        self.state, self.moving_to = "serving", None
+        # Arrival counts as a move for the rebalancing cooldown: until this peer and its neighbours have measured
+        # real work, its speed is a calibration on a machine that may be busy starting other peers.
+        self.state, self.moving_to, self.last_moved_s = "serving", None, get_dht_time()
         await self._announce()
         logger.info("peer %s serves stage %d of run '%s' at %s (%.1f samples/s)", self.peer_id,
                     self.stage, self.run_id, self.endpoint, self.throughput)

@@ -55,7 +55,7 @@ def test_replicas_agree_and_a_newcomer_loads_the_same_state(local_swarm):
     assert _wait_for_step(endpoints, STEPS) == [STEPS] * 2
     _assert_same_state(endpoints, STEPS)
     for proc in replicas:  # they averaged with each other, never stepped alone on their own gradients
-        assert not [line for line in proc.lines if re.search("stepped without its peers|Traceback", line)], proc.name
+        assert not [line for line in proc.lines if re.search("stepped without its peers|skipped its step|Traceback", line)], proc.name
     infos = ask_peers(endpoints, lambda c: c.info(RUN_ID, timeout_s=10))
     assert all(info.microbatches_applied > 0 for info in infos), [i.microbatches_applied for i in infos]
     assert sum(info.microbatches_applied for info in infos) == STEPS * 64 // 8

@@ -434,28 +434,47 @@ class HivemindStageOptimizer:
         before = self.epoch
         _set_lr(opt_inner := self.opt.opt, self.run, before)
         self.opt.used_local_gradients = False
+        skipped = opt_inner.skipped_steps
         t0 = time.perf_counter()
         self.opt._update_global_epoch(None)
         self.opt.tracker.batch_closed = False
         took = time.perf_counter() - t0
         self.step_pause_s = max(took, 0.8 * self.step_pause_s + 0.2 * took)
-        if self.opt.used_local_gradients and self.opt.tracker.global_progress.num_peers > 1:
-            # This replica missed the stage's all-reduce and stepped on its own gradients: its parameters
-            # now differ from its peers'. Take theirs rather than carry (and later average) a private state.
-            logger.warning("stage %d stepped without its peers' gradients at step %d: reloading the stage's "
-                           "state from its peers", self.stage.index, before)
+        if self.opt.tracker.global_progress.num_peers > 1 and (self.opt.used_local_gradients
+                                                               or opt_inner.skipped_steps > skipped):
+            # This replica missed the stage's all-reduce and stepped on its own gradients, or skipped the step
+            # (a non-finite average: e.g. a replica with no samples of this batch that received only its own
+            # part of a partial all-reduce): its parameters now differ from its peers'. Take theirs rather than
+            # carry (and later average) a private state.
+            logger.warning("stage %d %s at step %d: reloading the stage's state from its peers", self.stage.index,
+                           "skipped its step" if opt_inner.skipped_steps > skipped
+                           else "stepped without its peers' gradients", before)
             self.opt.load_state_from_peers()
         _set_lr(opt_inner, self.run, self.epoch)
 
-    def sync_with_peers(self) -> bool:
+    def sync_with_peers(self, peers_step: int = 0) -> bool:
         """Download parameters and optimizer state from the stage's peers if they are ahead of us (a
-        newcomer, or a restarted peer whose checkpoint is older). Returns True if state was loaded."""
+        newcomer, or a restarted peer whose checkpoint is older). ``peers_step`` is the highest step the
+        stage's peers announce in the swarm's records: the tracker's first readings may predate them, so wait
+        (up to ``load_state_timeout_s``) until it sees that step. Returns True if state was loaded; raises
+        RuntimeError if the peers are ahead and their averaging is not visible (serving stale parameters would
+        feed wrong gradients into the stage's average)."""
         tracker = self.opt.tracker
+        deadline = time.monotonic() + self.config.load_state_timeout_s
         # The tracker reads the stage's progress from the DHT in the background: wait for its first reading.
         tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.load_state_timeout_s)
+        while tracker.global_epoch < peers_step and time.monotonic() < deadline:
+            time.sleep(0.2)  # the tracker refreshes every default_refresh_period; there is no event per refresh
         if tracker.global_progress.num_peers == 0 or tracker.global_epoch <= self.epoch:
+            if peers_step > self.epoch:
+                raise RuntimeError(f"stage {self.stage.index}'s peers announce step {peers_step} but their "
+                                   f"averaging state was not visible within {self.config.load_state_timeout_s:.0f}s; "
+                                   f"check that they run with --average and this peer can reach them, then restart")
             return False
         self.opt.load_state_from_peers()
+        if self.epoch < peers_step:  # a lagging donor: the next step check finds this replica behind and reloads
+            logger.warning("stage %d: downloaded the state of step %d, its peers announce step %d", self.stage.index,
+                           self.epoch, peers_step)
         return True
 
     def grad_sums(self):

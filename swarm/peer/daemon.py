@@ -210,12 +210,19 @@ class Peer:
             executor.optimizer = HivemindStageOptimizer(executor.stage, self.run, dht=self.dht, run_id=self.run_id,
                                                         config=self.config.averaging)
 
+        # The stage's averaging peers announce their step: a newcomer must reach it before it serves.
+        peers_step = 0
+        if self.config.averaging.average:
+            records = await self.directory.stage_records(stage)
+            peers_step = max((r.step for pid, r in records.items() if pid != self.peer_id and r.state == "serving"),
+                             default=0)
+
         def build() -> None:
             restored = self._checkpoints.load(stage, run=self.run) if self._checkpoints else None
             if restored is not None:
                 executor.load_state(restored)
                 logger.info("stage %d resumed from checkpoint at step %d", stage, executor.step)
-            if self.config.averaging.average and executor.optimizer.sync_with_peers():
+            if self.config.averaging.average and executor.optimizer.sync_with_peers(peers_step):
                 logger.info("stage %d state downloaded from its peers: now at step %d", stage, executor.step)
 
         await self.compute(build)

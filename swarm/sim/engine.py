@@ -402,6 +402,8 @@ class _Simulation:
             return
         peer.state = SERVING
         self.dirty[peer.stage] = True
+        # As a real peer does: arriving on (or moving to) a stage starts its rebalancing cooldown.
+        self.last_moved[peer.pid] = self.now
 
     def _on_leave(self, peer: _Peer, epoch: int) -> None:
         if peer.state != DRAINING or peer.epoch != epoch:

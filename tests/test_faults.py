@@ -78,7 +78,10 @@ def test_kill_and_freeze_mid_run(swarm, tmp_path):
     while (states := infos(stage1, run_id)) and any(i.in_flight for i in states.values()):
         assert time.monotonic() < deadline, states
         time.sleep(0.2)  # polling a remote counter: there is no event to wait on
-    assert sum(i.microbatches_applied for i in states.values()) == 80, states
+    # Never twice. The one way to count less: the peer froze within the round trip between its reply and the
+    # trainer's commit, so the commit may never have reached it (the trainer counts and reports those).
+    applied = sum(i.microbatches_applied for i in states.values())
+    assert 80 - result["unconfirmed"] <= applied <= 80, (applied, result, states)
     assert infos({"s0-a": endpoints["s0-a"]}, run_id)["s0-a"].microbatches_applied <= 80
 
 

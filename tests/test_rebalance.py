@@ -62,7 +62,6 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm):
     # after the move.
     flags = [*COMMON, "--target-batch-size", "256", "--slowdown", "10", "--period-s", str(period),
              "--cooldown-periods", "3"]
-    endpoints = []
 
     def peer(name, stage):
         return swarm.peer(f"reb-{name}", stage, *flags, run_id="rebal", wait=False)
@@ -70,7 +69,7 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm):
     # Phase 1: 2 + 1 peers. Stage 1 is the bottleneck, but moving a stage-0 peer would only swap the
     # bottleneck (no gain), so nobody moves; this measures the 1-peer bottleneck's throughput.
     peers = [peer("a", 0), peer("b", 0), peer("d", 1)]
-    endpoints += [swarm.wait_ready(p) for p in peers]
+    endpoints = [swarm.wait_ready(p) for p in peers]
     trainer = swarm.group.swarm("reb-trainer", "train", "--run-id", "rebal", *swarm.initial_peers, "--steps", "10000",
                                 "--microbatch-size", "8", "--in-flight", "16", "--eval-every-steps", "0",
                                 "--log-every-s", "0")

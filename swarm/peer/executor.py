@@ -6,6 +6,7 @@ request leaves the accumulated gradients exactly as they were.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -68,7 +69,7 @@ class StageExecutor:
         if not slowdown >= 1:
             raise ValueError(f"slowdown is a factor >= 1 (1 = normal speed), got {slowdown}")
         self.stage = stage
-        # Fault injection: emulate a device this many times slower (see _emulate_slow_device).
+        # Fault injection: emulate a device this many times slower (see _timed_compute).
         self.slowdown = slowdown
         self.run = run
         self.cache_config = cache
@@ -130,7 +131,7 @@ class StageExecutor:
 
     def _emulated_s(self, wall_s: float, cpu_s: float) -> float:
         """How long a call whose compute took ``wall_s`` (``cpu_s`` of this thread's CPU time) holds the
-        emulated device: ``wall_s`` plus the sleep of :meth:`_emulate_slow_device`."""
+        emulated device: ``wall_s`` plus the sleep of :meth:`_timed_compute`."""
         return wall_s + (self.slowdown - 1) * self._compute_s(wall_s, cpu_s)
 
     @staticmethod
@@ -140,15 +141,18 @@ class StageExecutor:
         while the event loop decodes the next request)."""
         return cpu_s if torch.get_num_threads() == 1 else wall_s
 
-    def _emulate_slow_device(self, started: float, cpu_started: float) -> None:
-        """With ``slowdown`` f > 1, hold the compute thread as a device f times slower would: sleep (f - 1) times
-        the compute just done (since ``started`` on the wall clock, ``cpu_started`` on this thread's CPU
-        clock; see :meth:`_compute_s`). Counting CPU time keeps the emulated device's speed on a busy
+    @contextlib.contextmanager
+    def _timed_compute(self, attr: str, samples: int):
+        """Time the compute in the block into the ``attr`` EMA (seconds per sample). With ``slowdown`` f > 1,
+        first hold the compute thread as a device f times slower would: sleep (f - 1) times the compute
+        just done (see :meth:`_compute_s`). Counting CPU time keeps the emulated device's speed on a busy
         machine, where f would otherwise multiply every wait. The throughput the peer measures (sleep
-        included) is the capacity it really has."""
+        included) is the capacity it really has. A block that raises is neither slowed nor measured."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        yield
         if self.slowdown > 1:
-            compute = self._compute_s(time.perf_counter() - started, time.thread_time() - cpu_started)
-            time.sleep((self.slowdown - 1) * compute)
+            time.sleep((self.slowdown - 1) * self._compute_s(time.perf_counter() - t0, time.thread_time() - cpu0))
+        self._observe(attr, time.perf_counter() - t0, samples)
 
     # ---------------------------------------------------------------- forward
 
@@ -157,22 +161,20 @@ class StageExecutor:
         """Run the stage. With ``keep``, hold what backward needs: the graph while the graph budget
         allows, else just the inputs (backward then recomputes)."""
         self._check_input(x)
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        if not keep:
-            with torch.no_grad():
-                out = self.stage(x)
-        elif self._graphs_kept() < self.cache_config.graph_cache_size:
-            leaf = self._leaf(x)
-            with torch.enable_grad():
-                out = self.stage(leaf)
-            self._remember(microbatch_id, _Cached(x, (leaf, out)))
-            out = out.detach()
-        else:
-            with torch.no_grad():
-                out = self.stage(x)
-            self._remember(microbatch_id, _Cached(x, None))
-        self._emulate_slow_device(t0, cpu0)
-        self._observe("_fwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
+        with self._timed_compute("_fwd_s_per_sample", x.shape[0]):
+            if not keep:
+                with torch.no_grad():
+                    out = self.stage(x)
+            elif self._graphs_kept() < self.cache_config.graph_cache_size:
+                leaf = self._leaf(x)
+                with torch.enable_grad():
+                    out = self.stage(leaf)
+                self._remember(microbatch_id, _Cached(x, (leaf, out)))
+                out = out.detach()
+            else:
+                with torch.no_grad():
+                    out = self.stage(x)
+                self._remember(microbatch_id, _Cached(x, None))
         return out
 
     @_busy
@@ -193,20 +195,18 @@ class StageExecutor:
             return known
         self._check_input(x)
         self._check_targets(x, targets)
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        leaf = self._leaf(x)
-        with torch.enable_grad():
-            loss = self.stage.loss(leaf, targets)
-        if not torch.isfinite(loss):
-            raise InvalidRequest(f"microbatch {microbatch_id}: the loss is {float(loss.detach())}; the inputs drove "
-                                 f"the model to a non-finite value, nothing was accumulated")
-        # Weight by samples: after dividing by the samples of the global batch at step time, the gradient
-        # is that of the mean loss over the global batch, however it was cut into microbatches.
-        grads, grad_input = self._gradients(loss * num_samples, None, leaf)
-        reply = (float(loss.detach()), grad_input)
-        self._hold(microbatch_id, grads, reply, num_samples)
-        self._emulate_slow_device(t0, cpu0)
-        self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
+        with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
+            leaf = self._leaf(x)
+            with torch.enable_grad():
+                loss = self.stage.loss(leaf, targets)
+            if not torch.isfinite(loss):
+                raise InvalidRequest(f"microbatch {microbatch_id}: the loss is {float(loss.detach())}; the inputs "
+                                     f"drove the model to a non-finite value, nothing was accumulated")
+            # Weight by samples: after dividing by the samples of the global batch at step time, the gradient
+            # is that of the mean loss over the global batch, however it was cut into microbatches.
+            grads, grad_input = self._gradients(loss * num_samples, None, leaf)
+            reply = (float(loss.detach()), grad_input)
+            self._hold(microbatch_id, grads, reply, num_samples)
         return reply
 
     @_busy
@@ -228,19 +228,17 @@ class StageExecutor:
         if tuple(grad_output.shape) != expected or grad_output.dtype != torch.float32:
             raise InvalidRequest(f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
                                  f"got {grad_output.dtype} {list(grad_output.shape)}")
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        if cached is not None and cached.graph is not None:
-            leaf, out = cached.graph
-            cached.graph = None  # autograd frees it below; a retry after a failure recomputes
-        else:  # recompute from the inputs
-            leaf = self._leaf(x)
-            with torch.enable_grad():
-                out = self.stage(leaf)
-        grads, grad_input = self._gradients(out, grad_output, leaf)
-        self._forget(microbatch_id)
-        self._hold(microbatch_id, grads, grad_input, num_samples)
-        self._emulate_slow_device(t0, cpu0)
-        self._observe("_bwd_s_per_sample", time.perf_counter() - t0, x.shape[0])
+        with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
+            if cached is not None and cached.graph is not None:
+                leaf, out = cached.graph
+                cached.graph = None  # autograd frees it below; a retry after a failure recomputes
+            else:  # recompute from the inputs
+                leaf = self._leaf(x)
+                with torch.enable_grad():
+                    out = self.stage(leaf)
+            grads, grad_input = self._gradients(out, grad_output, leaf)
+            self._forget(microbatch_id)
+            self._hold(microbatch_id, grads, grad_input, num_samples)
         return grad_input
 
     def _gradients(self, out: torch.Tensor, grad_output: torch.Tensor | None, leaf: torch.Tensor):

@@ -27,6 +27,7 @@ from swarm.peer.averaging import AveragingConfig, HivemindStageOptimizer
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.executor import CacheConfig, StageExecutor
 from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
+from swarm.peer.statesync import fetch_stage_state, serving_peers
 from swarm.peer.worker import URGENT, PriorityWorker
 from swarm.transport.server import start_server
 
@@ -213,9 +214,8 @@ class Peer:
         # The stage's averaging peers announce their step: a newcomer must reach it before it serves.
         peers_step = 0
         if self.config.averaging.average:
-            records = await self.directory.stage_records(stage)
-            peers_step = max((r.step for pid, r in records.items() if pid != self.peer_id and r.state == "serving"),
-                             default=0)
+            ahead = await serving_peers(self.directory, stage, exclude=self.peer_id)
+            peers_step = ahead[0].step if ahead else 0
 
         def build() -> None:
             restored = self._checkpoints.load(stage, run=self.run) if self._checkpoints else None
@@ -329,8 +329,6 @@ class Peer:
 
     async def move_to(self, stage: int, *, expected_throughput: float) -> None:
         """Leave the current stage for ``stage``: drain, load the new stage's state from its peers, serve."""
-        from swarm.peer.statesync import fetch_stage_state
-
         old = self.stage
         self.moving_to = (stage, expected_throughput)
         await self._drain_work()

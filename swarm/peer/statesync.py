@@ -6,20 +6,25 @@ import logging
 import torch
 
 from swarm.discovery.dht import RunDirectory
+from swarm.discovery.records import StageRecord
 from swarm.errors import SwarmError
 from swarm.transport.client import PeerClient
 
 logger = logging.getLogger(__name__)
 
 
+async def serving_peers(directory: RunDirectory, stage: int, *, exclude: str = "") -> list[StageRecord]:
+    """The serving peers of ``stage`` but ``exclude``, most advanced (highest optimizer step) first."""
+    records = await directory.stage_records(stage)
+    return sorted((r for r in records.values() if r.state == "serving" and r.peer_id != exclude),
+                  key=lambda r: -r.step)
+
+
 async def fetch_stage_state(directory: RunDirectory, stage: int, *, exclude: str = "",
                             timeout_s: float) -> dict[str, torch.Tensor] | None:
     """Parameters of ``stage`` from its most advanced serving peer (highest optimizer step), trying the
     next one if a peer fails. None when no peer serves the stage."""
-    records = await directory.stage_records(stage)
-    candidates = sorted((r for r in records.values() if r.state == "serving" and r.peer_id != exclude),
-                        key=lambda r: -r.step)
-    for record in candidates:
+    for record in await serving_peers(directory, stage, exclude=exclude):
         client = PeerClient(record.endpoint)
         try:
             reply = await client.get_state(directory.run_id, timeout_s=timeout_s)

@@ -17,11 +17,14 @@ RUN = RunConfig(model=MODEL, target_batch_size=64)
 def test_emulated_slow_device_is_slower_by_its_factor_and_measures_it():
     fast = StageExecutor(build_stage(MODEL, 0), RUN)
     slow = StageExecutor(build_stage(MODEL, 0), RUN, slowdown=5.0)
-    fast.calibrate(8)
-    slow.calibrate(8)
-    # The seed of the announced speed is what the emulated device takes: about a fifth of the full speed
-    # (the two calibrations are separate runs on a shared machine, hence the margin).
-    assert 0.1 * fast.throughput < slow.throughput < 0.35 * fast.throughput
+    # The seed of the announced speed is what the emulated device takes: about a fifth of the full speed.
+    # The calibrations take turns and each keeps its best, so a spell of load on this shared machine meets
+    # both alike (a margin remains for what it does to one run).
+    best_fast = best_slow = 0.0
+    for _ in range(3):
+        best_fast = max(best_fast, fast.calibrate(8))
+        best_slow = max(best_slow, slow.calibrate(8))
+    assert 0.1 * best_fast < best_slow < 0.35 * best_fast
     tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.seq_len))
     t0, c0 = time.perf_counter(), time.thread_time()
     slow.forward("mb", tokens, keep=True)

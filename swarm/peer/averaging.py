@@ -49,7 +49,9 @@ class AveragingConfig:
     average: bool = False  # experimental: all-reduce gradients with this stage's other peers and step together (hivemind)
     matchmaking_s: float = 2.0  # seconds peers of a stage spend forming an all-reduce group before a step
     averaging_timeout_s: float = 30.0  # an all-reduce that takes longer is abandoned (the step uses local grads)
-    chunk_timeout_s: float = 5.0  # a groupmate silent this long mid all-reduce is dropped from it (a busy peer is not)
+    # A groupmate silent this long mid all-reduce is dropped from it (its replicas then reload: see maybe_step). Long
+    # enough for a groupmate whose view of the stage lags (its DHT reads stall for seconds on a loaded machine).
+    chunk_timeout_s: float = 10.0
     load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers
     grad_compression: str = "none"  # gradient all-reduce codec: none, fp16 or scaled-fp16
     step_check_s: float = 0.1  # seconds between checks whether the stage's global batch is full
@@ -259,11 +261,55 @@ def _keep_sigint_handler():
         signal.signal = original
 
 
+class PartialResults(logging.Filter):
+    """Counts hivemind all-reduces that ended with part of the result missing (a groupmate's part timed out: the
+    replica keeps its own values there, so its parameters leave its peers'). hivemind reports that only as a log
+    warning, in its averager's process; this filter, installed before that process forks, counts it in shared
+    memory so the compute thread can tell after a step."""
+
+    MESSAGE = "Averaging: received"
+    _installed: PartialResults | None = None
+
+    def __init__(self):
+        super().__init__()
+        import multiprocessing
+
+        self.count = multiprocessing.Value("l", 0)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(self.MESSAGE):
+            with self.count.get_lock():
+                self.count.value += 1
+        return True
+
+    @classmethod
+    def install(cls) -> PartialResults:
+        if cls._installed is None:
+            cls._installed = cls()
+            source = logging.getLogger("hivemind.averaging.partition")
+            source.addFilter(cls._installed)
+            if not source.isEnabledFor(logging.WARNING):  # filters only see records the logger lets through
+                source.setLevel(logging.WARNING)
+        return cls._installed
+
+
+def epoch_group_bits(epoch: int) -> str:
+    """The all-reduce group key bits of optimizer step ``epoch``: replicas at different steps never share a group
+    (a replica one step behind would otherwise add its gradients of another batch to its peers' average)."""
+    return format(epoch % 2 ** EPOCH_KEY_BITS, f"0{EPOCH_KEY_BITS}b")
+
+
+EPOCH_KEY_BITS = 32
+
+
 def _optimizer_class():
-    """hivemind.Optimizer that remembers when a step fell back to local gradients (no all-reduce group), and
-    whose stage steps on a full global batch only (see ``BatchTracker``)."""
+    """hivemind.Optimizer that remembers when a step fell back to local gradients (no all-reduce group), whose
+    stage steps on a full global batch only (see ``BatchTracker``), whose all-reduce groups only join replicas
+    at the same step, and whose replicas share a consistent state (see ``ConsistentStateAverager``)."""
     import hivemind
     from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.optim.state_averager import TrainingStateAverager
+    from hivemind.utils import get_dht_time
 
     class BatchTracker(ProgressTracker):
         """Ready to step when the stage has its global batch (or a peer already stepped past it), or when
@@ -279,6 +325,23 @@ def _optimizer_class():
                     or self.global_progress.samples_accumulated >= self.target_batch_size
                     or self.batch_closed)
 
+    class ConsistentStateAverager(TrainingStateAverager):
+        """Serves (epoch, parameters, optimizer state) taken together. hivemind counts the epoch up before the
+        optimizer step runs and reads the parameters without the step's lock, so a newcomer downloading during a
+        peer's step could get the old parameters labelled with the new step, or a half-updated mix."""
+
+        def __init__(self, **kwargs):
+            self.state_lock = threading.Lock()  # before the base class starts the thread that serves the state
+            super().__init__(**kwargs)
+
+        def get_current_state(self):
+            with self.state_lock:
+                return super().get_current_state()
+
+        def step(self, *args, **kwargs):
+            with self.state_lock if kwargs.get("increment_epoch") else contextlib.nullcontext():
+                return super().step(*args, **kwargs)
+
     class _Optimizer(hivemind.Optimizer):
         used_local_gradients = False
 
@@ -286,6 +349,35 @@ def _optimizer_class():
             return BatchTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                                 client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
                                 **kwargs)
+
+        def _make_state_averager(self, **kwargs):
+            # hivemind.Optimizer._make_state_averager's arguments, with the consistent class.
+            return ConsistentStateAverager(
+                dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
+                allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+                offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+                status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
+                client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
+
+        def _key_group_by_epoch(self) -> None:
+            """Before a new all-reduce is scheduled: look for groupmates under this step's key (hivemind also
+            rewrites the bits after each group it assembles, so set them every time)."""
+            if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
+                self.grad_averager.set_group_bits(epoch_group_bits(self.local_epoch), wait=False)
+
+        def schedule_gradient_averaging_now(self):
+            self._key_group_by_epoch()
+            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+            return self.scheduled_grads
+
+        def _maybe_schedule_gradient_averaging(self):
+            if self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time:
+                self._key_group_by_epoch()
+            super()._maybe_schedule_gradient_averaging()
+
+        def _begin_averaging_gradients(self, grad_scaler):
+            self._key_group_by_epoch()
+            return super()._begin_averaging_gradients(grad_scaler)
 
         def _load_local_gradients_into_optimizer(self):
             self.used_local_gradients = True
@@ -304,12 +396,12 @@ class HivemindStageOptimizer:
         self.stage, self.run, self.config = stage, run, config
         self.params = list(stage.parameters())
         self._later = LaterBatches()
-        self._ready_since: float | None = None  # when the stage's batch was first seen full
         self.step_pause_s = 0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
         groups = adamw_param_groups(stage, run.weight_decay)
         # adamw_param_groups keeps parameters in stage order within each group; hivemind averages in the
         # optimizer's order, so map stage order -> position for gradient reads.
         self._order = [p for g in groups for p in g["params"]]
+        self._partial = PartialResults.install()  # before hivemind forks its averager processes
         with _keep_sigint_handler():
             self.opt = self._build(groups, dht, run_id, private_key)
 
@@ -395,37 +487,37 @@ class HivemindStageOptimizer:
 
         opt, tracker = self.opt, self.opt.tracker
         if tracker.global_epoch <= self.epoch and tracker.global_progress.samples_accumulated == 0:
-            self._ready_since = None
             return False  # nothing to average
         if not tracker.ready_to_update_epoch:
-            self._ready_since = None
             if tracker.global_progress.num_peers > 1:
                 opt._maybe_schedule_gradient_averaging()
             return False
-        now = time.monotonic()
-        self._ready_since = self._ready_since or now
         control = opt.scheduled_grads
-        if tracker.global_progress.num_peers > 1 and (control is None or control.done()):
-            opt._maybe_schedule_gradient_averaging()  # the batch filled before any group was scheduled
-            control = opt.scheduled_grads
+        alone = tracker.global_progress.num_peers <= 1
+        if not alone and (control is None or control.done()):
+            control = opt.schedule_gradient_averaging_now()  # the batch filled before any group was scheduled
         live = control is not None and not control.done()
         forming = live and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+        if alone and forming:  # its last peer left: step alone rather than wait averaging_timeout_s for a group
+            control.cancel()
+            opt.scheduled_grads, live, forming = None, False, False
         grouped = live and not forming
-        patience_over = now - self._ready_since >= 2 * self.config.matchmaking_s
         if tracker.global_epoch > self.epoch and not grouped:
-            # A peer already stepped past this replica's step, and no all-reduce group waits for it: its
-            # peers have moved on (it joined mid-step, or it was too slow). Take their state instead.
-            if not patience_over:
-                return False
+            # A peer already stepped past this replica's step and this replica is in no group: groups only join
+            # replicas at the same step, and that step's group could not complete without this replica's part, so
+            # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
+            # Take their state now, in time to look for the next step's group.
             logger.warning("stage %d replica is behind its peers (step %d < %d): loading their state",
                            self.stage.index, self.epoch, tracker.global_epoch)
-            self._ready_since = None
-            opt.load_state_from_peers()
+            self._load_from_peers(tracker.global_epoch)
             self._catch_up()
             return True
-        if forming and not patience_over:
+        if forming:
+            # Still looking for groupmates (hivemind assembles the group matchmaking_s after the first of them started
+            # looking). Never wait for it on the compute thread: a group that forms without this replica steps
+            # without it, and the check above then loads the peers' state (a missed group costs this replica's
+            # samples of the batch, never a stalled stage or a replica out of step).
             return False
-        self._ready_since = None
         self._global_step()
         self._catch_up()
         return True
@@ -435,21 +527,26 @@ class HivemindStageOptimizer:
         _set_lr(opt_inner := self.opt.opt, self.run, before)
         self.opt.used_local_gradients = False
         skipped = opt_inner.skipped_steps
+        partial = self._partial.count.value
         t0 = time.perf_counter()
         self.opt._update_global_epoch(None)
         self.opt.tracker.batch_closed = False
         took = time.perf_counter() - t0
         self.step_pause_s = max(took, 0.8 * self.step_pause_s + 0.2 * took)
-        if self.opt.tracker.global_progress.num_peers > 1 and (self.opt.used_local_gradients
-                                                               or opt_inner.skipped_steps > skipped):
-            # This replica missed the stage's all-reduce and stepped on its own gradients, or skipped the step
-            # (a non-finite average: e.g. a replica with no samples of this batch that received only its own
-            # part of a partial all-reduce): its parameters now differ from its peers'. Take theirs rather than
-            # carry (and later average) a private state.
+        why = ("skipped its step" if opt_inner.skipped_steps > skipped
+               else "stepped without its peers' gradients" if self.opt.used_local_gradients
+               else "received part of the all-reduce only" if self._partial.count.value > partial else None)
+        if why and self.opt.tracker.global_progress.num_peers > 1:
+            # This replica missed the stage's all-reduce and stepped on its own gradients, got only part of the
+            # averaged gradient (a groupmate's part timed out: it used its own values there), or skipped the step
+            # (a non-finite average): its parameters now differ from its peers'. Take theirs rather than carry (and
+            # later average) a private state.
             logger.warning("stage %d %s at step %d: reloading the stage's state from its peers", self.stage.index,
-                           "skipped its step" if opt_inner.skipped_steps > skipped
-                           else "stepped without its peers' gradients", before)
-            self.opt.load_state_from_peers()
+                           why, before)
+            # Its parameters are not the stage's step `before + 1`: count it behind, so that only a peer's state of
+            # that step (or later) will do.
+            self.opt.state_averager.local_epoch = before
+            self._load_from_peers(before + 1)
         _set_lr(opt_inner, self.run, self.epoch)
 
     def sync_with_peers(self, peers_step: int = 0) -> bool:
@@ -471,11 +568,44 @@ class HivemindStageOptimizer:
                                    f"averaging state was not visible within {self.config.load_state_timeout_s:.0f}s; "
                                    f"check that they run with --average and this peer can reach them, then restart")
             return False
-        self.opt.load_state_from_peers()
-        if self.epoch < peers_step:  # a lagging donor: the next step check finds this replica behind and reloads
-            logger.warning("stage %d: downloaded the state of step %d, its peers announce step %d", self.stage.index,
-                           self.epoch, peers_step)
+        self._load_from_peers(max(peers_step, tracker.global_epoch))
         return True
+
+    def _load_from_peers(self, want_step: int) -> None:
+        """Download parameters and optimizer state from the stage's most advanced peer until this replica is at
+        ``want_step`` (retrying up to ``load_state_timeout_s``; still behind after that, the next step check tries
+        again). Like hivemind's ``Optimizer.load_state_from_peers`` but without its "catching up", which labels
+        a state one step behind the stage with the stage's step although its parameters are the older step's
+        (the replica would then carry that difference to the end of the run)."""
+        from hivemind.averaging.control import AveragingStage
+
+        opt, averager = self.opt, self.opt.state_averager
+        control = opt.scheduled_grads
+        if control is not None and not control.done():
+            if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+                control.cancel()  # no group counts on us yet (waiting for one could take averaging_timeout_s)
+            else:
+                opt._tag_along_with_zero_weight(control)  # a group counts on us: take part with weight 0
+            opt.scheduled_grads = None
+        deadline = time.monotonic() + self.config.load_state_timeout_s
+        averager.allow_state_sharing = False  # nobody downloads a half-loaded state from us meanwhile
+        try:
+            with opt.tracker.pause_updates():
+                while True:
+                    averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+                    if self.epoch >= want_step or time.monotonic() >= deadline:
+                        break
+                    # The most advanced peer we reached is still at an older step (it steps next, or the one that
+                    # is ahead is busy): ask again, soon.
+                    time.sleep(self.config.step_check_s * 5)
+                opt.tracker.report_local_progress(self.epoch, samples_accumulated=0)
+                averager.state_sharing_priority = opt.grad_averager.state_sharing_priority = self.epoch
+                opt.grad_averager.reset_accumulated_grads_()
+        finally:
+            averager.allow_state_sharing = True
+        if self.epoch < want_step:
+            logger.warning("stage %d: downloaded the state of step %d, its peers are at step %d", self.stage.index,
+                           self.epoch, want_step)
 
     def grad_sums(self):
         by_param = {id(p): acc for p, acc in zip(self._order, self.opt.grad_averager._grad_accumulators())}
@@ -488,6 +618,7 @@ class HivemindStageOptimizer:
         self.opt.load_state_dict(state["optimizer"])
         self.opt.state_averager.local_epoch = int(state["epoch"])
         self.opt.tracker.report_local_progress(self.epoch, 0)
+        self.opt.state_averager.state_sharing_priority = self.opt.grad_averager.state_sharing_priority = self.epoch
 
     def shutdown(self) -> None:
         self.opt.shutdown()

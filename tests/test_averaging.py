@@ -39,7 +39,7 @@ def _assert_same_state(endpoints, step: int) -> None:
             torch.testing.assert_close(state.tensors[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-STEPS = 20
+STEPS = 16
 
 
 def test_replicas_agree_and_one_that_joins_mid_run_ends_in_the_same_state(local_swarm):

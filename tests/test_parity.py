@@ -12,7 +12,7 @@ from swarm.trainer.reference import train_reference
 
 pytestmark = pytest.mark.slow
 
-RUN = RunConfig(model=MODEL_PRESETS["tiny"], target_batch_size=64, lr=3e-3, warmup_steps=3, total_steps=10)
+RUN = RunConfig(model=MODEL_PRESETS["tiny"], target_batch_size=64, lr=3e-3, warmup_steps=2, total_steps=8)
 PEER_FLAGS = ["--preset", "tiny", "--codec", "none", "--target-batch-size", str(RUN.target_batch_size),
               "--lr", str(RUN.lr), "--warmup-steps", str(RUN.warmup_steps), "--total-steps", str(RUN.total_steps),
               "--average", "--matchmaking-s", "0.5", "--heartbeat-s", "0.5", "--no-rebalance"]

@@ -17,6 +17,18 @@ expected to fill, so the pause is mostly the all-reduce itself (tokens/s in benc
 delayed modes would run the step on hivemind's thread and write parameters under a running backward
 (or, with an offloaded optimizer, apply one step late), which breaks the parity the issue asks for.
 
+How the replicas of a stage stay equal (each rule closes a way they drifted apart in measurements):
+
+* an all-reduce group only joins replicas at the same step (its key holds the step): a replica one step behind
+  never adds its gradients of another batch to its peers' average;
+* a replica never waits for a group on its compute thread: if its peers' group assembled without it, they step
+  without its samples of that batch and it loads their state;
+* a replica that stepped on partial results (a groupmate's part timed out: hivemind keeps the local values
+  there and only logs it), on its own gradients, or skipped a non-finite step, reloads its peers' state;
+* a donor serves its step, parameters and optimizer state together (hivemind counts the step up before the
+  update and reads parameters without the update's lock), and a loaded state keeps its own step: hivemind's
+  "catching up" would label a state one step old with the stage's step.
+
 Gradient clipping needs the norm over all stages, which no single stage knows. Approximation used: each
 stage clips its own gradient to ``max_grad_norm / sqrt(num_stages)``. The global norm after clipping is
 then always <= ``max_grad_norm``, and when the stages' norms are equal this is exactly global clipping.
@@ -28,6 +40,7 @@ import contextlib
 import functools
 import logging
 import math
+import random
 import signal
 import threading
 import time
@@ -338,6 +351,23 @@ def _optimizer_class():
             with self.state_lock:
                 return super().get_current_state()
 
+        def load_state_from_peers(self, **kwargs) -> int | None:
+            """hivemind's download from the most advanced peer (it refuses a state older than this replica's step),
+            under the state lock: nobody downloads a half-loaded state from this replica, and two replicas that ask
+            each other at once cannot swap states (one waits for the other). Returns the step loaded, or None."""
+            with self.state_lock:
+                self._loaded_epoch, self._loading = None, True
+                try:
+                    super().load_state_from_peers(**kwargs)
+                finally:
+                    self._loading = False
+                return self._loaded_epoch
+
+        def _update_scheduler(self):
+            if getattr(self, "_loading", False):  # the base class's last call in a successful load
+                self._loaded_epoch = self.local_epoch
+            super()._update_scheduler()
+
         def step(self, *args, **kwargs):
             with self.state_lock if kwargs.get("increment_epoch") else contextlib.nullcontext():
                 return super().step(*args, **kwargs)
@@ -543,10 +573,7 @@ class HivemindStageOptimizer:
             # later average) a private state.
             logger.warning("stage %d %s at step %d: reloading the stage's state from its peers", self.stage.index,
                            why, before)
-            # Its parameters are not the stage's step `before + 1`: count it behind, so that only a peer's state of
-            # that step (or later) will do.
-            self.opt.state_averager.local_epoch = before
-            self._load_from_peers(before + 1)
+            self._load_from_peers(self.epoch, doubtful=True)
         _set_lr(opt_inner, self.run, self.epoch)
 
     def sync_with_peers(self, peers_step: int = 0) -> bool:
@@ -571,12 +598,15 @@ class HivemindStageOptimizer:
         self._load_from_peers(max(peers_step, tracker.global_epoch))
         return True
 
-    def _load_from_peers(self, want_step: int) -> None:
-        """Download parameters and optimizer state from the stage's most advanced peer until this replica is at
-        ``want_step`` (retrying up to ``load_state_timeout_s``; still behind after that, the next step check tries
-        again). Like hivemind's ``Optimizer.load_state_from_peers`` but without its "catching up", which labels
-        a state one step behind the stage with the stage's step although its parameters are the older step's
-        (the replica would then carry that difference to the end of the run)."""
+    def _load_from_peers(self, want_step: int, *, doubtful: bool = False) -> None:
+        """Download parameters and optimizer state from the stage's most advanced peer until this replica holds a
+        state of step ``want_step`` or later (retrying up to ``load_state_timeout_s``; still behind after that, the
+        next step check tries again). ``doubtful``: this replica's own state of its step is known to be off (it
+        ranks below its peers as a donor meanwhile).
+
+        Like hivemind's ``Optimizer.load_state_from_peers`` but without its "catching up", which labels a state one
+        step behind the stage with the stage's step although its parameters are the older step's (the replica would
+        then carry that difference to the end of the run)."""
         from hivemind.averaging.control import AveragingStage
 
         opt, averager = self.opt, self.opt.state_averager
@@ -587,22 +617,20 @@ class HivemindStageOptimizer:
             else:
                 opt._tag_along_with_zero_weight(control)  # a group counts on us: take part with weight 0
             opt.scheduled_grads = None
+        if doubtful:
+            averager.state_sharing_priority = self.epoch - 0.5
         deadline = time.monotonic() + self.config.load_state_timeout_s
-        averager.allow_state_sharing = False  # nobody downloads a half-loaded state from us meanwhile
-        try:
-            with opt.tracker.pause_updates():
-                while True:
-                    averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
-                    if self.epoch >= want_step or time.monotonic() >= deadline:
-                        break
-                    # The most advanced peer we reached is still at an older step (it steps next, or the one that
-                    # is ahead is busy): ask again, soon.
-                    time.sleep(self.config.step_check_s * 5)
-                opt.tracker.report_local_progress(self.epoch, samples_accumulated=0)
-                averager.state_sharing_priority = opt.grad_averager.state_sharing_priority = self.epoch
-                opt.grad_averager.reset_accumulated_grads_()
-        finally:
-            averager.allow_state_sharing = True
+        with opt.tracker.pause_updates():
+            while True:
+                loaded = averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+                if (loaded is not None and loaded >= want_step) or time.monotonic() >= deadline:
+                    break
+                # The peer we reached is at an older step (it steps next, or the one ahead is busy), or none answered
+                # (two doubtful replicas asking each other at once): ask again after a random pause, so one goes first.
+                time.sleep(self.config.step_check_s * random.uniform(2, 8))
+            opt.tracker.report_local_progress(self.epoch, samples_accumulated=0)
+            averager.state_sharing_priority = opt.grad_averager.state_sharing_priority = self.epoch
+            opt.grad_averager.reset_accumulated_grads_()
         if self.epoch < want_step:
             logger.warning("stage %d: downloaded the state of step %d, its peers are at step %d", self.stage.index,
                            self.epoch, want_step)

@@ -3,6 +3,7 @@ together on exactly one global batch, and a peer that joins downloads the stage'
 what they learn against one process.)"""
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -54,10 +55,15 @@ def test_replicas_agree_and_one_that_joins_mid_run_ends_in_the_same_state(local_
                                       "--max-batches-ahead", "2", "--eval-every-steps", "0", "--eval-batches", "2",
                                       "--log-every-s", "0")
     trainer.wait_for(r"^step 2/", timeout_s=300)
-    newcomer = local_swarm.peer("s1-new", 1, *FLAGS, run_id=RUN_ID)
+    newcomer = local_swarm.peer("s1-new", 1, *FLAGS, run_id=RUN_ID, wait=False)
+    trainer.wait_for(r"^step 6/", timeout_s=300)
+    trainer.signal(signal.SIGSTOP)  # on a busy machine the newcomer may still be starting: hold the run until it serves
+    try:
+        endpoints.append(local_swarm.wait_ready(newcomer))
+    finally:
+        trainer.signal(signal.SIGCONT)
     joined_at = int(newcomer.wait_for(r"state downloaded from its peers: now at step (\d+)", timeout_s=5).group(1))
-    assert 0 < joined_at < STEPS
-    endpoints.append(local_swarm.wait_ready(newcomer))
+    assert 0 < joined_at < STEPS - 4
     assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
     # One optimizer step per global batch the trainer sent: no batch split or merged, none lost.
     assert _wait_for_step(endpoints, STEPS) == [STEPS] * 3

@@ -1,12 +1,15 @@
 """A stage replica's optimizer: schedule and clipping, and checkpoints that resume the exact state."""
 from __future__ import annotations
 
+import logging
+import multiprocessing
+
 import pytest
 import torch
 
 from swarm.config import RunConfig
 from swarm.model import ModelConfig, build_stage
-from swarm.peer.averaging import LocalStageOptimizer, stage_clip_norm
+from swarm.peer.averaging import LocalStageOptimizer, PartialResults, epoch_group_bits, stage_clip_norm
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.executor import StageExecutor
 
@@ -62,3 +65,23 @@ def test_checkpoint_round_trip_resumes_step_and_state(tmp_path):
     with pytest.raises(ValueError, match="another run config"):
         store.load(1, run=RunConfig(model=MODEL, lr=1e-2))
     assert store.load(0, run=RUN) is None
+
+
+def test_partial_all_reduce_results_are_counted_across_the_averager_fork():
+    """hivemind reports an all-reduce that came back partial only as a log warning in its averager's (forked)
+    process; the compute thread must learn of it to reload its peers' state."""
+    partial = PartialResults.install()
+    assert PartialResults.install() is partial  # one counter per process, whatever the number of optimizers
+    before = partial.count.value
+
+    def averager_process():
+        logging.getLogger("hivemind.averaging.partition").warning("Averaging: received 61.0% results")
+        logging.getLogger("hivemind.averaging.partition").warning("something else")
+
+    child = multiprocessing.get_context("fork").Process(target=averager_process)
+    child.start()
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert partial.count.value == before + 1
+    # All-reduce groups are keyed by step: neighbouring steps never share a key.
+    assert len({epoch_group_bits(step) for step in range(1000)}) == 1000

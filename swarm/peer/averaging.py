@@ -45,7 +45,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -62,8 +62,9 @@ class AveragingConfig:
     average: bool = False  # experimental: all-reduce gradients with this stage's other peers and step together (hivemind)
     matchmaking_s: float = 2.0  # seconds peers of a stage spend forming an all-reduce group before a step
     averaging_timeout_s: float = 30.0  # an all-reduce that takes longer is abandoned (the step uses local grads)
-    # A groupmate silent this long mid all-reduce is dropped from it (its replicas then reload: see maybe_step). Long
-    # enough for a groupmate whose view of the stage lags (its DHT reads stall for seconds on a loaded machine).
+    # A groupmate silent this long mid all-reduce is dropped from it (the replicas that miss its part reload: see
+    # HivemindStageOptimizer._global_step). Long enough for a groupmate whose view of the stage lags (its DHT reads
+    # stall for seconds on a loaded machine).
     chunk_timeout_s: float = 10.0
     load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers
     grad_compression: str = "none"  # gradient all-reduce codec: none, fp16 or scaled-fp16
@@ -237,6 +238,15 @@ def _sample_sum_averager_factory(request_timeout: float):
     from hivemind.optim.grad_averager import GradientAverager
 
     class SampleSumGradientAverager(GradientAverager):
+        step_key: Callable[[], str] | None = None  # group key bits of the next all-reduce (see epoch_group_bits)
+
+        def schedule_step(self, *args, **kwargs):
+            # Every new all-reduce starts here (step() without a pre-scheduled group comes here too). hivemind
+            # rewrites the key bits after each group it assembles, so set them for every one.
+            if self.step_key is not None:
+                self.set_group_bits(self.step_key(), wait=False)
+            return super().schedule_step(*args, **kwargs)
+
         @torch.no_grad()
         def accumulate_grads_(self, batch_size: int):
             self.local_samples_accumulated += batch_size
@@ -306,23 +316,23 @@ class PartialResults(logging.Filter):
         return cls._installed
 
 
+EPOCH_KEY_BITS = 32
+
+
 def epoch_group_bits(epoch: int) -> str:
     """The all-reduce group key bits of optimizer step ``epoch``: replicas at different steps never share a group
     (a replica one step behind would otherwise add its gradients of another batch to its peers' average)."""
     return format(epoch % 2 ** EPOCH_KEY_BITS, f"0{EPOCH_KEY_BITS}b")
 
 
-EPOCH_KEY_BITS = 32
-
-
 def _optimizer_class():
     """hivemind.Optimizer that remembers when a step fell back to local gradients (no all-reduce group), whose
-    stage steps on a full global batch only (see ``BatchTracker``), whose all-reduce groups only join replicas
-    at the same step, and whose replicas share a consistent state (see ``ConsistentStateAverager``)."""
+    stage steps on a full global batch only (see ``BatchTracker``), and whose replicas share a consistent state
+    (see ``ConsistentStateAverager``). Its all-reduce groups are keyed by step in the gradient averager
+    (``_sample_sum_averager_factory``)."""
     import hivemind
     from hivemind.optim.progress_tracker import ProgressTracker
     from hivemind.optim.state_averager import TrainingStateAverager
-    from hivemind.utils import get_dht_time
 
     class BatchTracker(ProgressTracker):
         """Ready to step when the stage has its global batch (or a peer already stepped past it), or when
@@ -342,6 +352,9 @@ def _optimizer_class():
         """Serves (epoch, parameters, optimizer state) taken together. hivemind counts the epoch up before the
         optimizer step runs and reads the parameters without the step's lock, so a newcomer downloading during a
         peer's step could get the old parameters labelled with the new step, or a half-updated mix."""
+
+        _loading = False  # inside load_state_from_peers
+        _loaded_epoch: int | None = None
 
         def __init__(self, **kwargs):
             self.state_lock = threading.Lock()  # before the base class starts the thread that serves the state
@@ -364,7 +377,7 @@ def _optimizer_class():
                 return self._loaded_epoch
 
         def _update_scheduler(self):
-            if getattr(self, "_loading", False):  # the base class's last call in a successful load
+            if self._loading:  # the base class's last call in a successful load
                 self._loaded_epoch = self.local_epoch
             super()._update_scheduler()
 
@@ -388,26 +401,6 @@ def _optimizer_class():
                 offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
                 status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
                 client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
-
-        def _key_group_by_epoch(self) -> None:
-            """Before a new all-reduce is scheduled: look for groupmates under this step's key (hivemind also
-            rewrites the bits after each group it assembles, so set them every time)."""
-            if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
-                self.grad_averager.set_group_bits(epoch_group_bits(self.local_epoch), wait=False)
-
-        def schedule_gradient_averaging_now(self):
-            self._key_group_by_epoch()
-            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
-            return self.scheduled_grads
-
-        def _maybe_schedule_gradient_averaging(self):
-            if self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time:
-                self._key_group_by_epoch()
-            super()._maybe_schedule_gradient_averaging()
-
-        def _begin_averaging_gradients(self, grad_scaler):
-            self._key_group_by_epoch()
-            return super()._begin_averaging_gradients(grad_scaler)
 
         def _load_local_gradients_into_optimizer(self):
             self.used_local_gradients = True
@@ -434,6 +427,7 @@ class HivemindStageOptimizer:
         self._partial = PartialResults.install()  # before hivemind forks its averager processes
         with _keep_sigint_handler():
             self.opt = self._build(groups, dht, run_id, private_key)
+        self.opt.grad_averager.step_key = lambda: epoch_group_bits(self.epoch)
 
         # hivemind creates Adam's moments with one virtual step on zero gradients. At lr 0 it moved nothing
         # (no decay either); undo its step count, or every later step's bias correction would be off by one.
@@ -525,7 +519,8 @@ class HivemindStageOptimizer:
         control = opt.scheduled_grads
         alone = tracker.global_progress.num_peers <= 1
         if not alone and (control is None or control.done()):
-            control = opt.schedule_gradient_averaging_now()  # the batch filled before any group was scheduled
+            # The batch filled before any group was scheduled.
+            opt.scheduled_grads = control = opt.grad_averager.schedule_step(timeout=opt.averaging_timeout)
         live = control is not None and not control.done()
         forming = live and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
         if alone and forming:  # its last peer left: step alone rather than wait averaging_timeout_s for a group
@@ -629,7 +624,7 @@ class HivemindStageOptimizer:
                 # (two doubtful replicas asking each other at once): ask again after a random pause, so one goes first.
                 time.sleep(self.config.step_check_s * random.uniform(2, 8))
             opt.tracker.report_local_progress(self.epoch, samples_accumulated=0)
-            averager.state_sharing_priority = opt.grad_averager.state_sharing_priority = self.epoch
+            self._announce_step()
             opt.grad_averager.reset_accumulated_grads_()
         if self.epoch < want_step:
             logger.warning("stage %d: downloaded the state of step %d, its peers are at step %d", self.stage.index,
@@ -646,6 +641,10 @@ class HivemindStageOptimizer:
         self.opt.load_state_dict(state["optimizer"])
         self.opt.state_averager.local_epoch = int(state["epoch"])
         self.opt.tracker.report_local_progress(self.epoch, 0)
+        self._announce_step()
+
+    def _announce_step(self) -> None:
+        """Peers downloading the stage's state prefer the replica with the highest priority: its step."""
         self.opt.state_averager.state_sharing_priority = self.opt.grad_averager.state_sharing_priority = self.epoch
 
     def shutdown(self) -> None:

@@ -81,6 +81,29 @@ class TrainSummary:
                 f" | {self.failed_calls} calls retried elsewhere, {self.unconfirmed_commits} unconfirmed commits")
 
 
+class _Tally:
+    """What the finished microbatches add up to: counts, and the loss of each global batch."""
+
+    def __init__(self, per_step: int):
+        self.per_step = per_step
+        self.samples = self.microbatches = self.tokens = 0
+        self.step_losses: list[float] = []  # mean training loss of each global batch
+        self._bucket: list[MicrobatchResult] = []
+
+    def add(self, result: MicrobatchResult) -> float | None:
+        """Count one finished microbatch; the mean loss of its global batch if it completed one."""
+        self.samples += result.samples
+        self.tokens += result.tokens
+        self.microbatches += 1
+        self._bucket.append(result)
+        if len(self._bucket) < self.per_step:
+            return None
+        loss = sum(r.loss * r.samples for r in self._bucket) / sum(r.samples for r in self._bucket)
+        self._bucket = []
+        self.step_losses.append(loss)
+        return loss
+
+
 class Trainer:
     def __init__(self, config: TrainerConfig, pipeline: Pipeline, corpus: ByteCorpus, run: RunConfig):
         self.config = config
@@ -90,6 +113,7 @@ class Trainer:
         self.trainer_id = uuid.uuid4().hex[:8]
         self._generator = torch.Generator().manual_seed(config.seed)
         self._next_microbatch = 0
+        self._per_step = math.ceil(run.target_batch_size / config.microbatch_size)  # microbatches per global batch
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -111,83 +135,99 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     async def train(self) -> TrainSummary:
-        """Stream microbatches through the swarm, ``in_flight`` at a time, with no pause between steps."""
-        cfg, run = self.config, self.run
-        per_step = math.ceil(run.target_batch_size / cfg.microbatch_size)
-        total = cfg.steps * per_step if cfg.steps else math.inf
-        step_losses: list[float] = []
-        bucket: list[MicrobatchResult] = []
-        val_loss = float("nan")
-        launched = done_samples = done_microbatches = done_tokens = 0
-        started = last_log = time.monotonic()
-        pending: set[asyncio.Task] = set()
+        """Stream microbatches through the swarm, ``in_flight`` at a time, with no pause between steps; then
+        validate the model the stages hold after the last batch."""
+        cfg = self.config
+        total = cfg.steps * self._per_step if cfg.steps else math.inf
+        tally = _Tally(self._per_step)
         # Microbatch i belongs to global batch i // per_step: tell each stage which of its optimizer steps
         # that is, counting from the step it has reached now (so a restarted trainer continues the count).
         first_steps = self.pipeline.stage_steps()
+        launched = 0
+        started = self._last_log = time.monotonic()
+        self._last_val_loss = float("nan")  # shown on progress lines until the next validation
+        pending: set[asyncio.Task] = set()
         try:
             while launched < total or pending:
                 while len(pending) < cfg.in_flight and launched < total:
-                    # Flow control: the stages step a little after each batch (the all-reduce); never run more
-                    # than max_batches_ahead batches ahead of them, or microbatches would use ever staler
-                    # parameters and the replicas would hold ever more batches aside.
-                    applied = launched // per_step - cfg.max_batches_ahead
-                    if cfg.max_batches_ahead >= 0 and applied > 0:
-                        targets = [first + applied for first in first_steps]
-                        if any(now < target for now, target in zip(self.pipeline.stage_steps(), targets)):
-                            if pending:
-                                break  # the replies of what is in flight tell when the stages step
-                            await self.pipeline.wait_for_stage_steps(targets, stall_s=cfg.stage_step_wait_s)
-                    tokens = self.corpus.sample("train", cfg.microbatch_size, run.model.seq_len, self._generator)
-                    batch_steps = [first + launched // per_step for first in first_steps]
-                    pending.add(asyncio.create_task(
-                        self.pipeline.train_microbatch(self._microbatch_id(), tokens, batch_steps)))
+                    if not await self._stages_caught_up(launched, first_steps, waiting_on_replies=bool(pending)):
+                        break
+                    pending.add(asyncio.create_task(self._train_microbatch(launched, first_steps)))
                     launched += 1
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    result = task.result()  # a microbatch that exhausted its retries ends training here
-                    bucket.append(result)
-                    done_samples += result.samples
-                    done_tokens += result.tokens
-                    done_microbatches += 1
-                    if len(bucket) < per_step:
-                        continue
-                    step_loss = sum(r.loss * r.samples for r in bucket) / sum(r.samples for r in bucket)
-                    bucket = []
-                    step_losses.append(step_loss)
-                    step = len(step_losses)
-                    elapsed = time.monotonic() - started
-                    self._metric({"step": step, "loss": step_loss, "tokens_per_s": done_tokens / elapsed,
-                                  "time_s": elapsed})
-                    if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step != cfg.steps:
-                        val_loss = await self.validate()
-                        self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})
-                        self._progress(step, step_loss, done_tokens / elapsed, val_loss, final=True)
-                    elif time.monotonic() - last_log >= cfg.log_every_s:
-                        self._progress(step, step_loss, done_tokens / elapsed, val_loss)
-                        last_log = time.monotonic()
+                    # A microbatch that exhausted its retries ends training here (task.result() raises).
+                    step_loss = tally.add(task.result())
+                    if step_loss is not None:
+                        await self._after_step(tally, step_loss, started)
         finally:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        return await self._finish(tally, launched, first_steps, started)
+
+    async def _stages_caught_up(self, launched: int, first_steps: list[int], *, waiting_on_replies: bool) -> bool:
+        """Flow control before microbatch ``launched``: the stages step a little after each batch (the
+        all-reduce); never run more than ``max_batches_ahead`` batches ahead of them, or microbatches would use
+        ever staler parameters and the replicas would hold ever more batches aside. False: wait for the replies
+        in flight first (they carry the stages' steps); True: go ahead (after waiting here if nothing is in
+        flight, up to ``stage_step_wait_s`` without progress)."""
+        ahead = self.config.max_batches_ahead
+        applied = launched // self._per_step - ahead
+        if ahead < 0 or applied <= 0:
+            return True
+        targets = [first + applied for first in first_steps]
+        if all(now >= target for now, target in zip(self.pipeline.stage_steps(), targets)):
+            return True
+        if waiting_on_replies:
+            return False
+        await self.pipeline.wait_for_stage_steps(targets, stall_s=self.config.stage_step_wait_s)
+        return True
+
+    def _train_microbatch(self, index: int, first_steps: list[int]):
+        """The coroutine of microbatch ``index``: fresh training samples, tagged with each stage's step."""
+        cfg = self.config
+        tokens = self.corpus.sample("train", cfg.microbatch_size, self.run.model.seq_len, self._generator)
+        batch_steps = [first + index // self._per_step for first in first_steps]
+        return self.pipeline.train_microbatch(self._microbatch_id(), tokens, batch_steps)
+
+    async def _after_step(self, tally: _Tally, step_loss: float, started: float) -> None:
+        """Report a finished global batch; validate every ``eval_every_steps`` (but the last, see _finish)."""
+        cfg = self.config
+        step = len(tally.step_losses)
         elapsed = time.monotonic() - started
-        # Averaging stages step a little after the trainer sends a batch's last microbatch (the all-reduce):
-        # validate the model that has learned from every batch sent.
+        tokens_per_s = tally.tokens / elapsed
+        self._metric({"step": step, "loss": step_loss, "tokens_per_s": tokens_per_s, "time_s": elapsed})
+        if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step != cfg.steps:
+            val_loss = await self.validate()
+            self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})
+            self._progress(step, step_loss, tokens_per_s, val_loss, final=True)
+            self._last_val_loss = val_loss
+        elif time.monotonic() - self._last_log >= cfg.log_every_s:
+            self._progress(step, step_loss, tokens_per_s, self._last_val_loss)
+            self._last_log = time.monotonic()
+
+    async def _finish(self, tally: _Tally, launched: int, first_steps: list[int], started: float) -> TrainSummary:
+        """Validate the model that has learned from every batch sent, and sum the run up."""
+        cfg = self.config
+        elapsed = time.monotonic() - started
+        # Averaging stages step a little after the trainer sends a batch's last microbatch (the all-reduce).
         if cfg.max_batches_ahead >= 0:  # the stages count global batches (averaging peers)
-            batches = math.ceil(launched / per_step)
+            batches = math.ceil(launched / self._per_step)
             await self.pipeline.wait_for_stage_steps([first + batches for first in first_steps],
                                                      stall_s=cfg.stage_step_wait_s, every_replica=True)
         val_loss = await self.validate()
-        step = len(step_losses)
-        self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})
-        if step_losses:
-            self._progress(step, step_losses[-1], done_tokens / elapsed, val_loss, final=True)
-        return TrainSummary(steps=step, samples=done_samples, microbatches=done_microbatches,
+        losses = tally.step_losses
+        self._metric({"step": len(losses), "val_loss": val_loss, "time_s": time.monotonic() - started})
+        if losses:
+            self._progress(len(losses), losses[-1], tally.tokens / elapsed, val_loss, final=True)
+        return TrainSummary(steps=len(losses), samples=tally.samples, microbatches=tally.microbatches,
                             microbatches_started=launched, failed_calls=self.pipeline.failed_calls,
                             unconfirmed_commits=self.pipeline.unconfirmed_commits,
-                            initial_loss=step_losses[0] if step_losses else float("nan"),
-                            final_loss=sum(step_losses[-5:]) / len(step_losses[-5:]) if step_losses else float("nan"),
-                            val_loss=val_loss, tokens_per_s=done_tokens / max(elapsed, 1e-9), seconds=elapsed,
-                            losses=step_losses)
+                            initial_loss=losses[0] if losses else float("nan"),
+                            final_loss=sum(losses[-5:]) / len(losses[-5:]) if losses else float("nan"),
+                            val_loss=val_loss, tokens_per_s=tally.tokens / max(elapsed, 1e-9), seconds=elapsed,
+                            losses=losses)
 
     async def validate(self) -> float:
         """Mean validation loss over the fixed validation batches (the same on every machine)."""

@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench proto clean
+.PHONY: demo test test-fast lint format install bench proto clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,19 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The in-process tiers only (no multi-process swarm, no namespaces): under a minute, for development.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not netns"
+
+# What CI checks before the tests: the tree is formatted and passes the linter (configuration in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 proto: $(STAMP)
 	$(PY) -m swarm.proto.generate

@@ -3,7 +3,7 @@
 Run from the repository root as root:  .venv/bin/python bench/netswarm.py [--rates 5,20,100,0] [--w2]
 Prints markdown tables and writes them, with the environment, to bench/results/netswarm.md.
 
-Topology (deploy/netns.py): 4 emulated hosts on one bridge — a bootstrap DHT node, one peer per stage of the
+Topology (deploy/netns/): 4 emulated hosts on one bridge — a bootstrap DHT node, one peer per stage of the
 2-stage model, and the trainer — each with its own address and a tbf limit on its uplink and its downlink.
 The trainer relays every hop (tokens -> stage 0 -> trainer -> stage 1 -> trainer, gradients back the same
 way), so its link carries the most: about 2 activations up and 2 down per microbatch.
@@ -291,7 +291,7 @@ def main() -> None:
     info.finish()
     throughput, ratios, verdicts = tables(results)
     info.extra += [
-        "topology: 4 network namespaces on one bridge (deploy/netns.py) — bootstrap DHT node, stage-0 peer, "
+        "topology: 4 network namespaces on one bridge (deploy/netns/) — bootstrap DHT node, stage-0 peer, "
         "stage-1 peer, trainer; every host's uplink and downlink limited by tbf to the rate of the column",
         f"swarm: 2 stages x 1 peer (`--threads 1`), trainer OMP_NUM_THREADS=1, microbatch {MICROBATCH}, "
         f"in flight {IN_FLIGHT}, target batch {TARGET_BATCH}; per rate (slowest first) >= {args.warmup_seconds:g}s "

@@ -1,4 +1,4 @@
-"""The network-emulation harness (deploy/netns.py): rates, run-time changes, teardown.
+"""The network-emulation harness (deploy/netns/): rates, run-time changes, teardown.
 
 Tests that build namespaces need root and iproute2 (CI runs as root); without them they
 are skipped with the reason have_netns() gives. Config checks run everywhere.
@@ -6,7 +6,6 @@ are skipped with the reason have_netns() gives. Config checks run everywhere.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -16,18 +15,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # deploy/ is not an installed package
 
+from deploy import netns  # noqa: E402
 
-def _load_netns():
-    # deploy/ is not an installed package; load the harness from its path.
-    spec = importlib.util.spec_from_file_location("deploy_netns", REPO / "deploy" / "netns.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-netns = _load_netns()
 _AVAILABLE, _WHY = netns.have_netns() if sys.platform == "linux" else (False, "needs Linux")
 needs_netns = pytest.mark.skipif(not _AVAILABLE, reason=f"network namespaces unavailable: {_WHY}")
 
@@ -192,8 +183,8 @@ def test_cleanup_stale_removes_only_dead_runs():
 @needs_netns
 @pytest.mark.netns
 def test_selftest_cli():
-    out = subprocess.run([sys.executable, str(REPO / "deploy" / "netns.py"), "selftest",
-                          "--rate-mbit", "20", "--seconds", "1"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "deploy.netns", "selftest", "--rate-mbit", "20", "--seconds", "1"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     rates = [float(line.split(": ")[1].split()[0]) for line in out.stdout.splitlines() if "->" in line]
     assert len(rates) == 2 and all(LIMITED_BAND_MBIT[0] <= r <= LIMITED_BAND_MBIT[1] for r in rates), out.stdout

@@ -1,6 +1,6 @@
 """A real swarm across emulated hosts: training completes through 20 Mbit/s links with int8 on the wire.
 
-Every process (bootstrap, 2 peers, trainer) runs in its own network namespace (deploy/netns.py) behind a tbf
+Every process (bootstrap, 2 peers, trainer) runs in its own network namespace (deploy/netns/) behind a tbf
 limit. The trainer relays every activation and gradient, so its uplink qdisc must have carried the int8
 encoding of them: at least 1 byte per element, well under the 4 of fp32. Needs root; skips otherwise.
 """

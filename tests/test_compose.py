@@ -11,11 +11,15 @@ from __future__ import annotations
 import collections
 import fnmatch
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the same parser from PyPI (a test extra)
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

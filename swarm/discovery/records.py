@@ -12,14 +12,22 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
+from swarm.errors import SwarmError
+
 logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 PEER_STATES = ("starting", "serving", "draining")
 
 
-class RecordError(ValueError):
-    """A DHT record failed validation."""
+class RecordError(SwarmError, ValueError):
+    """A DHT record failed validation: remote input, so the reader drops it (or, for the run config, stops
+    with this sentence)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    retry_elsewhere = False
 
 
 def config_key(run_id: str) -> str:

@@ -1,7 +1,7 @@
 """The run configuration: what every peer and trainer of one run must agree on.
 
-It is published in the DHT under the run id by whoever starts the run (``swarm run`` or the first peer
-given ``--preset``); everyone else reads it from there, so a newcomer needs only the run id and a
+It is published in the DHT under the run id by whoever starts the run (the first ``swarm peer`` given
+``--preset``, or ``swarm demo``); everyone else reads it from there, so a newcomer needs only the run id and a
 bootstrap address.
 """
 from __future__ import annotations

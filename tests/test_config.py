@@ -104,3 +104,31 @@ def test_help_text_comes_from_the_config_comments():
     out = " ".join(_cli("peer", "--help").stdout.split())  # argparse wraps lines
     assert "announcement lifetime: a silent peer disappears from routing after this" in out
     assert "--data" in _cli("train", "--help").stdout
+
+
+def test_a_trainer_with_no_run_to_join_exits_1_with_one_line_saying_what_to_do():
+    result = _cli("train", "--run-id", "nobody-here", "--peers-wait-s", "0.5")
+    assert result.returncode == 1, result
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr, result.stderr
+    assert lines[-1].startswith("swarm train: error: no run 'nobody-here' was published"), result.stderr
+    assert "swarm peer --run-id nobody-here --stage 0 --preset" in lines[-1]
+
+
+def test_retries_running_out_reach_the_user_as_one_line_and_exit_1(monkeypatch, capsys):
+    from swarm import cli
+    from swarm.errors import TransportError
+    from swarm.routing import RetryBudget
+
+    def train(args):  # what a trainer's pipeline raises when every attempt at stage 1 failed
+        budget = RetryBudget(1, max_attempts=2)
+        budget.record_failure("p1", TransportError("peer 10.0.0.1:7000: connection refused"))
+        budget.record_failure("p2", TransportError("peer 10.0.0.2:7000: deadline\nexceeded"))
+
+    monkeypatch.setattr(cli, "_train", train)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("swarm train: error: stage 1 request failed after 2 attempt(s) (last error: "
+                          "TransportError: peer 10.0.0.2:7000: deadline exceeded)")
+    assert "add peers, or raise RoutingConfig.max_attempts (`swarm train --max-attempts`)" in err

@@ -95,5 +95,5 @@ class RetriesExhausted(RoutingError):
             stage,
             f"stage {stage} request failed after {attempts} attempt(s) (last error: {last}); "
             f"check the health of stage {stage}'s peers, add peers, or raise "
-            "RoutingConfig.max_attempts",
+            "RoutingConfig.max_attempts (`swarm train --max-attempts`)",
         )

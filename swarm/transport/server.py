@@ -30,7 +30,8 @@ async def start_server(servicer: pb_grpc.StagePeerServicer, *, host: str, port: 
 
 def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
     """Wrap a streaming handler so that a :class:`SwarmError` ends the call with its status, message and class
-    name (see :func:`abort_with`), and any other exception with INTERNAL (logged with its traceback, never shown raw to the caller)."""
+    name (see :func:`abort_with`), and any other exception with INTERNAL (logged with its traceback, never
+    shown raw to the caller)."""
 
     @functools.wraps(fn)
     async def wrapper(self, request_iterator, context: grpc.aio.ServicerContext):

@@ -95,17 +95,31 @@ def main(argv: list[str] | None = None) -> int:
     # hivemind's own INFO lines (matchmaking chatter) drown ours; keep its warnings and errors.
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     logging.getLogger("hivemind").setLevel(os.environ["HIVEMIND_LOGLEVEL"])
-    from swarm.errors import SwarmError
+    from swarm.errors import SwarmError, UsageError
 
     try:
         handler = {"dht": _dht, "peer": _peer, "train": _train, "status": _status, "demo": _demo,
                    "simulate": _simulate, "export": _export, "generate": _generate}[args.command]
         return handler(args)
-    except (ValueError, TimeoutError, FileNotFoundError, OSError, SwarmError) as e:
-        print(f"swarm {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except UsageError as e:  # the user's own input (a data path): a SwarmError, but fixed by the user
+        return _error(args.command, e, USAGE_ERROR)
+    except (SwarmError, TimeoutError, OSError) as e:  # the swarm, the network or the machine failed the run
+        return _error(args.command, e, RUNTIME_ERROR)
+    except ValueError as e:  # a flag's value failed the config checks (__post_init__)
+        return _error(args.command, e, USAGE_ERROR)
     except KeyboardInterrupt:
         return 130
+
+
+# Exit statuses: 1 when the run failed (no peer, retries spent, a timeout), 2 when the command line was wrong
+# (as argparse does for unknown flags): a script can tell "try again later" from "fix the command".
+RUNTIME_ERROR, USAGE_ERROR = 1, 2
+
+
+def _error(command: str, error: BaseException, status: int) -> int:
+    """Print ``error`` as one line (its message says what failed and what to do), no traceback."""
+    print(f"swarm {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return status
 
 
 def _run(coro) -> int:

@@ -1,7 +1,7 @@
 """The run configuration: what every peer and trainer of one run must agree on.
 
-It is published in the DHT under the run id by whoever starts the run (``swarm run`` or the first peer
-given ``--preset``); everyone else reads it from there, so a newcomer needs only the run id and a
+It is published in the DHT under the run id by whoever starts the run (the first ``swarm peer`` given
+``--preset``, or ``swarm demo``); everyone else reads it from there, so a newcomer needs only the run id and a
 bootstrap address.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from swarm.compression import CODEC_NAMES
 from swarm.model import MODEL_PRESETS, ModelConfig
+from swarm.schema import parse_dataclass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,19 +59,10 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> RunConfig:
-        """Parse a record read from the DHT. Unknown fields are ignored (newer versions may add some);
-        ill-typed ones raise ValueError naming them."""
-        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-            raise ValueError(f"run config must be a dict with a 'model' dict, got {type(data).__name__}")
-        kwargs: dict[str, Any] = {"model": ModelConfig.from_dict(data["model"])}
-        for f in dataclasses.fields(cls):
-            if f.name == "model" or f.name not in data:
-                continue
-            value, expected = data[f.name], {"str": str, "int": int, "float": (int, float)}[f.type]
-            if isinstance(value, bool) or not isinstance(value, expected):
-                raise ValueError(f"run config field '{f.name}' must be {f.type}, got {value!r}")
-            kwargs[f.name] = float(value) if f.type == "float" else value
-        return cls(**kwargs)
+        """Parse a record read from the DHT (or a checkpoint) by :func:`swarm.schema.parse_dataclass`'s rule:
+        unknown fields, here and in ``model``, are left out with a warning (newer versions may add some);
+        ill-typed or missing ones (``model`` is required) raise ValueError naming them."""
+        return parse_dataclass(cls, data, what="run config", required=("model",))
 
     def fingerprint(self) -> str:
         """Short hash peers announce, so a trainer can tell peers of an incompatible config apart."""

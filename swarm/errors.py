@@ -1,8 +1,14 @@
-"""Typed errors shared by peers and trainers, and their mapping to gRPC status codes.
+"""The project's one error family, and its mapping to gRPC statuses.
 
-A peer raises one of these while handling a call; the transport turns it into a gRPC status with the
-message as details. The client turns the status back into the same class, so the trainer decides what to
-do (retry elsewhere, resend inputs, give up) from the type, never by parsing text.
+Every error swarm raises on purpose is a :class:`SwarmError`. This module is the bottom floor (it imports only
+grpc): the errors peers send each other are defined here; routing, codec and record errors subclass the family
+in their own packages.
+
+A peer raises one of the wire errors (:data:`WIRE_ERRORS`) while handling a call; the transport ends the call
+with the class's status code, the message as details, and the class name as the trailing-metadata entry
+:data:`ERROR_METADATA_KEY`. The client rebuilds the same class from that name (only names of
+:data:`WIRE_ERRORS` are trusted) or, for a peer that sends no name, from the code alone. The trainer then
+decides what to do (retry elsewhere, resend inputs, give up) from the type, never by parsing text.
 """
 from __future__ import annotations
 
@@ -69,6 +75,25 @@ class TransportError(SwarmError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class UsageError(SwarmError, ValueError):
+    """The caller's own input is wrong (a flag, a path, a data file): fixing it helps, retrying does not. A
+    ``ValueError`` too, like the config checks of ``__post_init__``; the CLI exits with status 2 for both."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    retry_elsewhere = False
+
+
+# The errors that cross the wire: a peer may send any of these names, and only these are rebuilt from a name.
+WIRE_ERRORS: tuple[type[SwarmError], ...] = (
+    SwarmError, InvalidRequest, WrongPeer, NotCached, AlreadyApplied, PeerDraining, PeerOverloaded,
+    StageUnavailable, TransportError,
+)
+# Trailing-metadata key whose value names the error's class (one of WIRE_ERRORS).
+ERROR_METADATA_KEY = "swarm-error"
+
+_BY_NAME: dict[str, type[SwarmError]] = {cls.__name__: cls for cls in WIRE_ERRORS}
+# For peers that send no name: the class of each code that only one wire error uses. UNAVAILABLE (draining,
+# no peer, transport) and INTERNAL (a bug in the peer) fall back to TransportError: try another peer.
 _BY_CODE: dict[grpc.StatusCode, type[SwarmError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.NOT_FOUND: WrongPeer,
@@ -78,10 +103,18 @@ _BY_CODE: dict[grpc.StatusCode, type[SwarmError]] = {
 }
 
 
-def error_from_status(code: grpc.StatusCode, details: str | None, *, peer: str = "") -> SwarmError:
-    """Rebuild the typed error a peer raised from the status its call ended with."""
+def wire_name(error: SwarmError) -> str | None:
+    """The name a peer sends for ``error``: its class or nearest ancestor among :data:`WIRE_ERRORS` that has
+    the same code. None when there is none (e.g. a codec error): the code alone then tells the caller."""
+    return next((cls.__name__ for cls in type(error).__mro__ if cls in WIRE_ERRORS and cls.code == error.code),
+                None)
+
+
+def error_from_status(code: grpc.StatusCode, details: str | None, *, name: str | None = None,
+                      peer: str = "") -> SwarmError:
+    """Rebuild the typed error a peer raised from the status its call ended with and the class ``name`` it
+    sent (see :data:`ERROR_METADATA_KEY`). A name outside :data:`WIRE_ERRORS`, or none, falls back to the
+    code; the details text never chooses the class."""
     where = f"peer {peer}: " if peer else ""
-    cls = _BY_CODE.get(code, TransportError)
-    if cls is TransportError and code == grpc.StatusCode.UNAVAILABLE and details and "draining" in details:
-        cls = PeerDraining
+    cls = _BY_NAME.get(name or "") or _BY_CODE.get(code, TransportError)
     return cls(f"{where}{details or code.name}")

@@ -1,6 +1,7 @@
 """Configs, records and flags: bad values fail early with a sentence that has the numbers in it."""
 from __future__ import annotations
 
+import logging
 import math
 import subprocess
 import sys
@@ -30,8 +31,10 @@ def test_run_config_round_trips_and_reads_remote_dicts_carefully():
     assert RunConfig.from_dict(newer) == run  # unknown fields are ignored
     with pytest.raises(ValueError, match="'target_batch_size' must be int, got '64'"):
         RunConfig.from_dict({**run.to_dict(), "target_batch_size": "64"})
-    with pytest.raises(ValueError, match="must be a dict with a 'model' dict"):
+    with pytest.raises(ValueError, match="run config must be a dict, got list"):
         RunConfig.from_dict([1, 2])
+    with pytest.raises(ValueError, match="run config lacks field 'model'"):  # required although it has a default
+        RunConfig.from_dict({k: v for k, v in run.to_dict().items() if k != "model"})
     assert run.fingerprint() == RunConfig.from_dict(run.to_dict()).fingerprint()
     assert run.fingerprint() != RunConfig(model=MODEL_PRESETS["w1"]).fingerprint()
 
@@ -69,7 +72,8 @@ def test_stage_records_are_validated_and_forward_compatible():
     assert StageRecord.from_wire(_record()).throughput == 10.0
     assert StageRecord.from_wire(_record(extra="from a newer peer")).step == 3
     assert StageRecord.from_wire(_record(throughput=7)).throughput == 7.0  # ints are fine
-    for bad, needle in [(_record(throughput=math.nan), "out-of-range"), (_record(state="dancing"), "state"),
+    for bad, needle in [(_record(throughput=math.nan), "'throughput' must be a finite float, got nan"),
+                        (_record(throughput=-1.0), "out-of-range"), (_record(state="dancing"), "state"),
                         (_record(step="3"), "'step' must be int"), (_record(endpoint="nowhere"), "endpoint"),
                         ({k: v for k, v in _record().items() if k != "endpoint"}, "lacks field 'endpoint'"),
                         ("not a dict", "must be a dict")]:
@@ -104,3 +108,72 @@ def test_help_text_comes_from_the_config_comments():
     out = " ".join(_cli("peer", "--help").stdout.split())  # argparse wraps lines
     assert "announcement lifetime: a silent peer disappears from routing after this" in out
     assert "--data" in _cli("train", "--help").stdout
+
+
+def test_a_trainer_with_no_run_to_join_exits_1_with_one_line_saying_what_to_do():
+    result = _cli("train", "--run-id", "nobody-here", "--peers-wait-s", "0.5")
+    assert result.returncode == 1, result
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr, result.stderr
+    assert lines[-1].startswith("swarm train: error: no run 'nobody-here' was published"), result.stderr
+    assert "swarm peer --run-id nobody-here --stage 0 --preset" in lines[-1]
+
+
+def test_retries_running_out_reach_the_user_as_one_line_and_exit_1(monkeypatch, capsys):
+    from swarm import cli
+    from swarm.errors import TransportError
+    from swarm.routing import RetryBudget
+
+    def train(args):  # what a trainer's pipeline raises when every attempt at stage 1 failed
+        budget = RetryBudget(1, max_attempts=2)
+        budget.record_failure("p1", TransportError("peer 10.0.0.1:7000: connection refused"))
+        budget.record_failure("p2", TransportError("peer 10.0.0.2:7000: deadline\nexceeded"))
+
+    monkeypatch.setattr(cli, "_train", train)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("swarm train: error: stage 1 request failed after 2 attempt(s) (last error: "
+                          "TransportError: peer 10.0.0.2:7000: deadline exceeded)")
+    assert "add peers, or raise RoutingConfig.max_attempts (`swarm train --max-attempts`)" in err
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch, caplog):
+    """The schema's warned-once memory, empty for this test; its warnings captured."""
+    from swarm import schema
+
+    monkeypatch.setattr(schema, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="swarm.schema")
+    return caplog
+
+
+def test_a_run_record_from_a_newer_peer_parses_with_one_warning(fresh_warnings):
+    run = RunConfig(model=MODEL_PRESETS["w1"], codec="int8", lr=3e-4)
+    newer = run.to_dict()
+    newer["model"] = {**newer["model"], "rope_theta": 10000.0, "norm": "rms"}
+    newer["averaging"] = {"group_size": 4}
+    for _ in range(3):  # a record read again and again (every refresh) warns once
+        assert RunConfig.from_dict(newer) == run
+    warnings = [r.getMessage() for r in fresh_warnings.records]
+    assert len(warnings) == 1, warnings
+    assert "run config has fields this version does not know, left out: averaging, model.norm, " \
+           "model.rope_theta" in warnings[0]
+    # A different set of unknown names is news: it warns again.
+    RunConfig.from_dict({**newer, "sharding": "none"})
+    assert len(fresh_warnings.records) == 2
+    # Unknown fields excuse nothing: ill-typed known ones still raise, nested ones named by their path.
+    with pytest.raises(ValueError, match=r"run config field 'model\.d_model' must be int, got 256\.0"):
+        RunConfig.from_dict({**newer, "model": {**newer["model"], "d_model": 256.0}})
+    with pytest.raises(ValueError, match="run config field 'lr' must be float, got True"):
+        RunConfig.from_dict({**newer, "lr": True})
+    with pytest.raises(ValueError, match="run config field 'model' must be a dict, got str"):
+        RunConfig.from_dict({**newer, "model": "w1"})
+
+
+def test_model_and_stage_records_follow_the_same_rule(fresh_warnings):
+    assert ModelConfig.from_dict({"d_model": 64, "colour": "red", "depth": 2}) == ModelConfig(d_model=64)
+    for _ in range(5):  # heartbeats: the same record every few seconds
+        assert StageRecord.from_wire(_record(load_avg=0.5)).step == 3
+    warnings = [r.getMessage() for r in fresh_warnings.records]
+    assert len(warnings) == 2 and "colour, depth" in warnings[0] and "stage record" in warnings[1], warnings

@@ -1,4 +1,5 @@
-"""The stage executor's speed bookkeeping: calibration, and the emulated slow device used for fault injection."""
+"""The stage executor's speed bookkeeping (calibration, the emulated slow device used for fault injection) and
+its bound on gradients waiting for their commit."""
 from __future__ import annotations
 
 import time
@@ -7,8 +8,9 @@ import pytest
 import torch
 
 from swarm.config import RunConfig
+from swarm.errors import PeerOverloaded
 from swarm.model import ModelConfig, build_stage
-from swarm.peer.executor import StageExecutor
+from swarm.peer.executor import CacheConfig, StageExecutor
 
 MODEL = ModelConfig(d_model=64, n_heads=2, n_layers=2, seq_len=32, num_stages=2, seed=3)
 RUN = RunConfig(model=MODEL, target_batch_size=64)
@@ -45,3 +47,35 @@ def test_emulated_slow_device_is_slower_by_its_factor_and_measures_it():
 def test_slowdown_below_one_is_refused():
     with pytest.raises(ValueError, match="slowdown is a factor >= 1"):
         StageExecutor(build_stage(MODEL, 0), RUN, slowdown=0.5)
+
+
+@pytest.fixture
+def executors():
+    """A two-stage run's executors that hold at most two uncommitted gradients each."""
+    cache = CacheConfig(max_pending=2)
+    return [StageExecutor(build_stage(MODEL, stage), RUN, cache=cache) for stage in (0, 1)]
+
+
+def test_a_full_pending_queue_refuses_new_work_before_computing_and_loses_nothing(executors):
+    first, last = executors
+    tokens = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1))
+    x, targets = tokens[:, :-1], tokens[:, 1:]
+    h = {mb: first.forward(mb, x, keep=True) for mb in ("a", "b", "c")}
+    replies = {mb: last.forward_loss_backward(mb, h[mb], targets, 2) for mb in ("a", "b")}
+    grads = {mb: first.backward(mb, replies[mb][1], None, 2) for mb in ("a", "b")}
+    busy = (last.busy_s, first.busy_s)
+    with pytest.raises(PeerOverloaded, match=r"2 computed gradients already wait.*max_pending=2"):
+        last.forward_loss_backward("c", h["c"], targets, 2)
+    with pytest.raises(PeerOverloaded, match="retry at another peer"):
+        first.backward("c", replies["a"][1], None, 2)
+    assert PeerOverloaded.retry_elsewhere
+    # Refused before any compute: nothing was measured as work beyond the checks.
+    assert last.busy_s - busy[0] < 0.05 and first.busy_s - busy[1] < 0.05
+    # A retry of a call whose reply is pending is not new work: it gets the same reply.
+    assert last.forward_loss_backward("b", h["b"], targets, 2)[0] == replies["b"][0]
+    assert first.backward("a", replies["a"][1], None, 2) is grads["a"]
+    # Every held gradient still counts once committed; then there is room again.
+    assert all(ex.commit(mb) for ex in executors for mb in ("a", "b"))
+    assert last.microbatches_applied == first.microbatches_applied == 2
+    last.forward_loss_backward("c", h["c"], targets, 2)
+    assert last.commit("c")

@@ -1,4 +1,5 @@
-"""Chunked tensor streams: framing, reassembly, limits, and a 64 MiB tensor through a real gRPC server."""
+"""Chunked tensor streams: framing, reassembly, limits, a 64 MiB tensor and typed errors through a real gRPC
+server."""
 from __future__ import annotations
 
 import asyncio
@@ -7,13 +8,26 @@ import grpc
 import pytest
 import torch
 
-from swarm.compression import get_codec
-from swarm.errors import InvalidRequest
+from swarm.compression import CodecError, NonFiniteTensorError, get_codec
+from swarm.data import CorpusError
+from swarm.discovery.records import RecordError
+from swarm.errors import (
+    ERROR_METADATA_KEY,
+    WIRE_ERRORS,
+    InvalidRequest,
+    PeerOverloaded,
+    StageUnavailable,
+    SwarmError,
+    TransportError,
+    UsageError,
+    WrongPeer,
+)
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.client import PeerClient
-from swarm.transport.server import start_server, stream_handler
+from swarm.routing import NoPeersAvailable, RetriesExhausted, RoutingError
+from swarm.transport.server import start_server, stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
 
 MiB = 1 << 20
@@ -118,8 +132,6 @@ def test_64mib_round_trip_over_grpc():
 
 
 def test_client_maps_unreachable_peer_to_transport_error():
-    from swarm.errors import TransportError
-
     async def go():
         client = PeerClient("127.0.0.1:1")  # nothing listens on port 1
         try:
@@ -129,3 +141,93 @@ def test_client_maps_unreachable_peer_to_transport_error():
 
     with pytest.raises(TransportError):
         asyncio.run(go())
+
+
+class Refuser(pb_grpc.StagePeerServicer):
+    """Ends every call with the error it is given: how typed errors cross a real gRPC server."""
+
+    def __init__(self):
+        self.error: Exception | None = None
+        self.raw: tuple[grpc.StatusCode, str, tuple] | None = None  # a peer that names no class (or a bogus one)
+
+    @stream_handler
+    async def Forward(self, request_iterator, context):
+        await FrameReader(request_iterator).request()
+        if self.raw is not None:
+            code, details, metadata = self.raw
+            await context.abort(code, details, trailing_metadata=metadata)
+        raise self.error
+        yield  # a generator, like every stream handler
+
+    @unary_handler
+    async def Info(self, request, context):
+        raise self.error
+
+
+async def _refused(servicer: Refuser, *, unary: bool = False) -> Exception:
+    """Make one call to ``servicer`` over a real server on port 0 and return the error the client raised."""
+    server, port = await start_server(servicer, host="127.0.0.1", port=0)
+    client = PeerClient(f"127.0.0.1:{port}")
+    try:
+        if unary:
+            await client.info(timeout_s=10)
+        else:
+            meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, codec="none", microbatch_id="m")
+            await client.forward(meta, [], get_codec("none"), timeout_s=10)
+    except SwarmError as e:
+        return e
+    finally:
+        await client.close()
+        await server.stop(None)
+    raise AssertionError("the call succeeded")
+
+
+@pytest.mark.parametrize("unary", [False, True], ids=["stream", "unary"])
+@pytest.mark.parametrize("cls", WIRE_ERRORS, ids=lambda cls: cls.__name__)
+def test_every_wire_error_comes_back_as_its_own_class(cls, unary):
+    servicer = Refuser()
+    servicer.error = cls("the peer's sentence")
+    error = asyncio.run(_refused(servicer, unary=unary))
+    assert type(error) is cls and "the peer's sentence" in str(error)
+    assert error.retry_elsewhere == cls.retry_elsewhere
+
+
+@pytest.mark.parametrize("cls", [WrongPeer, TransportError, StageUnavailable, SwarmError])
+def test_the_word_draining_in_another_error_does_not_make_it_peer_draining(cls):
+    servicer = Refuser()
+    servicer.error = cls("peer p1 is draining its queue")
+    assert type(asyncio.run(_refused(servicer))) is cls
+
+
+def test_a_peer_that_names_no_class_is_understood_by_its_code_alone():
+    servicer = Refuser()
+    # An older peer: no name, and the text says draining. The text is not read; UNAVAILABLE means transport.
+    servicer.raw = (grpc.StatusCode.UNAVAILABLE, "peer p1 is draining", ())
+    assert type(asyncio.run(_refused(servicer))) is TransportError
+    servicer.raw = (grpc.StatusCode.NOT_FOUND, "serves stage 1", ())
+    assert type(asyncio.run(_refused(servicer))) is WrongPeer
+    servicer.raw = (grpc.StatusCode.RESOURCE_EXHAUSTED, "full", ())
+    assert type(asyncio.run(_refused(servicer))) is PeerOverloaded
+
+
+@pytest.mark.parametrize("name", ["RetriesExhausted", "SystemExit", "CodecError", "object", ""])
+def test_a_name_outside_the_wire_family_never_picks_the_class(name):
+    servicer = Refuser()
+    servicer.raw = (grpc.StatusCode.INVALID_ARGUMENT, "bad", ((ERROR_METADATA_KEY, name),))
+    assert type(asyncio.run(_refused(servicer))) is InvalidRequest
+
+
+def test_a_codec_error_in_a_handler_reaches_the_caller_as_invalid_request():
+    servicer = Refuser()
+    servicer.error = NonFiniteTensorError("tensor 'input' holds NaN")
+    error = asyncio.run(_refused(servicer))
+    assert type(error) is InvalidRequest and not error.retry_elsewhere and "holds NaN" in str(error)
+
+
+def test_error_family_has_one_root():
+    for cls in (*WIRE_ERRORS, UsageError, CodecError, NonFiniteTensorError, RoutingError, NoPeersAvailable,
+                RetriesExhausted, RecordError, CorpusError):
+        assert issubclass(cls, SwarmError), cls
+    # Callers that catch the builtin kinds keep working.
+    assert issubclass(CodecError, ValueError) and issubclass(RecordError, ValueError)
+    assert issubclass(CorpusError, ValueError) and issubclass(RoutingError, RuntimeError)

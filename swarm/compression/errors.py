@@ -1,17 +1,26 @@
 """Errors raised by the wire codecs.
 
-All of them subclass ``CodecError`` (itself a ``ValueError``), so a server can map every codec failure on
-remote input to one gRPC status (INVALID_ARGUMENT) with the message as the details string.
+All of them subclass ``CodecError`` (a :class:`~swarm.errors.SwarmError`, and a ``ValueError``), so a server
+maps every codec failure on remote input to one gRPC status (INVALID_ARGUMENT) with the message as the details
+string.
 """
 
 from __future__ import annotations
 
+import grpc
 
-class CodecError(ValueError):
+from swarm.errors import SwarmError
+
+
+class CodecError(SwarmError, ValueError):
     """A payload or a tensor cannot be encoded/decoded: wrong length, unknown dtype, garbage bytes.
 
-    The message says what was expected, what was found, and what the caller should do about it.
+    The message says what was expected, what was found, and what the caller should do about it. The same
+    bytes fail the same way at any peer: not retried elsewhere.
     """
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    retry_elsewhere = False
 
 
 class UnknownCodecError(CodecError):

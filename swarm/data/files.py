@@ -24,11 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarm.errors import UsageError
+
 _SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages"})
 
 
-class CorpusError(ValueError):
-    """A corpus path is missing, holds no usable text, or the text is too short for the request."""
+class CorpusError(UsageError):
+    """A corpus path is missing, holds no usable text, or the text is too short for the request (a
+    ``ValueError`` too)."""
 
 
 @dataclass(frozen=True)

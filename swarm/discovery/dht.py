@@ -106,8 +106,8 @@ class RunDirectory:
         while (config := await self.get_run()) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no run '{self.run_id}' was published in the DHT within {timeout_s:.0f}s: "
-                                   f"start a peer with --preset, or `swarm run --run-id {self.run_id}`, "
-                                   f"or check --initial-peers")
+                                   f"start the run with its first peer, `swarm peer --run-id {self.run_id} "
+                                   f"--stage 0 --preset tiny` (or another preset), or check --initial-peers")
             await asyncio.sleep(poll_s)  # the DHT has no watch/notify; poll with a bound
         return config
 

@@ -1,16 +1,20 @@
 """Records peers publish in the DHT, validated on read.
 
-Everything read from the DHT is remote input: a record is parsed field by field, unknown fields are
-ignored (a newer peer may add some), and a record that is malformed is dropped with a log line instead of
-crashing the reader.
+Everything read from the DHT is remote input: a record is parsed field by field by
+:func:`swarm.schema.parse_dataclass` (unknown fields are left out with a warning: a newer peer may add some),
+and a record that is malformed is dropped with a log line instead of crashing the reader.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
+
+import grpc
+
+from swarm.errors import SwarmError
+from swarm.schema import parse_dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -18,8 +22,12 @@ RECORD_VERSION = 1
 PEER_STATES = ("starting", "serving", "draining")
 
 
-class RecordError(ValueError):
-    """A DHT record failed validation."""
+class RecordError(SwarmError, ValueError):
+    """A DHT record failed validation: remote input, so the reader drops it (or, for the run config, stops
+    with this sentence)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    retry_elsewhere = False
 
 
 def config_key(run_id: str) -> str:
@@ -51,25 +59,13 @@ class StageRecord:
 
     @classmethod
     def from_wire(cls, value: Any) -> StageRecord:
-        if not isinstance(value, dict):
-            raise RecordError(f"stage record must be a dict, got {type(value).__name__}")
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in value:
-                if f.default is not dataclasses.MISSING:
-                    continue  # optional field (added in a later version)
-                raise RecordError(f"stage record lacks field '{f.name}'")
-            v = value[f.name]
-            expected = {"str": str, "int": int, "float": (int, float)}[f.type]
-            if isinstance(v, bool) or not isinstance(v, expected):
-                raise RecordError(f"stage record field '{f.name}' must be {f.type}, got {v!r}")
-            kwargs[f.name] = float(v) if f.type == "float" else v
-        record = cls(**kwargs)
+        try:  # fields with defaults were added in later versions; unknown ones come from newer peers
+            record = parse_dataclass(cls, value, what="stage record", finite=True)
+        except ValueError as e:
+            raise RecordError(str(e)) from None
         if record.state not in PEER_STATES:
             raise RecordError(f"stage record state '{record.state}' is not one of {PEER_STATES}")
-        if record.stage < 0 or not (math.isfinite(record.throughput) and record.throughput >= 0) \
-                or record.in_flight < 0 or not math.isfinite(record.last_moved_s) \
-                or not (math.isfinite(record.step_pause_s) and record.step_pause_s >= 0):
+        if record.stage < 0 or record.throughput < 0 or record.in_flight < 0 or record.step_pause_s < 0:
             raise RecordError(f"stage record has out-of-range values: {value!r}")
         if ":" not in record.endpoint and record.state != "starting":
             raise RecordError(f"stage record of a {record.state} peer needs a host:port endpoint, got "

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.schema import parse_dataclass
+
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
@@ -96,26 +98,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> ModelConfig:
-        """Parse a config from untrusted data (a DHT record, a checkpoint, a JSON file).
-
-        Unknown fields and fields of the wrong type are a ValueError naming them; missing fields
-        take their defaults; values are then checked by `__post_init__` (also ValueError).
+        """Parse a config from untrusted data (a DHT record, a checkpoint, a JSON file) by
+        :func:`swarm.schema.parse_dataclass`'s rule: unknown fields are left out with a warning (a newer
+        version may add some); ill-typed fields are a ValueError naming them; missing fields take their
+        defaults; values are then checked by `__post_init__` (also ValueError).
         """
-        if not isinstance(data, dict):
-            raise ValueError(f"ModelConfig.from_dict expects a dict, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(key) for key in data if key not in known)
-        if unknown:
-            raise ValueError(f"ModelConfig.from_dict: unknown fields {unknown}; known fields are {sorted(known)}")
-        ill_typed = []
-        for key, value in data.items():
-            optional = key == "bottleneck_dim"
-            if not (_is_int(value) or (optional and value is None)):
-                expected = "int or None" if optional else "int"
-                ill_typed.append(f"{key}={value!r} (expected {expected}, got {type(value).__name__})")
-        if ill_typed:
-            raise ValueError(f"ModelConfig.from_dict: ill-typed fields: {', '.join(ill_typed)}")
-        return cls(**data)
+        return parse_dataclass(cls, data, what="model config")
 
     def _check_stage(self, stage: int) -> None:
         if not _is_int(stage) or not 0 <= stage < self.num_stages:

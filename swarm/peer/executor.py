@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.config import RunConfig
-from swarm.errors import AlreadyApplied, InvalidRequest, NotCached
+from swarm.errors import AlreadyApplied, InvalidRequest, NotCached, PeerOverloaded
 from swarm.model import Stage
 from swarm.peer.averaging import LocalStageOptimizer, StageOptimizer
 
@@ -190,9 +190,11 @@ class StageExecutor:
     def forward_loss_backward(self, microbatch_id: str, x: torch.Tensor, targets: torch.Tensor,
                               num_samples: int) -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient in one call. The parameter gradients are held until
-        :meth:`commit` (or dropped by :meth:`abort`)."""
+        :meth:`commit` (or dropped by :meth:`abort`). Raises PeerOverloaded, before computing, when
+        ``max_pending`` gradients already wait for their commit."""
         if (known := self._known_reply(microbatch_id)) is not _UNKNOWN:
             return known
+        self._check_room(microbatch_id)
         self._check_input(x)
         self._check_targets(x, targets)
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
@@ -214,9 +216,11 @@ class StageExecutor:
                  num_samples: int) -> torch.Tensor | None:
         """Compute this microbatch's gradients; return the gradient of the stage input (None on the first
         stage, whose input is token ids). Parameter gradients are held until :meth:`commit`. Raises
-        NotCached if this peer holds neither the graph nor the inputs and none were sent."""
+        NotCached if this peer holds neither the graph nor the inputs and none were sent, PeerOverloaded
+        (before computing) when ``max_pending`` gradients already wait for their commit."""
         if (known := self._known_reply(microbatch_id)) is not _UNKNOWN:
             return known
+        self._check_room(microbatch_id)
         cached = self._cache.get(microbatch_id)
         if cached is None and inputs is None:
             raise NotCached(f"microbatch {microbatch_id} is not cached here (evicted, or served by another "
@@ -262,12 +266,18 @@ class StageExecutor:
                                  f"is no longer cached; it counts once")
         return _UNKNOWN
 
+    def _check_room(self, microbatch_id: str) -> None:
+        """Refuse new gradient work while ``max_pending`` computed gradients wait for their commit. Evicting
+        one instead would lose it silently: its caller counts a microbatch whose commit then finds nothing.
+        Called after :meth:`_known_reply`, so a retry of a call whose reply is pending still gets it."""
+        if len(self._pending) >= self.cache_config.max_pending:
+            raise PeerOverloaded(f"microbatch {microbatch_id} refused: {len(self._pending)} computed gradients "
+                                 f"already wait for their callers' commits (max_pending="
+                                 f"{self.cache_config.max_pending}); retry at another peer of the stage")
+
     def _hold(self, microbatch_id: str, grads: list, reply, num_samples: int) -> None:
+        # _check_room ran before the compute on this same thread: there is room.
         self._pending[microbatch_id] = (grads, reply, num_samples)
-        while len(self._pending) > self.cache_config.max_pending:
-            dropped, _ = self._pending.popitem(last=False)
-            logger.warning("dropping uncommitted gradients of microbatch %s (more than %d pending)",
-                           dropped, self.cache_config.max_pending)
 
     @_busy
     def commit(self, microbatch_id: str, batch_step: int | None = None) -> bool:

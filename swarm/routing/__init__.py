@@ -6,11 +6,12 @@ Pure code (no I/O, clocks or asyncio) shared by the trainer and the simulator. S
 
 from swarm.routing.config import RoutingConfig
 from swarm.routing.errors import NoPeersAvailable, RetriesExhausted, RoutingError
-from swarm.routing.retry import RetryBudget
+from swarm.routing.retry import Failure, RetryBudget, StageRequest, wake_at
 from swarm.routing.router import Router
 from swarm.routing.stats import PeerState
 
 __all__ = [
+    "Failure",
     "NoPeersAvailable",
     "PeerState",
     "RetriesExhausted",
@@ -18,4 +19,6 @@ __all__ = [
     "Router",
     "RoutingConfig",
     "RoutingError",
+    "StageRequest",
+    "wake_at",
 ]

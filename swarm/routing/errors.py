@@ -1,16 +1,25 @@
 """Errors raised by the routing policy.
 
-Both are ``RuntimeError``s about the state of the swarm, not about the caller's arguments (those
-raise ``ValueError``). Each message names the stage, says why, and says what to do.
+Both are :class:`~swarm.errors.SwarmError`s (and ``RuntimeError``s) about the state of the swarm, not about
+the caller's arguments (those raise ``ValueError``). Each message names the stage, says why, and says what to
+do. They stay in the trainer's process: no peer sends them.
 """
 
 from __future__ import annotations
 
+import grpc
+
+from swarm.errors import SwarmError
+
 __all__ = ["RoutingError", "NoPeersAvailable", "RetriesExhausted"]
 
 
-class RoutingError(RuntimeError):
-    """Base class: routing could not produce a peer for a stage request."""
+class RoutingError(SwarmError, RuntimeError):
+    """Base class: routing could not produce a peer for a stage request. Routing already tried the peers it
+    could, so the caller should not retry elsewhere on its own."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retry_elsewhere = False
 
     def __init__(self, stage: int, message: str) -> None:
         super().__init__(message)
@@ -86,5 +95,5 @@ class RetriesExhausted(RoutingError):
             stage,
             f"stage {stage} request failed after {attempts} attempt(s) (last error: {last}); "
             f"check the health of stage {stage}'s peers, add peers, or raise "
-            "RoutingConfig.max_attempts",
+            "RoutingConfig.max_attempts (`swarm train --max-attempts`)",
         )

@@ -12,9 +12,11 @@ Model:
   does forward, loss and backward in one request, and a backward whose forward peer is gone is
   sent to another peer with the inputs and costs a full forward + backward (recompute).
 * A trainer keeps ``microbatches_in_flight`` microbatches going; each visits stages 0..S-1 forward
-  and S-2..0 backward. Every request goes through the trainer's retry logic: deadline from
-  ``Router.deadline_s``, failure -> ``on_failure`` and another peer, budget spent or no peer ->
-  wait ``retry_wait_s`` and start a fresh budget. A microbatch is never dropped.
+  and S-2..0 backward. Every request goes through the trainer's retry rule
+  (:class:`~swarm.routing.StageRequest`): deadline from ``Router.deadline_s``, a failure bans the
+  peer (or, for a peer that moved, just moves on) and tries another, no peer -> wait for the first
+  ban end or ``retry_wait_s``. Where the trainer would give up (budget spent), the simulator waits
+  ``retry_wait_s`` and starts a fresh budget: a microbatch is never dropped.
 * Trainers learn the serving peers every ``discovery_period_s``; until then they may pick a peer
   that died (the request fails after one round trip) or stopped serving.
 * A peer that dies fails its unfinished requests after one round trip (connection reset).
@@ -38,7 +40,8 @@ from swarm.balance import (
     is_my_turn,
     plan_moves,
 )
-from swarm.routing import NoPeersAvailable, RetriesExhausted, Router
+from swarm.errors import WrongPeer
+from swarm.routing import NoPeersAvailable, RetriesExhausted, Router, StageRequest, wake_at
 from swarm.sim.config import SimConfig
 from swarm.sim.result import Move, SimResult
 
@@ -67,7 +70,7 @@ class _Peer:
 
 
 class _Microbatch:
-    __slots__ = ("trainer", "stage", "backward", "fwd_peer", "fwd_epoch", "budget", "started_at")
+    __slots__ = ("trainer", "stage", "backward", "fwd_peer", "fwd_epoch", "request", "started_at")
 
     def __init__(self, trainer: int, num_stages: int, now: float) -> None:
         self.trainer = trainer
@@ -75,12 +78,12 @@ class _Microbatch:
         self.backward = False
         self.fwd_peer: list[str | None] = [None] * num_stages
         self.fwd_epoch = [0] * num_stages
-        self.budget = None
+        self.request: StageRequest | None = None  # the current hop through its retries
         self.started_at = now
 
 
 class _Request:
-    __slots__ = ("mb", "pid", "stage", "sent_at", "finish", "done")
+    __slots__ = ("mb", "pid", "stage", "sent_at", "finish", "done", "error")
 
     def __init__(self, mb: _Microbatch, pid: str, stage: int, sent_at: float) -> None:
         self.mb = mb
@@ -89,6 +92,7 @@ class _Request:
         self.sent_at = sent_at
         self.finish = math.inf  # when the peer finishes computing it
         self.done = False
+        self.error: Exception | None = None  # how it fails, if it does; None: a transport failure
 
 
 def simulate(config: SimConfig) -> SimResult:
@@ -246,21 +250,18 @@ class _Simulation:
         cfg = self.cfg
         stage, now = mb.stage, self.now
         router = self.routers[mb.trainer]
-        if mb.budget is None:
-            mb.budget = router.retry_budget(stage)
-        pid = None
+        if mb.request is None:
+            mb.request = StageRequest(router, stage, preferred=mb.fwd_peer[stage] if mb.backward else None)
         share = 1.0 if stage == cfg.num_stages - 1 else 1.0 - cfg.backward_share
         if mb.backward:
-            holder = mb.fwd_peer[stage]
-            # The trainer prefers the forward peer while discovery lists it and it is not banned.
-            if (holder in self.discovered[stage] and holder not in mb.budget.failed_peers
-                    and router.banned_until_s(holder, now) is None):
-                pid = holder
             share = cfg.backward_share
-        if pid is None:
-            pid = self._choose(mb, router)
-            if pid is None:
-                return
+        try:
+            # Backward prefers the forward peer while discovery lists it (and the shared rule allows).
+            listed = mb.request.preferred in self.discovered[stage]
+            pid = mb.request.choose(now, self.route_rng, preferred_known=listed)
+        except NoPeersAvailable as error:
+            self._push(wake_at(error, now, wait_s=cfg.retry_wait_s), _RETRY, mb)
+            return
         peer = self.peers.get(pid)
         size = cfg.microbatch_size
         deadline = router.deadline_s(stage, pid, size)
@@ -268,7 +269,10 @@ class _Simulation:
         request = _Request(mb, pid, stage, now)
         latency = cfg.latency_s
         if peer is None or peer.stage != stage or peer.state not in (SERVING, DRAINING):
-            # Dead, or serving another stage: refused after a round trip.
+            # Dead (the connection is refused), or alive and serving another stage (it answers WrongPeer):
+            # either way after a round trip.
+            if peer is not None:
+                request.error = WrongPeer(f"{pid} does not serve stage {stage} now")
             self._push(now + 2 * latency, _FAIL, request)
             return
         if mb.backward and (pid != mb.fwd_peer[stage] or peer.epoch != mb.fwd_epoch[stage]):
@@ -288,26 +292,6 @@ class _Simulation:
         else:
             self._push(reply_at, _DONE, request)
 
-    def _choose(self, mb: _Microbatch, router: Router) -> str | None:
-        """A peer for ``mb``'s request, or ``None`` after scheduling a retry (no eligible peer)."""
-        now, stage = self.now, mb.stage
-        try:
-            return router.choose(stage, now, self.route_rng, exclude=mb.budget.failed_peers)
-        except NoPeersAvailable as error:
-            if error.num_excluded:
-                # Every eligible peer already failed this request once: like the trainer, try
-                # again without exclusions (bans still apply), with a fresh budget.
-                mb.budget = router.retry_budget(stage)
-                try:
-                    return router.choose(stage, now, self.route_rng)
-                except NoPeersAvailable as again:
-                    error = again
-            wake = now + self.cfg.retry_wait_s
-            if error.retry_at_s is not None:
-                wake = min(wake, max(error.retry_at_s, now + 1e-3))
-            self._push(wake, _RETRY, mb)
-            return None
-
     def _on_done(self, request: _Request) -> None:
         if request.done:
             return
@@ -320,7 +304,7 @@ class _Simulation:
         stage = request.stage
         self.routers[mb.trainer].on_success(stage, request.pid, cfg.microbatch_size, now - request.sent_at, now)
         self.requests_by_peer[request.pid] = self.requests_by_peer.get(request.pid, 0) + 1
-        mb.budget = None
+        mb.request = None
         if not mb.backward:
             mb.fwd_peer[stage] = request.pid
             mb.fwd_epoch[stage] = peer.epoch if peer is not None else -1
@@ -347,11 +331,11 @@ class _Simulation:
         if peer is not None:
             peer.outstanding.pop(request, None)
         mb = request.mb
-        self.routers[mb.trainer].on_failure(request.stage, request.pid, self.now)
         try:
-            mb.budget.record_failure(request.pid)
+            mb.request.failed(request.pid, request.error, self.now)
         except RetriesExhausted:
-            mb.budget = None  # the trainer gives this request a fresh budget after a pause
+            # Where the trainer gives up, the simulator keeps the microbatch: a fresh budget after a pause.
+            mb.request = None
             self._push(self.now + self.cfg.retry_wait_s, _RETRY, mb)
             return
         self._send(mb)

@@ -23,10 +23,11 @@ from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
-from swarm.errors import NotCached, PeerDraining, StageUnavailable, SwarmError, WrongPeer
+from swarm.errors import NotCached, StageUnavailable, SwarmError
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
-from swarm.routing import NoPeersAvailable, Router, RoutingConfig
+from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
+from swarm.routing.retry import failure_kind
 from swarm.transport.client import ClientPool, Reply
 
 logger = logging.getLogger(__name__)
@@ -277,14 +278,9 @@ class Pipeline:
         """Run ``attempt(endpoint, timeout_s)`` against a peer of ``stage`` until it succeeds, retrying
         transport failures at other peers within the routing policy's finite budget. ``work`` is the call's
         size in forward-sample units, so the routing estimates and deadlines fit every kind of call."""
-        budget = self.router.retry_budget(stage)
+        request = StageRequest(self.router, stage, preferred=preferred)
         while True:
-            if preferred is not None and preferred in self.records[stage] and \
-                    self.router.banned_until_s(preferred, time.monotonic()) is None:
-                peer = preferred
-            else:
-                peer = await self._choose(stage, budget.failed_peers)
-            preferred = None
+            peer = await self._choose(request)
             record = self.records[stage][peer]
             endpoint = record.endpoint
             # The call may land while the peer's stage steps (all-reduce): allow for the pause it announces.
@@ -294,22 +290,20 @@ class Pipeline:
             try:
                 reply = await attempt(endpoint, timeout_s)
             except SwarmError as e:
-                if not e.retry_elsewhere:
-                    self.router.on_cancel(stage, peer, time.monotonic())
-                    raise
-                self.failed_calls += 1
                 now = time.monotonic()
-                if isinstance(e, (PeerDraining, WrongPeer)):
-                    # Alive and honest: it is leaving or moved to another stage. No ban (it may come back,
-                    # e.g. moved to this stage later); just stop routing here until the DHT says otherwise.
-                    self.router.on_cancel(stage, peer, now)
+                kind = failure_kind(e)
+                if kind is not Failure.GIVE_UP:
+                    self.failed_calls += 1
+                    logger.info("stage %d peer %s failed (%s: %s); retrying elsewhere", stage, peer,
+                                type(e).__name__, e)
+                if kind is Failure.AVOID:
+                    # Alive and honest: it is leaving or moved to another stage. Not banned (it may come back,
+                    # e.g. moved to this stage later); no new work here until the DHT says otherwise.
                     self._draining_replies[(stage, peer)] = now
                     self._update_router(stage, now)
-                else:
-                    self.router.on_failure(stage, peer, now)
-                logger.info("stage %d peer %s failed (%s: %s); retrying elsewhere", stage, peer,
-                            type(e).__name__, e)
-                budget.record_failure(peer, e)  # raises RetriesExhausted naming the stage when spent
+                request.failed(peer, e, now)  # raises RetriesExhausted naming the stage when the budget is spent
+                if kind is Failure.GIVE_UP:
+                    raise
                 continue
             except BaseException:
                 self.router.on_cancel(stage, peer, time.monotonic())
@@ -322,18 +316,17 @@ class Pipeline:
                 self._update_router(stage, now)
             return reply, peer
 
-    async def _choose(self, stage: int, exclude: frozenset[str]) -> str:
-        """A peer for ``stage``; when none is eligible, wait (bounded) for one to appear or a ban to end."""
+    async def _choose(self, request: StageRequest) -> str:
+        """A peer for ``request``; when none is eligible, wait (bounded) for one to appear or a ban to end."""
+        stage = request.stage
         deadline = time.monotonic() + self.config.empty_stage_wait_s
         warned = False
         while True:
             now = time.monotonic()
             try:
-                return self.router.choose(stage, now, self.rng, exclude=exclude)
+                # Backward may still go to the forward's peer while it drains: the records keep draining peers.
+                return request.choose(now, self.rng, preferred_known=request.preferred in self.records[stage])
             except NoPeersAvailable as e:
-                if exclude and e.num_excluded:
-                    exclude = frozenset()  # every peer failed this request once: allow retries after bans
-                    continue
                 if now > deadline:
                     raise StageUnavailable(f"stage {stage} of run '{self.run_id}' has had no live peer for "
                                            f"{self.config.empty_stage_wait_s:.0f}s ({e}); start a peer with "
@@ -342,8 +335,8 @@ class Pipeline:
                     logger.warning("stage %d has no live peer right now (%s); waiting up to %.0fs",
                                    stage, e, self.config.empty_stage_wait_s)
                     warned = True
-                wake = min(deadline, e.retry_at_s) if e.retry_at_s else deadline
-                await self._next_refresh(timeout_s=max(0.05, min(wake - now, self.config.refresh_s * 2)))
+                wake = wake_at(e, now, wait_s=min(deadline - now, self.config.refresh_s * 2), min_wait_s=0.05)
+                await self._next_refresh(timeout_s=wake - now)
 
 
 def _tensor(reply: Reply, name: str, peer: str) -> torch.Tensor:

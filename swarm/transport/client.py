@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from swarm.compression import Codec
-from swarm.errors import InvalidRequest, SwarmError, TransportError, error_from_status
+from swarm.errors import ERROR_METADATA_KEY, InvalidRequest, SwarmError, TransportError, error_from_status
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.channel import GRPC_OPTIONS
@@ -57,7 +57,7 @@ class PeerClient:
         try:
             return await self._stub.Info(pb.InfoRequest(run_id=run_id), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
-            raise error_from_status(e.code(), e.details(), peer=self.endpoint) from None
+            raise typed_error(e, peer=self.endpoint) from None
 
     async def get_state(self, run_id: str, *, include_grads: bool = False, timeout_s: float) -> Reply:
         """The replica's parameters (and accumulated gradients) as ``Reply.tensors``."""
@@ -102,7 +102,7 @@ class PeerClient:
             done = True
             return Reply(meta, tensors)
         except grpc.aio.AioRpcError as e:
-            raise error_from_status(e.code(), e.details(), peer=self.endpoint) from None
+            raise typed_error(e, peer=self.endpoint) from None
         except InvalidRequest as e:
             # A malformed reply is the peer's fault, not ours: treat it like a transport failure.
             raise TransportError(f"peer {self.endpoint} sent a malformed reply: {e}") from None
@@ -117,7 +117,17 @@ class PeerClient:
                 raise TransportError(f"peer {self.endpoint} sent a '{frame.WhichOneof('kind')}' frame after "
                                      f"its reply")
         except grpc.aio.AioRpcError as e:
-            raise error_from_status(e.code(), e.details(), peer=self.endpoint) from None
+            raise typed_error(e, peer=self.endpoint) from None
+
+
+def typed_error(error: grpc.aio.AioRpcError, *, peer: str) -> SwarmError:
+    """The :class:`SwarmError` a failed call stands for: the class the peer named in its trailing metadata
+    (see ``swarm.transport.server.abort_with``), else the one its status code implies."""
+    name = None
+    for key, value in error.trailing_metadata() or ():
+        if key == ERROR_METADATA_KEY and isinstance(value, str):
+            name = value
+    return error_from_status(error.code(), error.details(), name=name, peer=peer)
 
 
 class ClientPool:

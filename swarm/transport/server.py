@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from swarm.errors import SwarmError
+from swarm.errors import ERROR_METADATA_KEY, SwarmError, wire_name
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.channel import GRPC_OPTIONS
@@ -29,8 +29,9 @@ async def start_server(servicer: pb_grpc.StagePeerServicer, *, host: str, port: 
 
 
 def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
-    """Wrap a streaming handler so that a :class:`SwarmError` ends the call with its status and message,
-    and any other exception with INTERNAL (logged with its traceback, never shown raw to the caller)."""
+    """Wrap a streaming handler so that a :class:`SwarmError` ends the call with its status, message and class
+    name (see :func:`abort_with`), and any other exception with INTERNAL (logged with its traceback, never
+    shown raw to the caller)."""
 
     @functools.wraps(fn)
     async def wrapper(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -39,7 +40,7 @@ def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
                 yield frame
         except SwarmError as e:
             await _drain(request_iterator)
-            await context.abort(e.code, str(e))
+            await abort_with(context, e)
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # a bug in our handler: log it, answer with a sentence, keep serving
@@ -82,6 +83,14 @@ def unary_handler(fn: Callable[..., Awaitable]):
         try:
             return await fn(self, request, context)
         except SwarmError as e:
-            await context.abort(e.code, str(e))
+            await abort_with(context, e)
 
     return wrapper
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: SwarmError) -> None:
+    """End the call with ``error``'s code and message, naming its class in the trailing metadata so the
+    client rebuilds the same type (:func:`swarm.errors.error_from_status`) whatever the code is shared with."""
+    name = wire_name(error)
+    metadata = ((ERROR_METADATA_KEY, name),) if name else ()
+    await context.abort(error.code, str(error), trailing_metadata=metadata)

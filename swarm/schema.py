@@ -1,0 +1,113 @@
+"""One parser for records read from other processes (the DHT, checkpoints, JSON files) into dataclasses.
+
+The rule every record follows, so a newer peer's record never breaks an older reader:
+
+* unknown fields are left out, with a warning logged once per distinct set of unknown names (heartbeats
+  repeat the same record every few seconds; the log must not);
+* a missing field takes the dataclass default; a field without default (or named in ``required``) must
+  be present;
+* a field of the wrong type raises ``ValueError`` naming it: ``str``, ``int`` (a ``bool`` is not one),
+  ``float`` (an ``int`` is widened; with ``finite`` NaN and infinities are refused), ``bool``, ``X | None``
+  and nested dataclasses, parsed by the same rule;
+* the dataclass's own ``__post_init__`` then checks the values (``ValueError`` too).
+
+Stdlib only: the bottom of the tree, beside ``swarm.errors``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import types
+import typing
+from collections.abc import Collection
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Sets of unknown field names already warned about, per kind of record; bounded, since remote peers choose
+# the names (past the bound the warnings stop, the parsing does not).
+_warned: set[tuple[str, frozenset[str]]] = set()
+_MAX_WARNED = 1024
+
+
+def parse_dataclass(cls: type[T], data: Any, *, what: str, finite: bool = False,
+                    required: Collection[str] = ()) -> T:
+    """Build ``cls`` from the untrusted dict ``data`` by the module's rule.
+
+    ``what`` names the record in messages ("stage record", "run config"); ``finite`` refuses NaN and
+    infinite floats; ``required`` lists fields that must be present although they have a default.
+    Raises ``ValueError`` naming the field (nested ones as ``outer.inner``).
+    """
+    unknown: list[str] = []
+    value = _parse(cls, data, what=what, prefix="", finite=finite, required=required, unknown=unknown)
+    if unknown:
+        _warn_unknown(what, unknown)
+    return value
+
+
+def _parse(cls: type, data: Any, *, what: str, prefix: str, finite: bool, required: Collection[str],
+           unknown: list[str]):
+    if not isinstance(data, dict):
+        where = f"{what} field '{prefix[:-1]}'" if prefix else what
+        raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown.extend(prefix + str(key) for key in data if key not in fields)
+    kwargs = {}
+    for name, f in fields.items():
+        label = prefix + name
+        if name not in data:
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            if has_default and label not in required:
+                continue
+            raise ValueError(f"{what} lacks field '{label}'")
+        kwargs[name] = _value(hints[name], data[name], what=what, label=label, finite=finite,
+                              required=required, unknown=unknown)
+    return cls(**kwargs)
+
+
+def _value(hint, value: Any, *, what: str, label: str, finite: bool, required: Collection[str],
+           unknown: list[str]):
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    options = typing.get_args(hint) if union else (hint,)
+    if value is None and type(None) in options:
+        return None
+    kind = next(t for t in options if t is not type(None))
+    if dataclasses.is_dataclass(kind):
+        return _parse(kind, value, what=what, prefix=f"{label}.", finite=finite, required=required,
+                      unknown=unknown)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            not finite or math.isfinite(value))
+    elif kind is str:
+        ok = isinstance(value, str)
+    else:
+        raise TypeError(f"parse_dataclass cannot read field '{label}' of type {hint!r}")
+    if not ok:
+        expected = " or ".join("None" if t is type(None) else t.__name__ for t in options)
+        if kind is float and finite:
+            expected = f"a finite {expected}"
+        raise ValueError(f"{what} field '{label}' must be {expected}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _warn_unknown(what: str, names: list[str]) -> None:
+    key = (what, frozenset(names))
+    if key in _warned or len(_warned) >= _MAX_WARNED:
+        return
+    _warned.add(key)
+    logger.warning("%s has fields this version does not know, left out: %s (written by a newer version?)",
+                   what, ", ".join(sorted(names)))

@@ -51,7 +51,7 @@ def test_train_reference_reports_losses_and_throughput():
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_optim_imports_no_hivemind():

@@ -7,10 +7,10 @@ import multiprocessing
 import pytest
 import torch
 
-from swarm.config import RunConfig
-from swarm.model import ModelConfig, build_stage
 from swarm.averaging import step_group_bits
 from swarm.averaging.hivemind_private import PartialResults
+from swarm.config import RunConfig
+from swarm.model import ModelConfig, build_stage
 from swarm.optim import LocalStageOptimizer, learning_rate, stage_clip_norm
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.executor import StageExecutor

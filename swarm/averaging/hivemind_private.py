@@ -18,7 +18,7 @@ import logging
 import multiprocessing
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import hivemind
 import torch

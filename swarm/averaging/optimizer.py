@@ -100,6 +100,7 @@ class HivemindStageOptimizer:
 
     @property
     def step(self) -> int:
+        """Optimizer steps this replica has taken (hivemind counts them as its local epoch)."""
         return self.opt.local_epoch
 
     @property

@@ -10,8 +10,9 @@ lines give cumulative tokens at each step, and tokens/s is taken over the window
 of training (startup, DHT discovery and first-call allocation excluded). Peers of a preset are reused: the
 x2 configuration adds one peer per stage to the x1 swarm and starts a fresh trainer.
 
-Single-process side: ``swarm.model.train_local`` (same model, AdamW, same microbatch size, one optimizer step
-per microbatch) in this process, at 1 torch thread and at all cores, timed over steps after a short warmup.
+Single-process side: ``swarm.trainer.reference.train_reference``, the swarm's twin in this process: the same
+model, microbatch size, global batch, per-stage optimizers, learning-rate schedule and clipping as the swarm's
+run config, at 1 torch thread and at all cores, timed over global batches after a short warmup.
 
 CPU use of each role (peers, trainer, bootstrap; each process group, so hivemind's DHT child processes and
 p2pd count too) is read from /proc over the measured window, to show where the cycles go.
@@ -35,7 +36,9 @@ import torch  # noqa: E402
 
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
 from swarm.data import ByteCorpus, DataConfig  # noqa: E402
-from swarm.model import MODEL_PRESETS, train_local  # noqa: E402
+from swarm.config import RunConfig  # noqa: E402
+from swarm.model import MODEL_PRESETS  # noqa: E402
+from swarm.trainer.reference import train_reference  # noqa: E402
 
 MICROBATCH = 8  # sequences per microbatch (BENCHMARKS.md)
 IN_FLIGHT = 4  # microbatches in the pipeline at once (the demo's default)
@@ -70,7 +73,7 @@ class LocalResult:
     threads: int
     tokens_per_s: float
     tokens_per_cpu_s: float  # tokens per CPU-second of this process (all threads)
-    steps: int  # timed optimizer steps (after warmup)
+    steps: int  # timed global batches (after warmup)
     load: float  # 1-minute load average at the end
 
 
@@ -190,36 +193,31 @@ def measure_swarm(preset: str, peer_counts: list[int], *, seconds: float, warmup
 # ---------------------------------------------------------------------------------------- one process
 
 
-class _TimeUp(Exception):
-    """Raised from train_local's on_step callback to end a baseline after its time budget."""
-
-
 def measure_local(preset: str, corpus: ByteCorpus, *, threads: int, seconds: float,
-                  warmup_steps: int = 3, max_steps: int = 100_000) -> LocalResult:
-    """train_local at ``threads`` torch threads for ``warmup_steps`` and then about ``seconds`` (stopped from
-    its step callback, so a slowdown from other users cannot stretch it); rates over the steps after warmup.
-    CPU time is this process's (all its threads), which includes OpenMP spin-waiting at more than 1 thread."""
-    model = MODEL_PRESETS[preset]
+                  warmup_steps: int = 1, max_steps: int = 100_000) -> LocalResult:
+    """train_reference at ``threads`` torch threads for ``warmup_steps`` global batches and then about ``seconds``
+    (stopped from its step callback, so a slowdown from other users cannot stretch it); rates over the batches
+    after warmup. CPU time is this process's (all its threads), which includes OpenMP spin-waiting at more than
+    1 thread."""
+    run = RunConfig(model=MODEL_PRESETS[preset], target_batch_size=TARGET_BATCH, lr=LR)  # the swarm's run flags
     wall: list[float] = []
     cpu: list[float] = []
 
-    def on_step(step: int, loss: float) -> None:
+    def on_step(step: int, loss: float) -> bool:
         wall.append(time.perf_counter())
         cpu.append(time.process_time())
-        if step > warmup_steps and wall[-1] - wall[warmup_steps - 1] >= seconds:
-            raise _TimeUp
+        return step > warmup_steps and wall[-1] - wall[warmup_steps - 1] >= seconds
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        train_local(model, corpus, steps=max_steps, batch_size=MICROBATCH, lr=LR, eval_batches=0, on_step=on_step)
-    except _TimeUp:
-        pass
+        result = train_reference(run, corpus, steps=max_steps, microbatch_size=MICROBATCH, eval_batches=0,
+                                 on_step=on_step)
     finally:
         torch.set_num_threads(previous)
-    # From the end of the last warmup step (the first carries one-off allocation costs) to the last step.
+    # From the end of the last warmup batch (the first carries one-off allocation costs) to the last batch.
     steps = len(wall) - warmup_steps
-    tokens = steps * MICROBATCH * model.seq_len
+    tokens = result.tokens // len(wall) * steps  # every global batch has the same samples
     return LocalResult(preset, threads, tokens / (wall[-1] - wall[warmup_steps - 1]),
                        tokens / (cpu[-1] - cpu[warmup_steps - 1]), steps, load_average())
 
@@ -311,8 +309,9 @@ def main() -> None:
         f"swarm: peers `--threads 1`, trainer OMP_NUM_THREADS=1, microbatch {MICROBATCH}, in_flight {IN_FLIGHT}, "
         f"target batch {TARGET_BATCH}, codec none, lr {LR}; measured {args.seconds:g}s after "
         f"{args.warmup_seconds:g}s of warmup",
-        f"one process: `train_local`, microbatch {MICROBATCH}, AdamW lr {LR}, at 1 and {all_threads} torch "
-        f"threads, about {args.local_seconds:g}s each after 3 warmup steps",
+        f"one process: `train_reference` (the swarm's twin: microbatch {MICROBATCH}, target batch {TARGET_BATCH}, "
+        f"per-stage AdamW, lr {LR} with the swarm's schedule), at 1 and {all_threads} torch threads, about "
+        f"{args.local_seconds:g}s each after 1 warmup batch",
     ]
     notes = [
         f"All processes share this machine's {os.cpu_count()} cores: a swarm of 2 stages x 2 peers runs 4 peer "

@@ -43,15 +43,6 @@ class RunConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) and total_steps ({self.total_steps}) "
                              f"must be >= 0")
 
-    def lr_at(self, step: int) -> float:
-        """Learning rate for optimizer step ``step`` (0-based): linear warmup, then optional cosine decay."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if self.total_steps <= self.warmup_steps:
-            return self.lr
-        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["model"] = self.model.to_dict()

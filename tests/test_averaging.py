@@ -55,6 +55,9 @@ def test_replicas_agree_and_one_that_joins_mid_run_ends_in_the_same_state(local_
                                       "--max-batches-ahead", "2", "--eval-every-steps", "0", "--eval-batches", "2",
                                       "--log-every-s", "0")
     trainer.wait_for(r"^step 2/", timeout_s=300)
+    # The trainer's step counts batches sent, not the stage's steps: on a loaded machine stage 1's first all-reduce
+    # can still run, and a newcomer that attaches then has no later step to download. Start it once there is one.
+    assert min(_wait_for_step(endpoints, 1, timeout_s=300)) >= 1
     newcomer = local_swarm.peer("s1-new", 1, *FLAGS, run_id=RUN_ID, wait=False)
     trainer.wait_for(r"^step 6/", timeout_s=300)
     trainer.signal(signal.SIGSTOP)  # on a busy machine the newcomer may still be starting: hold the run until it serves

@@ -39,15 +39,6 @@ def test_run_config_round_trips_and_reads_remote_dicts_carefully():
     assert run.fingerprint() != RunConfig(model=MODEL_PRESETS["w1"]).fingerprint()
 
 
-def test_learning_rate_schedule_warms_up_then_decays_to_a_tenth():
-    run = RunConfig(lr=1e-3, warmup_steps=10, total_steps=110)
-    assert run.lr_at(0) == pytest.approx(1e-4)
-    assert run.lr_at(9) == pytest.approx(1e-3)
-    assert run.lr_at(60) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
-    assert run.lr_at(110) == pytest.approx(1e-4) and run.lr_at(500) == pytest.approx(1e-4)
-    assert RunConfig(lr=1e-3, warmup_steps=0).lr_at(1000) == 1e-3
-
-
 def test_peer_and_trainer_configs_reject_bad_values():
     from swarm.peer.daemon import PeerConfig
     from swarm.trainer.trainer import TrainerConfig

@@ -7,17 +7,15 @@ import math
 import pytest
 import torch
 
-from swarm.data import ByteCorpus
 from swarm.model import (
     MODEL_PRESETS,
     FullModel,
     ModelConfig,
-    adamw_param_groups,
     build_full_model,
     build_stage,
     generate,
-    train_local,
 )
+from swarm.optim import adamw_param_groups
 
 # Small enough that a forward+backward takes milliseconds on 2 cores.
 SMALL = ModelConfig(d_model=32, n_heads=4, n_layers=3, seq_len=16, num_stages=2, seed=7)
@@ -318,31 +316,3 @@ def test_tiny_preset_overfits_a_fixed_batch():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(256), abs=0.3)  # uniform over bytes at init
     assert losses[-1] < 0.5 * losses[0], losses
-
-
-def test_train_local_reports_losses_and_throughput():
-    text = bytes(range(32, 127)) * 40
-    corpus = ByteCorpus.from_bytes(text[:3000], text[3000:])
-    seen = []
-    result = train_local(
-        SMALL,
-        corpus,
-        steps=6,
-        batch_size=4,
-        lr=3e-3,
-        eval_every_steps=3,
-        eval_batches=2,
-        on_step=lambda step, loss: seen.append(step),
-    )
-    assert len(result.losses) == 6 and seen == [1, 2, 3, 4, 5, 6]
-    assert [step for step, _ in result.val_losses] == [3, 6]
-    assert result.losses[-1] < result.losses[0]
-    assert result.tokens_per_s > 0 and result.train_time_s > 0
-    again = train_local(SMALL, corpus, steps=6, batch_size=4, lr=3e-3, eval_batches=0)
-    assert again.losses == pytest.approx(result.losses, rel=1e-5) and again.val_losses == []
-
-
-def test_adamw_groups_decay_matrices_only():
-    groups = adamw_param_groups(build_stage(SMALL, 0), 0.1)
-    assert groups[0]["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in groups[0]["params"])
-    assert groups[1]["weight_decay"] == 0.0 and all(p.dim() == 1 for p in groups[1]["params"])

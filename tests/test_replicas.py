@@ -7,9 +7,11 @@ import multiprocessing
 import pytest
 import torch
 
+from swarm.averaging import step_group_bits
+from swarm.averaging.hivemind_private import PartialResults
 from swarm.config import RunConfig
 from swarm.model import ModelConfig, build_stage
-from swarm.peer.averaging import LocalStageOptimizer, PartialResults, epoch_group_bits, stage_clip_norm
+from swarm.optim import LocalStageOptimizer, learning_rate, stage_clip_norm
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.executor import StageExecutor
 
@@ -46,7 +48,7 @@ def test_local_optimizer_applies_schedule_and_clipping():
     _feed(ex, [1, 2, 3, 4])
     assert ex.step == 1 and ex.samples_accumulated == 0
     assert ex.optimizer.optimizer.last_grad_norm > 0
-    assert ex.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(RUN.lr_at(0))
+    assert ex.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate(RUN, 0))
     assert stage_clip_norm(RUN) == pytest.approx(0.5 / 2 ** 0.5)
 
 
@@ -84,4 +86,4 @@ def test_partial_all_reduce_results_are_counted_across_the_averager_fork():
     assert child.exitcode == 0
     assert partial.count.value == before + 1
     # All-reduce groups are keyed by step: neighbouring steps never share a key.
-    assert len({epoch_group_bits(step) for step in range(1000)}) == 1000
+    assert len({step_group_bits(step) for step in range(1000)}) == 1000

@@ -1,22 +1,18 @@
 """GPT-style byte-level decoder, cut into pipeline stages from one ModelConfig."""
 
 from swarm.model.config import MODEL_PRESETS, ModelConfig
-from swarm.model.full import FullModel, build_full_model
+from swarm.model.full import FullModel, build_full_model, evaluate
 from swarm.model.generate import generate
-from swarm.model.local import LocalTrainResult, adamw_param_groups, evaluate, train_local
 from swarm.model.stage import Stage, build_stage, stage_seed
 
 __all__ = [
     "MODEL_PRESETS",
     "FullModel",
-    "LocalTrainResult",
     "ModelConfig",
     "Stage",
-    "adamw_param_groups",
     "build_full_model",
     "build_stage",
     "evaluate",
     "generate",
     "stage_seed",
-    "train_local",
 ]

@@ -65,3 +65,21 @@ class FullModel(nn.Module):
 def build_full_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> FullModel:
     """The whole model, with parameters identical to `build_stage(config, k)` for every stage k."""
     return FullModel(config, [build_stage(config, k, device=device) for k in range(config.num_stages)])
+
+
+@torch.no_grad()
+def evaluate(model: FullModel, batches: Sequence[Tensor]) -> float:
+    """Mean loss over int64 (B, T + 1) batches (every batch weighs the same); restores train mode."""
+    if not batches:
+        raise ValueError("evaluate needs at least one batch")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        total = 0.0
+        for batch in batches:
+            batch = batch.to(device)
+            total += float(model.loss(batch[:, :-1], batch[:, 1:]))
+    finally:
+        model.train(was_training)
+    return total / len(batches)

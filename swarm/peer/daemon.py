@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.utils import get_dht_time
 
+from swarm.averaging import AveragingConfig, HivemindStageOptimizer
 from swarm.balance import RebalanceConfig
 from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht, visible_addresses
 from swarm.discovery.records import StageRecord
 from swarm.errors import TransportError
 from swarm.model import build_stage
-from swarm.peer.averaging import AveragingConfig, HivemindStageOptimizer
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.executor import CacheConfig, StageExecutor
 from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage

@@ -18,7 +18,7 @@ import torch
 from swarm.config import RunConfig
 from swarm.errors import AlreadyApplied, InvalidRequest, NotCached, PeerOverloaded
 from swarm.model import Stage
-from swarm.peer.averaging import LocalStageOptimizer, StageOptimizer
+from swarm.optim import LocalStageOptimizer, StageOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -308,8 +308,8 @@ class StageExecutor:
 
     @property
     def step(self) -> int:
-        """Optimizer steps this replica has taken (its stage's global epoch once in sync)."""
-        return self.optimizer.epoch
+        """Optimizer steps this replica has taken (its stage's step once in sync)."""
+        return self.optimizer.step
 
     @property
     def samples_accumulated(self) -> int:

@@ -1,16 +1,18 @@
 """The single-process twin of a swarm run: the same model, data, global batches, learning-rate schedule and
 per-stage optimizers, in one process. It is what the swarm's convergence is measured against
-(tests/test_averaging.py, bench/convergence.py).
+(tests/test_parity.py, bench/convergence.py), and the one-process speed baseline (bench/swarm_throughput.py).
 
 Same data: microbatch i is the trainer's microbatch i (``corpus.sample`` from a generator seeded like
 ``TrainerConfig.seed``), and global batch e is microbatches ``e * per_step ... (e + 1) * per_step - 1``.
-Same optimization: each stage has the optimizer a lone replica has (:class:`LocalStageOptimizer`: AdamW,
-``RunConfig.lr_at`` schedule, per-stage clipping), fed the same gradient sums weighted by samples.
+Same optimization: each stage has the optimizer a lone replica has (:class:`swarm.optim.LocalStageOptimizer`:
+AdamW, the ``swarm.optim.learning_rate`` schedule, per-stage clipping), fed the same gradient sums weighted by
+samples.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,9 +20,8 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.data import ByteCorpus
-from swarm.model import FullModel, build_full_model
-from swarm.model.local import evaluate
-from swarm.peer.averaging import LocalStageOptimizer
+from swarm.model import FullModel, build_full_model, evaluate
+from swarm.optim import LocalStageOptimizer
 
 
 @dataclass(kw_only=True)
@@ -28,6 +29,12 @@ class ReferenceResult:
     model: FullModel
     losses: list[float]  # mean training loss of each global batch
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (global batches done, validation loss)
+    train_time_s: float = 0.0  # wall time of the global batches (forward, backward, steps; validation excluded)
+    tokens: int = 0  # tokens trained on (samples * seq_len)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_time_s
 
     @property
     def val_loss(self) -> float:
@@ -36,11 +43,15 @@ class ReferenceResult:
 
 def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatch_size: int, seed: int = 0,
                     eval_batches: int = 4, eval_every_steps: int = 0, clipping: str = "stage",
-                    on_step: Callable[[int, float], None] | None = None) -> ReferenceResult:
+                    on_step: Callable[[int, float], bool | None] | None = None) -> ReferenceResult:
     """Train ``steps`` global batches as a swarm trainer with ``--microbatch-size microbatch_size --seed seed``
-    would send them, validating every ``eval_every_steps`` (0: only at the end) on the trainer's
-    validation batches. ``clipping``: "stage" clips each stage to ``max_grad_norm / sqrt(stages)`` as the
-    swarm does; "global" clips the whole model's gradient to ``max_grad_norm`` (exact, for comparison)."""
+    would send them, validating every ``eval_every_steps`` (0: only at the end) on ``eval_batches`` of the
+    trainer's validation batches (0: never). ``clipping``: "stage" clips each stage to
+    ``max_grad_norm / sqrt(stages)`` as the swarm does; "global" clips the whole model's gradient to
+    ``max_grad_norm`` (exact, for comparison).
+    ``on_step(step, loss)`` is called after every global batch (step counts from 1) with its mean loss; returning
+    True stops training there (the result holds the batches done and a validation at that step).
+    Two calls with equal arguments give the same losses up to the backend's floating-point nondeterminism."""
     if steps < 1 or microbatch_size < 1:
         raise ValueError(f"steps and microbatch_size must be >= 1, got {steps} and {microbatch_size}")
     if clipping not in ("stage", "global"):
@@ -52,9 +63,10 @@ def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatc
     generator = torch.Generator().manual_seed(seed)
     seq_len = run.model.seq_len
     per_step = math.ceil(run.target_batch_size / microbatch_size)
-    val_batches = corpus.val_batches(microbatch_size, seq_len, eval_batches)
+    val_batches = corpus.val_batches(microbatch_size, seq_len, eval_batches) if eval_batches > 0 else []
     result = ReferenceResult(model=model, losses=[])
     for step in range(1, steps + 1):
+        started = time.perf_counter()
         weighted, samples = 0.0, 0
         for _ in range(per_step):
             tokens = corpus.sample("train", microbatch_size, seq_len, generator)  # (B, T + 1)
@@ -77,9 +89,12 @@ def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatc
                 for p in stage.parameters():
                     p.grad = None
                 optimizer.accumulate(stage_grads, samples)
-        result.losses.append(weighted / samples)
-        if on_step is not None:
-            on_step(step, result.losses[-1])
-        if step == steps or (eval_every_steps and step % eval_every_steps == 0):
+        result.losses.append(weighted / samples)  # float(loss) synced the device: the time below is honest
+        result.train_time_s += time.perf_counter() - started
+        result.tokens += samples * seq_len
+        stop = on_step is not None and on_step(step, result.losses[-1])
+        if val_batches and (stop or step == steps or (eval_every_steps and step % eval_every_steps == 0)):
             result.val_losses.append((step, evaluate(model, val_batches)))
+        if stop:
+            break
     return result

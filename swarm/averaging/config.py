@@ -1,0 +1,32 @@
+"""How the peers of a stage average: the ``--average`` flag and its timeouts (flags of ``swarm peer``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AveragingConfig:
+    # experimental: all-reduce gradients with this stage's other peers and step together (hivemind)
+    average: bool = False
+    matchmaking_s: float = 2.0  # seconds peers of a stage spend forming an all-reduce group before a step
+    averaging_timeout_s: float = 30.0  # an all-reduce that takes longer is abandoned (the step uses local grads)
+    # A groupmate silent this long mid all-reduce is dropped from it (the replicas that miss its part reload: see
+    # HivemindStageOptimizer._global_step). Long enough for a groupmate whose view of the stage lags (its DHT reads
+    # stall for seconds on a loaded machine).
+    chunk_timeout_s: float = 10.0
+    load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers
+    grad_compression: str = "none"  # gradient all-reduce codec: none, fp16 or scaled-fp16
+    step_check_s: float = 0.1  # seconds between checks whether the stage's global batch is full
+
+    def __post_init__(self):
+        if self.grad_compression not in GRAD_COMPRESSIONS:
+            raise ValueError(f"grad_compression '{self.grad_compression}' is unknown; choose one of "
+                             f"{', '.join(GRAD_COMPRESSIONS)} (hivemind's 8-bit codecs fail under numpy 2)")
+        if min(self.matchmaking_s, self.averaging_timeout_s, self.chunk_timeout_s, self.load_state_timeout_s,
+               self.step_check_s) <= 0:
+            raise ValueError(f"matchmaking_s ({self.matchmaking_s}), "
+                             f"averaging_timeout_s ({self.averaging_timeout_s}), "
+                             f"chunk_timeout_s ({self.chunk_timeout_s}), load_state_timeout_s "
+                             f"({self.load_state_timeout_s}) and step_check_s ({self.step_check_s}) must be > 0")

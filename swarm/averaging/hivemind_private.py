@@ -1,0 +1,249 @@
+"""Every use of hivemind's private API in swarm, for hivemind 1.1.12 only.
+
+``hivemind.Optimizer.step()`` accumulates, decides when to step, averages and steps in one call, on its own
+rules (a time estimate of the batch's end, any group that forms). A stage needs those pieces apart (see
+``swarm.averaging.optimizer``): accumulation on each commit, the step only on a full global batch and a formed
+group, and a state that a newcomer downloads consistently. hivemind offers no public hook for that, so this
+module subclasses its classes and calls a few of its private methods, each with a one-line reason. Nothing
+else in swarm touches hivemind's private names or subclasses its classes.
+
+Private names change between hivemind releases without notice, so importing this module checks the installed
+version first and refuses any other than :data:`PINNED_HIVEMIND` with a sentence, instead of failing
+mid-run on a missing method.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import signal
+import threading
+from collections.abc import Callable
+
+import hivemind
+import torch
+
+from swarm.errors import SwarmError
+
+PINNED_HIVEMIND = "1.1.12"
+
+
+class UnsupportedHivemind(SwarmError):
+    """The installed hivemind is not the version whose private API swarm's averaging was written against."""
+
+
+def check_hivemind_version() -> None:
+    """Raise :class:`UnsupportedHivemind` unless the installed hivemind is :data:`PINNED_HIVEMIND`."""
+    installed = getattr(hivemind, "__version__", "unknown")
+    if installed != PINNED_HIVEMIND:
+        raise UnsupportedHivemind(
+            f"swarm's gradient averaging needs hivemind {PINNED_HIVEMIND} (it uses private parts of it that other "
+            f"versions change), but hivemind {installed} is installed; run: pip install hivemind=={PINNED_HIVEMIND}")
+
+
+check_hivemind_version()  # before the imports below, which may already fail on another version
+
+from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
+from hivemind.optim.progress_tracker import ProgressTracker  # noqa: E402
+from hivemind.optim.state_averager import TrainingStateAverager  # noqa: E402
+
+
+class SampleSumGradientAverager(GradientAverager):
+    """A GradientAverager whose accumulators hold gradient SUMS and whose averaged result is sum/samples.
+
+    hivemind's own accumulation assumes every call brings a mean gradient of equally sized batches
+    (it rescales by the first batch size and divides by the number of calls); our microbatches vary in
+    size and arrive as sums, so we accumulate sums and divide by the samples: the exact local mean,
+    which the all-reduce then weights by samples into the exact global mean."""
+
+    step_key: Callable[[], str] | None = None  # group key bits of the next all-reduce (see keys.step_group_bits)
+
+    def schedule_step(self, *args, **kwargs):
+        # Every new all-reduce starts here (step() without a pre-scheduled group comes here too). hivemind
+        # rewrites the key bits after each group it assembles, so set them for every one.
+        if self.step_key is not None:
+            self.set_group_bits(self.step_key(), wait=False)
+        return super().schedule_step(*args, **kwargs)
+
+    @torch.no_grad()
+    def accumulate_grads_(self, batch_size: int):
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += 1
+        # Private readers: the parameters' .grad buffers and the accumulators have no public accessor.
+        for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._grad_accumulators()):
+            grad_acc.add_(grad_buf.to(grad_acc.device))
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        scale = 1.0 / self.local_samples_accumulated if self.local_samples_accumulated else 0.0
+        with self.get_tensors() as averaged_grads:
+            # Private reader: the accumulators have no public accessor.
+            for grad_acc, averaged_grad in zip(self._grad_accumulators(), averaged_grads):
+                averaged_grad.copy_(grad_acc).mul_(scale)
+
+
+class BatchTracker(ProgressTracker):
+    """Ready to step when the stage has its global batch (or a peer already stepped past it), or when
+    the batch is closed (the trainer has moved on: it will not grow). hivemind's tracker also steps when
+    its time estimate for the batch passes; the trainer's microbatches arrive in bursts, so that would
+    step on part of a batch and split the rest over the next step."""
+
+    batch_closed = False
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        return (self.global_epoch > self.local_progress.epoch
+                or self.global_progress.samples_accumulated >= self.target_batch_size
+                or self.batch_closed)
+
+
+class ConsistentStateAverager(TrainingStateAverager):
+    """Serves (step, parameters, optimizer state) taken together. hivemind counts the step up before the
+    optimizer step runs and reads the parameters without the step's lock, so a newcomer downloading during a
+    peer's step could get the old parameters labelled with the new step, or a half-updated mix."""
+
+    _loading = False  # inside load_state_from_peers
+    _loaded_step: int | None = None
+
+    def __init__(self, **kwargs):
+        self.state_lock = threading.Lock()  # before the base class starts the thread that serves the state
+        super().__init__(**kwargs)
+
+    def get_current_state(self):
+        with self.state_lock:
+            return super().get_current_state()
+
+    def load_state_from_peers(self, **kwargs) -> int | None:
+        """hivemind's download from the most advanced peer (it refuses a state older than this replica's step),
+        under the state lock: nobody downloads a half-loaded state from this replica, and two replicas that ask
+        each other at once cannot swap states (one waits for the other). Returns the step loaded, or None."""
+        with self.state_lock:
+            self._loaded_step, self._loading = None, True
+            try:
+                super().load_state_from_peers(**kwargs)
+            finally:
+                self._loading = False
+            return self._loaded_step
+
+    # Private override: the base class calls it last in a successful load, the only sign that the load succeeded.
+    def _update_scheduler(self):
+        if self._loading:
+            self._loaded_step = self.local_epoch
+        super()._update_scheduler()
+
+    def step(self, *args, **kwargs):
+        with self.state_lock if kwargs.get("increment_epoch") else contextlib.nullcontext():
+            return super().step(*args, **kwargs)
+
+
+class GlobalBatchOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer that remembers when a step fell back to local gradients (no all-reduce group), whose
+    stage steps on a full global batch only (:class:`BatchTracker`), and whose replicas share a consistent state
+    (:class:`ConsistentStateAverager`). Its all-reduce groups are keyed by step in the gradient averager
+    (:class:`SampleSumGradientAverager`)."""
+
+    used_local_gradients = False
+
+    # Private override: the only way to give hivemind.Optimizer another progress tracker class.
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs):
+        return BatchTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                            client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                            **kwargs)
+
+    # Private override: the only way to give hivemind.Optimizer another state averager class (its arguments
+    # copied from hivemind.Optimizer._make_state_averager).
+    def _make_state_averager(self, **kwargs):
+        return ConsistentStateAverager(
+            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
+
+    # Private override: hivemind falls back to local gradients silently (a log line); the stage must know.
+    def _load_local_gradients_into_optimizer(self):
+        self.used_local_gradients = True
+        super()._load_local_gradients_into_optimizer()
+
+
+def accumulate_gradients(opt: GlobalBatchOptimizer, num_samples: int) -> None:
+    """Add the parameters' .grad to the accumulators and report the samples to the stage's progress."""
+    # Private: step() would also take the global step when hivemind's rules say so; a commit must only accumulate.
+    opt._check_and_accumulate_gradients(num_samples, None)
+
+
+def schedule_gradient_averaging(opt: GlobalBatchOptimizer) -> None:
+    """Start looking for the next all-reduce group if the batch is expected to fill within matchmaking time."""
+    # Private: step() does this only as part of a call that may also step; we schedule between commits.
+    opt._maybe_schedule_gradient_averaging()
+
+
+def global_step(opt: GlobalBatchOptimizer) -> None:
+    """All-reduce the accumulated gradients with the group (or fall back to local ones), step and count the step."""
+    # Private: the global step alone, taken when our rules (full batch, formed group) say so, not step()'s.
+    opt._update_global_epoch(None)
+
+
+def tag_along_with_zero_weight(opt: GlobalBatchOptimizer, control) -> None:
+    """Take part in an all-reduce that counts on this replica with weight 0, then let it finish."""
+    # Private: no public way to leave a formed group without stalling it until its timeout.
+    opt._tag_along_with_zero_weight(control)
+
+
+def gradient_accumulators(opt: GlobalBatchOptimizer) -> list[torch.Tensor]:
+    """The gradient averager's accumulators (sums since the last step), in the optimizer's parameter order."""
+    # Private: the accumulators have no public accessor.
+    return list(opt.grad_averager._grad_accumulators())
+
+
+@contextlib.contextmanager
+def keep_sigint_handler():
+    """hivemind's averagers set SIGINT to "ignore" in the calling process as they start their own processes.
+    Keep the caller's handler (Ctrl-C drains a peer): restore it afterwards on the main thread; elsewhere
+    (a peer run inside another program's thread), where Python refuses signal.signal, skip hivemind's call."""
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return
+    # Process-wide patch: hivemind's Averager.run_in_background calls signal.signal unconditionally.
+    original = signal.signal
+    signal.signal = lambda sig, handler: signal.getsignal(sig)
+    try:
+        yield
+    finally:
+        signal.signal = original
+
+
+class PartialResults(logging.Filter):
+    """Counts hivemind all-reduces that ended with part of the result missing (a groupmate's part timed out: the
+    replica keeps its own values there, so its parameters leave its peers'). hivemind reports that only as a log
+    warning, in its averager's process; this filter, installed before that process forks, counts it in shared
+    memory so the compute thread can tell after a step."""
+
+    # Private: hivemind's log text is the only report of a partial all-reduce (no return value, no counter).
+    MESSAGE = "Averaging: received"
+    SOURCE = "hivemind.averaging.partition"
+    _installed: PartialResults | None = None
+
+    def __init__(self):
+        super().__init__()
+        self.count = multiprocessing.Value("l", 0)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(self.MESSAGE):
+            with self.count.get_lock():
+                self.count.value += 1
+        return True
+
+    @classmethod
+    def install(cls) -> PartialResults:
+        if cls._installed is None:
+            cls._installed = cls()
+            source = logging.getLogger(cls.SOURCE)
+            source.addFilter(cls._installed)
+            if not source.isEnabledFor(logging.WARNING):  # filters only see records the logger lets through
+                source.setLevel(logging.WARNING)
+        return cls._installed

@@ -1,0 +1,289 @@
+"""One stage's hivemind optimizer: the peers of a stage accumulate toward one global batch, all-reduce and
+step together.
+
+:class:`HivemindStageOptimizer` wraps ``hivemind.Optimizer`` with run id ``f"{run_id}_stage{k}"``: commits report
+samples to the stage's progress tracker; when the stage as a whole has the global batch, every peer of the stage
+averages its gradient sums weighted by samples (exact global mean) and steps. The parts of hivemind it needs
+apart are reached through :mod:`swarm.averaging.hivemind_private` (pinned version).
+
+Why synchronous (``delay_optimizer_step=False``, ``delay_grad_averaging=False``, no local updates): the
+optimizer step runs on the peer's compute thread, so it never races a forward or backward and the swarm
+optimises exactly what the single-process model does (no stale parameters). The price is that compute
+pauses during the all-reduce; hivemind starts matchmaking ``matchmaking_s`` before the batch is
+expected to fill, so the pause is mostly the all-reduce itself (tokens/s in bench/results/convergence.md). The
+delayed modes would run the step on hivemind's thread and write parameters under a running backward
+(or, with an offloaded optimizer, apply one step late), which breaks the parity the issue asks for.
+
+How the replicas of a stage stay equal (each rule closes a way they drifted apart in measurements):
+
+* an all-reduce group only joins replicas at the same step (its key holds the step): a replica one step behind
+  never adds its gradients of another batch to its peers' average;
+* a replica never waits for a group on its compute thread: if its peers' group assembled without it, they step
+  without its samples of that batch and it loads their state;
+* a replica that stepped on partial results (a groupmate's part timed out: hivemind keeps the local values
+  there and only logs it), on its own gradients, or skipped a non-finite step, reloads its peers' state;
+* a donor serves its step, parameters and optimizer state together (hivemind counts the step up before the
+  update and reads parameters without the update's lock), and a loaded state keeps its own step: hivemind's
+  "catching up" would label a state one step old with the stage's step.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+
+import torch
+from hivemind.averaging.control import AveragingStage
+from hivemind.compression import Float16Compression, NoCompression, ScaledFloat16Compression
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.averaging import hivemind_private as hp
+from swarm.averaging.config import AveragingConfig
+from swarm.averaging.keys import stage_run_id, step_group_bits
+from swarm.config import RunConfig
+from swarm.model import Stage
+from swarm.optim import LaterBatches, adamw_param_groups, build_stage_optimizer, set_learning_rate
+
+logger = logging.getLogger(__name__)
+
+COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression, "scaled-fp16": ScaledFloat16Compression}
+
+
+class HivemindStageOptimizer:
+    """hivemind.Optimizer for one stage. Every method but the constructor runs on the peer's compute thread
+    (``maybe_step`` may hold it for the all-reduce; never the event loop). It splits accumulation from the
+    global step through :mod:`swarm.averaging.hivemind_private`."""
+
+    def __init__(self, stage: Stage, run: RunConfig, *, dht, run_id: str, config: AveragingConfig,
+                 private_key=None):
+        self.stage, self.run, self.config = stage, run, config
+        self.params = list(stage.parameters())
+        self._later = LaterBatches()
+        self.step_pause_s = 0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
+        groups = adamw_param_groups(stage, run.weight_decay)
+        # adamw_param_groups keeps parameters in stage order within each group; hivemind averages in the
+        # optimizer's order, so map stage order -> position for gradient reads.
+        self._order = [p for g in groups for p in g["params"]]
+        self._partial = hp.PartialResults.install()  # before hivemind forks its averager processes
+        with hp.keep_sigint_handler():
+            self.opt = self._build(groups, dht, run_id, private_key)
+        self.opt.grad_averager.step_key = lambda: step_group_bits(self.step)
+
+        # hivemind creates Adam's moments with one virtual step on zero gradients. At lr 0 it moved nothing
+        # (no decay either); undo its step count, or every later step's bias correction would be off by one.
+        for param_state in self.opt.opt.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.zeros_like(torch.as_tensor(param_state["step"]))
+
+    def _build(self, groups, dht, run_id: str, private_key):
+        run, config = self.run, self.config
+        # hivemind advises a request timeout below the matchmaking time (else matchmaking can deadlock).
+        request_timeout = min(5.0, config.matchmaking_s / 2)
+        return hp.GlobalBatchOptimizer(
+            dht=dht, run_id=stage_run_id(run_id, self.stage.index), target_batch_size=run.target_batch_size,
+            params=groups, optimizer=lambda params: build_stage_optimizer(params, run, lr=0.0),
+            matchmaking_time=config.matchmaking_s, averaging_timeout=config.averaging_timeout_s,
+            # hivemind's default waits one matchmaking time for each chunk: a groupmate busy computing for longer
+            # would be dropped and the replicas would average different partial results.
+            next_chunk_timeout=config.chunk_timeout_s,
+            load_state_timeout=config.load_state_timeout_s, offload_optimizer=False, delay_optimizer_step=False,
+            delay_grad_averaging=False, use_local_updates=False,
+            # Replicas start equal (same seed or a downloaded state) and apply the same averaged gradients, so
+            # they stay equal without averaging parameters; newcomers download the state instead.
+            average_state_every=2 ** 31, grad_compression=COMPRESSIONS[config.grad_compression](),
+            grad_averager_factory=functools.partial(hp.SampleSumGradientAverager, request_timeout=request_timeout),
+            tracker_opts=dict(private_key=private_key or RSAPrivateKey(), min_refresh_period=0.2,
+                              default_refresh_period=0.5),
+            averager_opts=dict(request_timeout=request_timeout), verbose=False,
+        )
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps this replica has taken (hivemind counts them as its local epoch)."""
+        return self.opt.local_epoch
+
+    @property
+    def local_samples(self) -> int:
+        return self.opt.grad_averager.local_samples_accumulated
+
+    def accumulate(self, grads, num_samples, batch_step=None):
+        """Add one microbatch toward step ``batch_step``: now if that is the stage's current step (or an
+        earlier one: a late microbatch joins the current batch), else aside until the stage gets there.
+        Each replica reports only the current step's samples, so the stage's count reaches the target
+        exactly when the trainer's global batch is in, and the step averages exactly that batch.
+
+        Never blocks for the all-reduce (``maybe_step`` takes the step once the group is ready), so a
+        commit stays cheap. Returns True if the parameters changed (a replica that fell behind reloads)."""
+        if batch_step is not None and batch_step > self.step:
+            self._later.add(batch_step, self.step, grads, num_samples)
+            if (batch_step >= self.step + self._later.max_ahead
+                    and self.opt.tracker.global_progress.samples_accumulated):
+                # The trainer is that many batches further: whatever of this one is still missing is not coming
+                # (its trainer restarted, a replica holding part of it died). Step on what the stage has.
+                self.opt.tracker.batch_closed = True
+            return False
+        return self._add(grads, num_samples)
+
+    def _add(self, grads, num_samples: int) -> bool:
+        """hivemind.Optimizer.step() up to, not including, the global step: accumulate, report progress, and
+        schedule the all-reduce group ahead of the batch's end. (A replica that fell behind catches up in
+        ``maybe_step``.)"""
+        opt = self.opt
+        for p, g in zip(self.params, grads):
+            p.grad = g if g is not None else torch.zeros_like(p)
+        hp.accumulate_gradients(opt, num_samples)
+        for p in self.params:
+            p.grad = None
+        if opt.tracker.global_progress.num_peers > 1:
+            hp.schedule_gradient_averaging(opt)
+        return False
+
+    def _catch_up(self) -> None:
+        """After a step: count the microbatches kept aside for the step the stage has now reached."""
+        while (due := self._later.pop_due(self.step)) is not None:
+            self._add(*due)
+
+    def maybe_step(self) -> bool:
+        """Take the stage's optimizer step if its global batch is in and the all-reduce group has formed
+        (called every ``step_check_s``; cheap when not). Waiting for the group happens in hivemind's
+        averager process, not here, so compute goes on meanwhile; only the all-reduce and the update
+        hold the compute thread. Returns True if the parameters changed."""
+        opt, tracker = self.opt, self.opt.tracker
+        if tracker.global_epoch <= self.step and tracker.global_progress.samples_accumulated == 0:
+            return False  # nothing to average
+        if not tracker.ready_to_update_epoch:
+            if tracker.global_progress.num_peers > 1:
+                hp.schedule_gradient_averaging(opt)
+            return False
+        control = opt.scheduled_grads
+        alone = tracker.global_progress.num_peers <= 1
+        if not alone and (control is None or control.done()):
+            # The batch filled before any group was scheduled.
+            opt.scheduled_grads = control = opt.grad_averager.schedule_step(timeout=opt.averaging_timeout)
+        live = control is not None and not control.done()
+        forming = live and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+        if alone and forming:  # its last peer left: step alone rather than wait averaging_timeout_s for a group
+            control.cancel()
+            opt.scheduled_grads, live, forming = None, False, False
+        grouped = live and not forming
+        if tracker.global_epoch > self.step and not grouped:
+            # A peer already stepped past this replica's step and this replica is in no group: groups only join
+            # replicas at the same step, and that step's group could not complete without this replica's part, so
+            # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
+            # Take their state now, in time to look for the next step's group.
+            logger.warning("stage %d replica is behind its peers (step %d < %d): loading their state",
+                           self.stage.index, self.step, tracker.global_epoch)
+            self._load_from_peers(tracker.global_epoch)
+            self._catch_up()
+            return True
+        if forming:
+            # Still looking for groupmates (hivemind assembles the group matchmaking_s after the first of them started
+            # looking). Never wait for it on the compute thread: a group that forms without this replica steps
+            # without it, and the check above then loads the peers' state (a missed group costs this replica's
+            # samples of the batch, never a stalled stage or a replica out of step).
+            return False
+        self._global_step()
+        self._catch_up()
+        return True
+
+    def _global_step(self) -> None:
+        before = self.step
+        set_learning_rate(opt_inner := self.opt.opt, self.run, before)
+        self.opt.used_local_gradients = False
+        skipped = opt_inner.skipped_steps
+        partial = self._partial.count.value
+        t0 = time.perf_counter()
+        hp.global_step(self.opt)
+        self.opt.tracker.batch_closed = False
+        took = time.perf_counter() - t0
+        self.step_pause_s = max(took, 0.8 * self.step_pause_s + 0.2 * took)
+        why = ("skipped its step" if opt_inner.skipped_steps > skipped
+               else "stepped without its peers' gradients" if self.opt.used_local_gradients
+               else "received part of the all-reduce only" if self._partial.count.value > partial else None)
+        if why and self.opt.tracker.global_progress.num_peers > 1:
+            # This replica missed the stage's all-reduce and stepped on its own gradients, got only part of the
+            # averaged gradient (a groupmate's part timed out: it used its own values there), or skipped the step
+            # (a non-finite average): its parameters now differ from its peers'. Take theirs rather than carry (and
+            # later average) a private state.
+            logger.warning("stage %d %s at step %d: reloading the stage's state from its peers", self.stage.index,
+                           why, before)
+            self._load_from_peers(self.step, doubtful=True)
+        set_learning_rate(opt_inner, self.run, self.step)
+
+    def sync_with_peers(self, peers_step: int = 0) -> bool:
+        """Download parameters and optimizer state from the stage's peers if they are ahead of us (a
+        newcomer, or a restarted peer whose checkpoint is older). ``peers_step`` is the highest step the
+        stage's peers announce in the swarm's records: the tracker's first readings may predate them, so wait
+        (up to ``load_state_timeout_s``) until it sees that step. Returns True if state was loaded; raises
+        RuntimeError if the peers are ahead and their averaging is not visible (serving stale parameters would
+        feed wrong gradients into the stage's average)."""
+        tracker = self.opt.tracker
+        deadline = time.monotonic() + self.config.load_state_timeout_s
+        # The tracker reads the stage's progress from the DHT in the background: wait for its first reading.
+        tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.load_state_timeout_s)
+        while tracker.global_epoch < peers_step and time.monotonic() < deadline:
+            time.sleep(0.2)  # the tracker refreshes every default_refresh_period; there is no event per refresh
+        if tracker.global_progress.num_peers == 0 or tracker.global_epoch <= self.step:
+            if peers_step > self.step:
+                raise RuntimeError(f"stage {self.stage.index}'s peers announce step {peers_step} but their "
+                                   f"averaging state was not visible within {self.config.load_state_timeout_s:.0f}s; "
+                                   f"check that they run with --average and this peer can reach them, then restart")
+            return False
+        self._load_from_peers(max(peers_step, tracker.global_epoch))
+        return True
+
+    def _load_from_peers(self, want_step: int, *, doubtful: bool = False) -> None:
+        """Download parameters and optimizer state from the stage's most advanced peer until this replica holds a
+        state of step ``want_step`` or later (retrying up to ``load_state_timeout_s``; still behind after that, the
+        next step check tries again). ``doubtful``: this replica's own state of its step is known to be off (it
+        ranks below its peers as a donor meanwhile).
+
+        Like hivemind's ``Optimizer.load_state_from_peers`` but without its "catching up", which labels a state one
+        step behind the stage with the stage's step although its parameters are the older step's (the replica would
+        then carry that difference to the end of the run)."""
+        opt, averager = self.opt, self.opt.state_averager
+        control = opt.scheduled_grads
+        if control is not None and not control.done():
+            if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+                control.cancel()  # no group counts on us yet (waiting for one could take averaging_timeout_s)
+            else:
+                hp.tag_along_with_zero_weight(opt, control)  # a group counts on us: take part with weight 0
+            opt.scheduled_grads = None
+        if doubtful:
+            averager.state_sharing_priority = self.step - 0.5
+        deadline = time.monotonic() + self.config.load_state_timeout_s
+        with opt.tracker.pause_updates():
+            while True:
+                loaded = averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+                if (loaded is not None and loaded >= want_step) or time.monotonic() >= deadline:
+                    break
+                # The peer we reached is at an older step (it steps next, or the one ahead is busy), or none answered
+                # (two doubtful replicas asking each other at once): ask again after a random pause, so one goes first.
+                time.sleep(self.config.step_check_s * random.uniform(2, 8))
+            opt.tracker.report_local_progress(self.step, samples_accumulated=0)
+            self._announce_step()
+            opt.grad_averager.reset_accumulated_grads_()
+        if self.step < want_step:
+            logger.warning("stage %d: downloaded the state of step %d, its peers are at step %d", self.stage.index,
+                           self.step, want_step)
+
+    def grad_sums(self):
+        by_param = {id(p): acc for p, acc in zip(self._order, hp.gradient_accumulators(self.opt))}
+        return [by_param[id(p)].detach().clone() for p in self.params]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.opt.state_averager.local_epoch = int(state["step"])
+        self.opt.tracker.report_local_progress(self.step, 0)
+        self._announce_step()
+
+    def _announce_step(self) -> None:
+        """Peers downloading the stage's state prefer the replica with the highest priority: its step."""
+        self.opt.state_averager.state_sharing_priority = self.opt.grad_averager.state_sharing_priority = self.step
+
+    def shutdown(self) -> None:
+        self.opt.shutdown()

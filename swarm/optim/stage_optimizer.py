@@ -1,0 +1,88 @@
+"""One stage's optimizer as the executor sees it: accumulate gradient sums toward a global batch, then step.
+
+Two implementations share one small interface (:class:`StageOptimizer`), so the executor does not care
+which it has:
+
+* :class:`LocalStageOptimizer` steps alone when this replica has seen ``target_batch_size`` samples (an
+  executor built outside a peer: unit tests, tools, and each stage of the single-process reference).
+* ``swarm.averaging.HivemindStageOptimizer`` makes every peer of a stage accumulate toward one global batch,
+  all-reduce their gradients and step together.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.model import Stage
+from swarm.optim.adamw import build_stage_optimizer
+from swarm.optim.schedule import set_learning_rate
+
+
+class StageOptimizer(Protocol):
+    """What the executor needs. ``accumulate`` takes gradient SUMS over ``num_samples`` samples (one
+    microbatch) in ``stage.parameters()`` order, toward optimizer step ``batch_step`` (None: the current
+    one), and returns True when the parameters changed. ``step`` counts the optimizer steps taken (the
+    index of the step the next global batch is for); ``maybe_step`` takes the next one if it is due."""
+
+    step: int
+    local_samples: int
+    step_pause_s: float  # seconds a step typically holds the compute thread beyond the update itself
+
+    def accumulate(self, grads: list[torch.Tensor | None], num_samples: int,
+                   batch_step: int | None = None) -> bool: ...
+    def maybe_step(self) -> bool: ...
+    def grad_sums(self) -> list[torch.Tensor]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class LocalStageOptimizer:
+    """Steps alone whenever this replica has accumulated ``target_batch_size`` samples. It counts every
+    sample toward its own next step (``batch_step`` is ignored): with no peers to agree with, the count
+    alone is exact."""
+
+    def __init__(self, stage: Stage, run: RunConfig):
+        self.stage, self.run = stage, run
+        self.params = list(stage.parameters())
+        self.optimizer = build_stage_optimizer(stage, run)
+        self.step = 0
+        self.local_samples = 0
+        self.step_pause_s = 0.0  # no all-reduce
+        self._sums = [torch.zeros_like(p) for p in self.params]
+
+    def accumulate(self, grads, num_samples, batch_step=None):
+        for acc, g in zip(self._sums, grads):
+            if g is not None:
+                acc.add_(g)
+        self.local_samples += num_samples
+        return self.maybe_step()
+
+    def maybe_step(self) -> bool:
+        if self.local_samples < self.run.target_batch_size:
+            return False
+        for p, acc in zip(self.params, self._sums):
+            p.grad = acc / self.local_samples  # the mean gradient over the global batch
+        set_learning_rate(self.optimizer, self.run, self.step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for acc in self._sums:
+            acc.zero_()
+        self.local_samples = 0
+        self.step += 1
+        return True
+
+    def grad_sums(self):
+        return [acc.clone() for acc in self._sums]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+    def shutdown(self) -> None:
+        pass

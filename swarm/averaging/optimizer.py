@@ -277,7 +277,7 @@ class HivemindStageOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["optimizer"])
-        self.opt.state_averager.local_epoch = int(state["step"])
+        self.opt.state_averager.local_epoch = saved_step(state)
         self.opt.tracker.report_local_progress(self.step, 0)
         self._announce_step()
 

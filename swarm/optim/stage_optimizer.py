@@ -82,7 +82,13 @@ class LocalStageOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
+        self.step = saved_step(state)
 
     def shutdown(self) -> None:
         pass
+
+
+def saved_step(state: dict) -> int:
+    """The optimizer step a :meth:`StageOptimizer.state_dict` holds. Checkpoints of version 0.1.0 name it
+    "epoch": they keep loading."""
+    return int(state["step"] if "step" in state else state["epoch"])

@@ -10,6 +10,7 @@ import pytest
 from swarm.config import RunConfig
 from swarm.discovery.records import RecordError, StageRecord
 from swarm.model import MODEL_PRESETS, ModelConfig
+from swarm.states import PeerState
 
 
 def test_run_config_validation_names_the_numbers():
@@ -66,7 +67,10 @@ def _record(**overrides):
 
 
 def test_stage_records_are_validated_and_forward_compatible():
-    assert StageRecord.from_wire(_record()).throughput == 10.0
+    record = StageRecord.from_wire(_record())
+    assert record.throughput == 10.0 and record.state is PeerState.SERVING
+    wire = record.to_wire()  # what the DHT stores: the state as its plain string, back to the same record
+    assert type(wire["state"]) is str and wire["state"] == "serving" and StageRecord.from_wire(wire) == record
     assert StageRecord.from_wire(_record(extra="from a newer peer")).step == 3
     assert StageRecord.from_wire(_record(throughput=7)).throughput == 7.0  # ints are fine
     for bad, needle in [(_record(throughput=math.nan), "out-of-range"), (_record(state="dancing"), "state"),

@@ -12,10 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.states import PeerState
+
 logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
-PEER_STATES = ("starting", "serving", "draining")
+PEER_STATES = tuple(s.value for s in PeerState)
 
 
 class RecordError(ValueError):
@@ -37,7 +39,7 @@ class StageRecord:
     peer_id: str  # stable identity of the peer (also the DHT subkey)
     endpoint: str  # host:port of its gRPC server
     stage: int  # stage index it serves
-    state: str  # one of PEER_STATES
+    state: PeerState
     throughput: float  # measured samples/s for forward + backward of this stage
     in_flight: int  # requests being handled right now
     step: int  # optimizer steps its replica has taken
@@ -47,7 +49,8 @@ class StageRecord:
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # The DHT's msgpack takes exact types only: the state goes as its plain string.
+        return {**dataclasses.asdict(self), "state": PeerState(self.state).value}
 
     @classmethod
     def from_wire(cls, value: Any) -> StageRecord:
@@ -60,18 +63,19 @@ class StageRecord:
                     continue  # optional field (added in a later version)
                 raise RecordError(f"stage record lacks field '{f.name}'")
             v = value[f.name]
-            expected = {"str": str, "int": int, "float": (int, float)}[f.type]
+            expected = {"str": str, "PeerState": str, "int": int, "float": (int, float)}[f.type]
             if isinstance(v, bool) or not isinstance(v, expected):
                 raise RecordError(f"stage record field '{f.name}' must be {f.type}, got {v!r}")
             kwargs[f.name] = float(v) if f.type == "float" else v
+        if kwargs["state"] not in PEER_STATES:
+            raise RecordError(f"stage record state '{kwargs['state']}' is not one of {PEER_STATES}")
+        kwargs["state"] = PeerState(kwargs["state"])
         record = cls(**kwargs)
-        if record.state not in PEER_STATES:
-            raise RecordError(f"stage record state '{record.state}' is not one of {PEER_STATES}")
         if record.stage < 0 or not (math.isfinite(record.throughput) and record.throughput >= 0) \
                 or record.in_flight < 0 or not math.isfinite(record.last_moved_s) \
                 or not (math.isfinite(record.step_pause_s) and record.step_pause_s >= 0):
             raise RecordError(f"stage record has out-of-range values: {value!r}")
-        if ":" not in record.endpoint and record.state != "starting":
+        if ":" not in record.endpoint and record.state != PeerState.STARTING:
             raise RecordError(f"stage record of a {record.state} peer needs a host:port endpoint, got "
                               f"{record.endpoint!r}")
         return record

@@ -41,10 +41,12 @@ from swarm.balance import (
 from swarm.routing import NoPeersAvailable, RetriesExhausted, Router
 from swarm.sim.config import SimConfig
 from swarm.sim.result import Move, SimResult
+from swarm.states import PeerState
 
 __all__ = ["simulate"]
 
-SERVING, STARTING, DRAINING, DEAD = "serving", "starting", "draining", "dead"
+SERVING, STARTING, DRAINING = PeerState.SERVING, PeerState.STARTING, PeerState.DRAINING
+DEAD = "dead"  # the simulator's own: a killed peer, never announced
 
 # Event kinds, in the order ties at equal times are processed.
 _DONE, _FAIL, _RETRY, _LEAVE, _READY, _DEATH, _PREEMPT, _ARRIVE, _JOIN, _DISCOVER, _REBALANCE, _SAMPLE = range(12)

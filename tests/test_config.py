@@ -47,7 +47,7 @@ def test_learning_rate_schedule_warms_up_then_decays_to_a_tenth():
 
 
 def test_peer_and_trainer_configs_reject_bad_values():
-    from swarm.peer.daemon import PeerConfig
+    from swarm.peer.config import PeerConfig
     from swarm.trainer.trainer import TrainerConfig
 
     with pytest.raises(ValueError, match="stage must be >= 0, got -1"):

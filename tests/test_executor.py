@@ -6,17 +6,17 @@ import time
 import pytest
 import torch
 
+from conftest import local_executor
 from swarm.config import RunConfig
-from swarm.model import ModelConfig, build_stage
-from swarm.peer.executor import StageExecutor
+from swarm.model import ModelConfig
 
 MODEL = ModelConfig(d_model=64, n_heads=2, n_layers=2, seq_len=32, num_stages=2, seed=3)
 RUN = RunConfig(model=MODEL, target_batch_size=64)
 
 
 def test_emulated_slow_device_is_slower_by_its_factor_and_measures_it():
-    fast = StageExecutor(build_stage(MODEL, 0), RUN)
-    slow = StageExecutor(build_stage(MODEL, 0), RUN, slowdown=5.0)
+    fast = local_executor(RUN, 0)
+    slow = local_executor(RUN, 0, slowdown=5.0)
     # The seed of the announced speed is what the emulated device takes: about a fifth of the full speed.
     # The calibrations take turns and each keeps its best, so a spell of load on this shared machine meets
     # both alike (a margin remains for what it does to one run).
@@ -44,4 +44,4 @@ def test_emulated_slow_device_is_slower_by_its_factor_and_measures_it():
 
 def test_slowdown_below_one_is_refused():
     with pytest.raises(ValueError, match="slowdown is a factor >= 1"):
-        StageExecutor(build_stage(MODEL, 0), RUN, slowdown=0.5)
+        local_executor(RUN, 0, slowdown=0.5)

@@ -35,13 +35,9 @@ class Admission:
                  fail_probability: float = 0.0, hang_after_calls: int = 0, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.peer_id = peer_id
-        self.drain_timeout_s = drain_timeout_s
-        self.drain_notice_s = drain_notice_s
-        self.drain_idle_s = drain_idle_s
-        self.fail_probability = fail_probability
-        self.hang_after_calls = hang_after_calls
-        self._rng = rng or random.Random()
-        self._clock = clock
+        self.drain_timeout_s, self.drain_notice_s, self.drain_idle_s = drain_timeout_s, drain_notice_s, drain_idle_s
+        self.fail_probability, self.hang_after_calls = fail_probability, hang_after_calls
+        self._rng, self._clock = rng or random.Random(), clock
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()

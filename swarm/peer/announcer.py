@@ -40,11 +40,8 @@ class Serving:
 class Announcer:
     def __init__(self, directory: RunDirectory, run: RunConfig, *, peer_id: str, ttl_s: float, heartbeat_s: float,
                  endpoint: Callable[[], str], serving: Callable[[], Serving | None]):
-        self.directory = directory
-        self.run = run
-        self.peer_id = peer_id
-        self.ttl_s = ttl_s
-        self.heartbeat_s = heartbeat_s
+        self.directory, self.run, self.peer_id = directory, run, peer_id
+        self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
         self._endpoint = endpoint
         self._serving = serving  # None until the peer serves a stage
         self._heading_to: tuple[int, float] | None = None  # (stage index, expected samples/s)

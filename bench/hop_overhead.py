@@ -39,7 +39,8 @@ import torch  # noqa: E402
 from swarm.compression import CODEC_NAMES, get_codec  # noqa: E402
 from swarm.config import RunConfig  # noqa: E402
 from swarm.model import ModelConfig  # noqa: E402
-from swarm.peer.daemon import Peer, PeerConfig  # noqa: E402
+from swarm.peer.config import PeerConfig  # noqa: E402
+from swarm.peer.lifecycle import Peer  # noqa: E402
 from swarm.proto import PROTOCOL_VERSION  # noqa: E402
 from swarm.proto import swarm_pb2 as pb  # noqa: E402
 from swarm.transport.channel import GRPC_OPTIONS  # noqa: E402

@@ -40,7 +40,7 @@ def _run_config_from_args(args: argparse.Namespace):
 def build_parser() -> argparse.ArgumentParser:
     from swarm.coordinator.demo import DemoConfig
     from swarm.discovery.dht import DHTConfig
-    from swarm.peer.daemon import PeerConfig
+    from swarm.peer.config import PeerConfig
     from swarm.trainer.trainer import TrainerConfig
 
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__.split(":")[0])
@@ -170,7 +170,8 @@ def _dht(args) -> int:
 
 
 def _peer(args) -> int:
-    from swarm.peer.daemon import Peer, PeerConfig
+    from swarm.peer.config import PeerConfig
+    from swarm.peer.lifecycle import Peer
 
     config = config_from_args(PeerConfig, args)
     run = _run_config_from_args(args)
@@ -178,7 +179,7 @@ def _peer(args) -> int:
     async def main() -> int:
         peer = await Peer.create(config, run=run)
         try:
-            print(f"peer {peer.peer_id} serves stage {peer.stage} of run '{config.run_id}' at {peer.endpoint}",
+            print(f"peer {peer.peer_id} serves stage {peer.stage_index} of run '{config.run_id}' at {peer.endpoint}",
                   flush=True)
             for addr in peer.addresses():
                 print(f"  DHT address (usable as --initial-peers): {addr}", flush=True)

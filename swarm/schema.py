@@ -7,8 +7,8 @@ The rule every record follows, so a newer peer's record never breaks an older re
 * a missing field takes the dataclass default; a field without default (or named in ``required``) must
   be present;
 * a field of the wrong type raises ``ValueError`` naming it: ``str``, ``int`` (a ``bool`` is not one),
-  ``float`` (an ``int`` is widened; with ``finite`` NaN and infinities are refused), ``bool``, ``X | None``
-  and nested dataclasses, parsed by the same rule;
+  ``float`` (an ``int`` is widened; with ``finite`` NaN and infinities are refused), ``bool``, an ``Enum``
+  (given as one of its values), ``X | None`` and nested dataclasses, parsed by the same rule;
 * the dataclass's own ``__post_init__`` then checks the values (``ValueError`` too).
 
 Stdlib only: the bottom of the tree, beside ``swarm.errors``.
@@ -16,6 +16,7 @@ Stdlib only: the bottom of the tree, beside ``swarm.errors``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import math
@@ -80,6 +81,11 @@ def _value(hint, value: Any, *, what: str, label: str, finite: bool, required: C
     if dataclasses.is_dataclass(kind):
         return _parse(kind, value, what=what, prefix=f"{label}.", finite=finite, required=required,
                       unknown=unknown)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{what} field '{label}' must be one of {[m.value for m in kind]}, got {value!r}") from None
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:

@@ -35,6 +35,17 @@ def ask_peers(endpoints, call):
     return asyncio.run(go())
 
 
+def local_executor(run, stage_index: int, **kwargs):
+    """A StageExecutor of ``stage_index`` that steps alone, as one built outside a peer (``kwargs``: cache,
+    slowdown)."""
+    from swarm.model import build_stage
+    from swarm.optim import LocalStageOptimizer
+    from swarm.peer.executor import StageExecutor
+
+    stage_module = build_stage(run.model, stage_index)
+    return StageExecutor(stage_module, run, optimizer=LocalStageOptimizer(stage_module, run), **kwargs)
+
+
 class LoopThread:
     """An asyncio loop running in a thread, so servers outlive one test's coroutine (module fixtures)."""
 

@@ -22,6 +22,7 @@ from swarm.balance import (
     plan_moves,
     stage_capacities,
 )
+from swarm.states import PeerState
 
 PERIOD_S = 60.0
 CONFIG = RebalanceConfig(period_s=PERIOD_S, min_gain=0.1, cooldown_periods=3)
@@ -30,7 +31,7 @@ CONFIG = RebalanceConfig(period_s=PERIOD_S, min_gain=0.1, cooldown_periods=3)
 def view_of(stages: list[dict[str, float]], **kwargs) -> SwarmView:
     """A view whose peers all serve, from per-stage dicts peer id -> samples/s."""
     return SwarmView(
-        stages=[{pid: PeerRecord(t, "serving") for pid, t in peers.items()} for peers in stages],
+        stages=[{pid: PeerRecord(t, PeerState.SERVING) for pid, t in peers.items()} for peers in stages],
         **kwargs,
     )
 
@@ -42,7 +43,7 @@ def apply_moves(view: SwarmView, moves: list[MoveDecision], now: float) -> Swarm
     last_moved = dict(view.last_moved_s)
     for move in moves:
         del stages[move.from_stage][move.peer_id]
-        stages[move.to_stage][move.peer_id] = PeerRecord(move.throughput_to, "serving")
+        stages[move.to_stage][move.peer_id] = PeerRecord(move.throughput_to, PeerState.SERVING)
         last_moved[move.peer_id] = now
     return SwarmView(stages=stages, last_moved_s=last_moved, stage_costs=view.stage_costs)
 
@@ -233,16 +234,16 @@ def test_cooldown_is_respected():
 
 def test_draining_peers_do_not_count_and_starting_ones_do():
     stages = [
-        {"a": PeerRecord(1.0, "serving"), "b": PeerRecord(1.0, "serving"), "c": PeerRecord(1.0, "serving")},
-        {"d": PeerRecord(1.0, "serving"), "e": PeerRecord(1.0, "starting")},
+        {p: PeerRecord(1.0, PeerState.SERVING) for p in "abc"},
+        {"d": PeerRecord(1.0, PeerState.SERVING), "e": PeerRecord(1.0, PeerState.STARTING)},
     ]
     assert plan_moves(SwarmView(stages=stages), 1.0, CONFIG) == []  # [3, 2]: balanced enough
     ignoring = RebalanceConfig(period_s=PERIOD_S, count_starting=False)
     assert len(plan_moves(SwarmView(stages=stages), 1.0, ignoring)) == 1
-    stages[0]["c"] = PeerRecord(1.0, "draining")  # leaving: [2, 2]
+    stages[0]["c"] = PeerRecord(1.0, PeerState.DRAINING)  # leaving: [2, 2]
     assert stage_capacities(SwarmView(stages=stages), count_starting=True) == [2.0, 2.0]
     # Bad remote numbers count as no capacity instead of raising.
-    stages[1]["e"] = (float("nan"), "starting")
+    stages[1]["e"] = (float("nan"), PeerState.STARTING)
     assert stage_capacities(SwarmView(stages=stages), count_starting=True) == [2.0, 1.0]
 
 

@@ -11,6 +11,7 @@ import pytest
 from swarm.config import RunConfig
 from swarm.discovery.records import RecordError, StageRecord
 from swarm.model import MODEL_PRESETS, ModelConfig
+from swarm.states import PeerState
 
 
 def test_run_config_validation_names_the_numbers():
@@ -40,7 +41,7 @@ def test_run_config_round_trips_and_reads_remote_dicts_carefully():
 
 
 def test_peer_and_trainer_configs_reject_bad_values():
-    from swarm.peer.daemon import PeerConfig
+    from swarm.peer.config import PeerConfig
     from swarm.trainer.trainer import TrainerConfig
 
     with pytest.raises(ValueError, match="stage must be >= 0, got -1"):
@@ -60,7 +61,10 @@ def _record(**overrides):
 
 
 def test_stage_records_are_validated_and_forward_compatible():
-    assert StageRecord.from_wire(_record()).throughput == 10.0
+    record = StageRecord.from_wire(_record())
+    assert record.throughput == 10.0 and record.state is PeerState.SERVING
+    wire = record.to_wire()  # what the DHT stores: the state as its plain string, back to the same record
+    assert type(wire["state"]) is str and wire["state"] == "serving" and StageRecord.from_wire(wire) == record
     assert StageRecord.from_wire(_record(extra="from a newer peer")).step == 3
     assert StageRecord.from_wire(_record(throughput=7)).throughput == 7.0  # ints are fine
     for bad, needle in [(_record(throughput=math.nan), "'throughput' must be a finite float, got nan"),

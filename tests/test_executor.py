@@ -7,18 +7,19 @@ import time
 import pytest
 import torch
 
+from conftest import local_executor
 from swarm.config import RunConfig
 from swarm.errors import PeerOverloaded
-from swarm.model import ModelConfig, build_stage
-from swarm.peer.executor import CacheConfig, StageExecutor
+from swarm.model import ModelConfig
+from swarm.peer.executor import CacheConfig
 
 MODEL = ModelConfig(d_model=64, n_heads=2, n_layers=2, seq_len=32, num_stages=2, seed=3)
 RUN = RunConfig(model=MODEL, target_batch_size=64)
 
 
 def test_emulated_slow_device_is_slower_by_its_factor_and_measures_it():
-    fast = StageExecutor(build_stage(MODEL, 0), RUN)
-    slow = StageExecutor(build_stage(MODEL, 0), RUN, slowdown=5.0)
+    fast = local_executor(RUN, 0)
+    slow = local_executor(RUN, 0, slowdown=5.0)
     # The seed of the announced speed is what the emulated device takes: about a fifth of the full speed.
     # The calibrations take turns and each keeps its best, so a spell of load on this shared machine meets
     # both alike (a margin remains for what it does to one run).
@@ -46,14 +47,14 @@ def test_emulated_slow_device_is_slower_by_its_factor_and_measures_it():
 
 def test_slowdown_below_one_is_refused():
     with pytest.raises(ValueError, match="slowdown is a factor >= 1"):
-        StageExecutor(build_stage(MODEL, 0), RUN, slowdown=0.5)
+        local_executor(RUN, 0, slowdown=0.5)
 
 
 @pytest.fixture
 def executors():
     """A two-stage run's executors that hold at most two uncommitted gradients each."""
     cache = CacheConfig(max_pending=2)
-    return [StageExecutor(build_stage(MODEL, stage), RUN, cache=cache) for stage in (0, 1)]
+    return [local_executor(RUN, stage, cache=cache) for stage in (0, 1)]
 
 
 def test_a_full_pending_queue_refuses_new_work_before_computing_and_loses_nothing(executors):

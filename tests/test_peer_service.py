@@ -10,10 +10,12 @@ from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig
 from swarm.errors import AlreadyApplied, InvalidRequest, NotCached, WrongPeer
 from swarm.model import ModelConfig
-from swarm.peer.daemon import Peer, PeerConfig
+from swarm.peer.config import PeerConfig
+from swarm.peer.lifecycle import Peer
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
+from swarm.states import PeerState
 from swarm.transport.channel import GRPC_OPTIONS
 from swarm.transport.client import PeerClient
 from swarm.transport.tensors import tensor_frames
@@ -247,6 +249,6 @@ def test_info_and_wrong_run(peers, loop_thread):
         return await PeerClient(last.endpoint).info(run_id, timeout_s=10)
 
     got = loop_thread.run(info("t"))
-    assert got.stage == 1 and got.state == "serving" and "int8" in got.codecs
+    assert got.stage == 1 and got.state == PeerState.SERVING and "int8" in got.codecs
     with pytest.raises(WrongPeer, match="serves run 't', not 'nope'"):
         loop_thread.run(info("nope"))

@@ -7,6 +7,7 @@ import multiprocessing
 import pytest
 import torch
 
+from conftest import local_executor
 from swarm.averaging import step_group_bits
 from swarm.averaging.hivemind_private import PartialResults
 from swarm.config import RunConfig
@@ -34,7 +35,7 @@ def _feed(ex: StageExecutor, seeds: list[int]) -> None:
 
 
 def _params(ex: StageExecutor) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in ex.stage.named_parameters()}
+    return {n: p.detach().clone() for n, p in ex.stage_module.named_parameters()}
 
 
 def _assert_same(a: dict, b: dict, atol: float) -> None:
@@ -43,7 +44,7 @@ def _assert_same(a: dict, b: dict, atol: float) -> None:
 
 
 def test_local_optimizer_applies_schedule_and_clipping():
-    ex = StageExecutor(build_stage(MODEL, 1), RUN)
+    ex = local_executor(RUN, 1)
     assert isinstance(ex.optimizer, LocalStageOptimizer)
     _feed(ex, [1, 2, 3, 4])
     assert ex.step == 1 and ex.samples_accumulated == 0
@@ -53,11 +54,11 @@ def test_local_optimizer_applies_schedule_and_clipping():
 
 
 def test_checkpoint_round_trip_resumes_step_and_state(tmp_path):
-    ex = StageExecutor(build_stage(MODEL, 1), RUN)
+    ex = local_executor(RUN, 1)
     _feed(ex, [1, 2, 3, 4, 5, 6, 7, 8])
     store = CheckpointStore(tmp_path)
     store.save(ex.state_dict(), run=RUN)
-    fresh = StageExecutor(build_stage(MODEL, 1), RUN)
+    fresh = local_executor(RUN, 1)
     fresh.load_state(store.load(1, run=RUN))
     assert fresh.step == ex.step == 2
     _assert_same(_params(fresh), _params(ex), atol=0)

@@ -49,12 +49,12 @@ from dataclasses import dataclass
 from swarm.balance.claims import claim_key, claim_rank, claim_winner, period_index
 from swarm.balance.config import RebalanceConfig
 from swarm.balance.view import (
-    SERVING,
     SwarmView,
     reachable_throughput,
     stage_capacities,
     usable_throughput,
 )
+from swarm.states import PeerState
 
 __all__ = ["MoveDecision", "decide_move", "plan_moves"]
 
@@ -164,7 +164,7 @@ def _mover(
     """The peer of ``stage`` that would leave it this period and its samples/s, or ``None``."""
     serving: dict[str, float] = {}
     for peer_id, record in view.stages[stage].items():
-        if record[1] == SERVING:
+        if record[1] == PeerState.SERVING:
             serving[peer_id] = usable_throughput(record[0])
     if len(serving) < 2:  # the last serving peer of a stage never leaves it
         return None

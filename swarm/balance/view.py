@@ -12,6 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from swarm.states import PeerState
+
 __all__ = [
     "PeerRecord",
     "SwarmView",
@@ -20,18 +22,15 @@ __all__ = [
     "usable_throughput",
 ]
 
-SERVING = "serving"
-STARTING = "starting"
-DRAINING = "draining"
-
 
 class PeerRecord(NamedTuple):
     """One peer's announcement for one stage; a plain ``(throughput, state)`` tuple works as well."""
 
     # Samples/s the peer does for this stage, forward + backward.
     throughput: float
-    # "serving", "starting" (loading state, not routed yet) or "draining" (leaving the stage).
-    state: str
+    # Serving, starting (loading state, not routed yet) or draining (leaving the stage). The wire strings
+    # compare equal to the members; anything else counts as no capacity.
+    state: PeerState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +49,7 @@ class SwarmView:
     ``t * stage_costs[a] / stage_costs[b]`` in ``b``. ``None`` means all stages cost the same.
     """
 
-    stages: Sequence[Mapping[str, PeerRecord | tuple[float, str]]]
+    stages: Sequence[Mapping[str, PeerRecord | tuple[float, PeerState]]]
     claims: Mapping[tuple[int, int], Collection[str] | str] = field(default_factory=dict)
     last_moved_s: Mapping[str, float] = field(default_factory=dict)
     stage_costs: Sequence[float] | None = None
@@ -93,7 +92,7 @@ class SwarmView:
         """The stage ``peer_id`` serves ("serving" state), or ``None`` when it serves none."""
         for stage, peers in enumerate(self.stages):
             record = peers.get(peer_id)
-            if record is not None and record[1] == SERVING:
+            if record is not None and record[1] == PeerState.SERVING:
                 return stage
         return None
 
@@ -110,7 +109,7 @@ def usable_throughput(value: object) -> float:
 def stage_capacities(view: SwarmView, *, count_starting: bool) -> list[float]:
     """Throughput of each stage, samples/s: the sum over its serving peers (and starting ones when
     ``count_starting``). Draining peers and unknown states count as nothing. O(peers)."""
-    counted = (SERVING, STARTING) if count_starting else (SERVING,)
+    counted = (PeerState.SERVING, PeerState.STARTING) if count_starting else (PeerState.SERVING,)
     capacities = []
     for peers in view.stages:
         total = 0.0

@@ -15,6 +15,7 @@ from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.errors import StageUnavailable, SwarmError
 from swarm.model import FullModel, generate
+from swarm.states import PeerState
 from swarm.transport.client import PeerClient
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ async def gather_stage_states(directory: RunDirectory, run: RunConfig, *, timeou
     states, steps = [], []
     for stage, records in enumerate(await directory.all_stages(run.model.num_stages)):
         candidates = sorted((r for r in records.values()
-                             if r.state == "serving" and r.config_hash == run.fingerprint()), key=lambda r: -r.step)
+                             if r.state == PeerState.SERVING and r.config_hash == run.fingerprint()), key=lambda r: -r.step)
         for record in candidates:
             client = PeerClient(record.endpoint)
             try:

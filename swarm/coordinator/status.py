@@ -4,13 +4,14 @@ from __future__ import annotations
 import asyncio
 
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
+from swarm.states import PeerState
 
 
 def format_status(run_id: str, run, stages) -> str:
     lines = [f"run '{run_id}': {run.model.num_stages} stages, codec {run.codec}, "
              f"target batch {run.target_batch_size} samples, config {run.fingerprint()}"]
     for index, records in enumerate(stages):
-        total = sum(r.throughput for r in records.values() if r.state == "serving")
+        total = sum(r.throughput for r in records.values() if r.state == PeerState.SERVING)
         lines.append(f"stage {index}: {len(records)} peer(s), {total:.1f} samples/s serving")
         for r in sorted(records.values(), key=lambda r: r.peer_id):
             lines.append(f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "

@@ -15,11 +15,11 @@ import grpc
 
 from swarm.errors import SwarmError
 from swarm.schema import parse_dataclass
+from swarm.states import PeerState
 
 logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
-PEER_STATES = ("starting", "serving", "draining")
 
 
 class RecordError(SwarmError, ValueError):
@@ -45,7 +45,7 @@ class StageRecord:
     peer_id: str  # stable identity of the peer (also the DHT subkey)
     endpoint: str  # host:port of its gRPC server
     stage: int  # stage index it serves
-    state: str  # one of PEER_STATES
+    state: PeerState
     throughput: float  # measured samples/s for forward + backward of this stage
     in_flight: int  # requests being handled right now
     step: int  # optimizer steps its replica has taken
@@ -55,7 +55,8 @@ class StageRecord:
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # The DHT's msgpack takes exact types only: the state goes as its plain string.
+        return {**dataclasses.asdict(self), "state": PeerState(self.state).value}
 
     @classmethod
     def from_wire(cls, value: Any) -> StageRecord:
@@ -63,11 +64,9 @@ class StageRecord:
             record = parse_dataclass(cls, value, what="stage record", finite=True)
         except ValueError as e:
             raise RecordError(str(e)) from None
-        if record.state not in PEER_STATES:
-            raise RecordError(f"stage record state '{record.state}' is not one of {PEER_STATES}")
         if record.stage < 0 or record.throughput < 0 or record.in_flight < 0 or record.step_pause_s < 0:
             raise RecordError(f"stage record has out-of-range values: {value!r}")
-        if ":" not in record.endpoint and record.state != "starting":
+        if ":" not in record.endpoint and record.state != PeerState.STARTING:
             raise RecordError(f"stage record of a {record.state} peer needs a host:port endpoint, got "
                               f"{record.endpoint!r}")
         return record

@@ -18,7 +18,7 @@ import torch
 from swarm.config import RunConfig
 from swarm.errors import AlreadyApplied, InvalidRequest, NotCached, PeerOverloaded
 from swarm.model import Stage
-from swarm.optim import LocalStageOptimizer, StageOptimizer
+from swarm.optim import StageOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +64,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class StageExecutor:
-    def __init__(self, stage: Stage, run: RunConfig, *, cache: CacheConfig = CacheConfig(),
-                 optimizer: StageOptimizer | None = None, slowdown: float = 1.0):
+    """Serves ``stage_module`` and steps it with ``optimizer``, which must hold that module's parameters
+    (:class:`LocalStageOptimizer` for a replica that steps alone, the stage's hivemind optimizer with
+    averaging)."""
+
+    def __init__(self, stage_module: Stage, run: RunConfig, *, optimizer: StageOptimizer,
+                 cache: CacheConfig = CacheConfig(), slowdown: float = 1.0):
         if not slowdown >= 1:
             raise ValueError(f"slowdown is a factor >= 1 (1 = normal speed), got {slowdown}")
-        self.stage = stage
+        self.stage_module = stage_module
         # Fault injection: emulate a device this many times slower (see _timed_compute).
         self.slowdown = slowdown
         self.run = run
         self.cache_config = cache
-        # Steps alone unless the peer attaches its stage's hivemind optimizer (see swarm.peer.averaging).
-        self.optimizer: StageOptimizer = optimizer or LocalStageOptimizer(stage, run)
+        self.optimizer = optimizer
         self.microbatches_applied = 0
         self.samples_applied = 0
         # Seconds of compute-thread time spent serving (forward, backward, commits, optimizer steps): with
@@ -90,13 +93,17 @@ class StageExecutor:
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0
 
+    @property
+    def stage_index(self) -> int:
+        return self.stage_module.index
+
     # ---------------------------------------------------------------- throughput
 
     @property
     def throughput(self) -> float:
         """Measured samples/s of forward + backward (0 until measured). On the last stage one call does
         both, and its time is all in ``_bwd_s_per_sample``."""
-        per_sample = self._bwd_s_per_sample + (0.0 if self.stage.is_last else self._fwd_s_per_sample)
+        per_sample = self._bwd_s_per_sample + (0.0 if self.stage_module.is_last else self._fwd_s_per_sample)
         return 1.0 / per_sample if per_sample > 0 else 0.0
 
     def _observe(self, attr: str, seconds: float, samples: int, alpha: float = 0.1) -> None:
@@ -108,25 +115,25 @@ class StageExecutor:
         """Time forward + backward on synthetic input (grads discarded) to seed the throughput: the
         fastest of ``repeats`` runs after a warm-up, since a busy machine only ever adds time. With a
         ``slowdown``, the seed is what the emulated device will take (see :meth:`_emulated_s`)."""
-        shape, dtype = self.stage.input_spec(batch_size)
-        x = (torch.randint(0, self.stage.config.vocab_size, shape) if dtype == torch.int64
+        shape, dtype = self.stage_module.input_spec(batch_size)
+        x = (torch.randint(0, self.stage_module.config.vocab_size, shape) if dtype == torch.int64
              else torch.randn(shape, dtype=dtype))
-        saved = [None if p.grad is None else p.grad.clone() for p in self.stage.parameters()]
+        saved = [None if p.grad is None else p.grad.clone() for p in self.stage_module.parameters()]
         runs = []  # (wall, cpu) of the forward and of forward + backward
         for _ in range(1 + repeats):  # the first run includes one-off allocation costs
             t0, c0 = time.perf_counter(), time.thread_time()
             with torch.enable_grad():
-                out = self.stage(x)
+                out = self.stage_module(x)
             t1, c1 = time.perf_counter(), time.thread_time()
             out.float().square().mean().backward()
             t2, c2 = time.perf_counter(), time.thread_time()
             runs.append(((t1 - t0, c1 - c0), (t2 - t0, c2 - c0)))
-        for p, g in zip(self.stage.parameters(), saved):
+        for p, g in zip(self.stage_module.parameters(), saved):
             p.grad = g
         runs = runs[1:]
         fwd_s, total_s = (min(self._emulated_s(*run[i]) for run in runs) for i in (0, 1))
         self._fwd_s_per_sample = fwd_s / batch_size
-        self._bwd_s_per_sample = (total_s if self.stage.is_last else max(total_s - fwd_s, 0.0)) / batch_size
+        self._bwd_s_per_sample = (total_s if self.stage_module.is_last else max(total_s - fwd_s, 0.0)) / batch_size
         return self.throughput
 
     def _emulated_s(self, wall_s: float, cpu_s: float) -> float:
@@ -164,16 +171,16 @@ class StageExecutor:
         with self._timed_compute("_fwd_s_per_sample", x.shape[0]):
             if not keep:
                 with torch.no_grad():
-                    out = self.stage(x)
+                    out = self.stage_module(x)
             elif self._graphs_kept() < self.cache_config.graph_cache_size:
                 leaf = self._leaf(x)
                 with torch.enable_grad():
-                    out = self.stage(leaf)
+                    out = self.stage_module(leaf)
                 self._remember(microbatch_id, _Cached(x, (leaf, out)))
                 out = out.detach()
             else:
                 with torch.no_grad():
-                    out = self.stage(x)
+                    out = self.stage_module(x)
                 self._remember(microbatch_id, _Cached(x, None))
         return out
 
@@ -182,7 +189,7 @@ class StageExecutor:
         self._check_input(x)
         self._check_targets(x, targets)
         with torch.no_grad():
-            return float(self.stage.loss(x, targets))
+            return float(self.stage_module.loss(x, targets))
 
     # ---------------------------------------------------------------- backward
 
@@ -200,7 +207,7 @@ class StageExecutor:
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
             leaf = self._leaf(x)
             with torch.enable_grad():
-                loss = self.stage.loss(leaf, targets)
+                loss = self.stage_module.loss(leaf, targets)
             if not torch.isfinite(loss):
                 raise InvalidRequest(f"microbatch {microbatch_id}: the loss is {float(loss.detach())}; the inputs "
                                      f"drove the model to a non-finite value, nothing was accumulated")
@@ -228,7 +235,7 @@ class StageExecutor:
         if inputs is not None:
             self._check_input(inputs)
         x = cached.inputs if cached is not None else inputs
-        expected = (*x.shape[:2], self.stage.output_width)
+        expected = (*x.shape[:2], self.stage_module.output_width)
         if tuple(grad_output.shape) != expected or grad_output.dtype != torch.float32:
             raise InvalidRequest(f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
                                  f"got {grad_output.dtype} {list(grad_output.shape)}")
@@ -239,7 +246,7 @@ class StageExecutor:
             else:  # recompute from the inputs
                 leaf = self._leaf(x)
                 with torch.enable_grad():
-                    out = self.stage(leaf)
+                    out = self.stage_module(leaf)
             grads, grad_input = self._gradients(out, grad_output, leaf)
             self._forget(microbatch_id)
             self._hold(microbatch_id, grads, grad_input, num_samples)
@@ -247,7 +254,7 @@ class StageExecutor:
 
     def _gradients(self, out: torch.Tensor, grad_output: torch.Tensor | None, leaf: torch.Tensor):
         """Parameter gradients (not yet applied) and the input gradient."""
-        params = [p for p in self.stage.parameters() if p.requires_grad]
+        params = [p for p in self.stage_module.parameters() if p.requires_grad]
         wrt = params + ([leaf] if leaf.requires_grad else [])
         grads = torch.autograd.grad(out, wrt, grad_output, allow_unused=True)
         return list(grads[:len(params)]), (grads[-1] if leaf.requires_grad else None)
@@ -334,22 +341,23 @@ class StageExecutor:
     def _all_params(self, grads: list) -> list:
         """Gradients of requires_grad parameters -> one entry per ``stage.parameters()`` (None = no grad)."""
         it = iter(grads)
-        return [next(it) if p.requires_grad else None for p in self.stage.parameters()]
+        return [next(it) if p.requires_grad else None for p in self.stage_module.parameters()]
 
     def state_dict(self) -> dict:
         """Parameters and optimizer state (with its step), for checkpoints."""
-        return {"stage": self.stage.index, "params": {k: v.detach().clone() for k, v in self.stage.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step}
+        params = {k: v.detach().clone() for k, v in self.stage_module.state_dict().items()}
+        return {"stage": self.stage_index, "params": params, "optimizer": self.optimizer.state_dict(),
+                "step": self.step}
 
     def load_state(self, state: dict) -> None:
         """Restore :meth:`state_dict` output. Raises ValueError if it belongs to another stage or config."""
-        if state.get("stage") != self.stage.index:
+        if state.get("stage") != self.stage_index:
             raise ValueError(f"the state is for stage {state.get('stage')}, this executor serves stage "
-                             f"{self.stage.index}")
+                             f"{self.stage_index}")
         try:
-            self.stage.load_state_dict(state["params"], strict=True)
+            self.stage_module.load_state_dict(state["params"], strict=True)
         except RuntimeError as e:
-            raise ValueError(f"the state does not match stage {self.stage.index} of this run's model: {e}") from None
+            raise ValueError(f"the state does not match stage {self.stage_index} of this run's model: {e}") from None
         self.optimizer.load_state_dict(state["optimizer"])
         self._after_step()
 
@@ -357,15 +365,15 @@ class StageExecutor:
 
     def _check_input(self, x: torch.Tensor) -> None:
         try:
-            self.stage.check_input(x)
+            self.stage_module.check_input(x)
         except ValueError as e:
-            raise InvalidRequest(f"stage {self.stage.index} input: {e}") from None
+            raise InvalidRequest(f"stage {self.stage_index} input: {e}") from None
 
     def _check_targets(self, x: torch.Tensor, targets: torch.Tensor) -> None:
-        if not self.stage.is_last:
-            raise InvalidRequest(f"stage {self.stage.index} is not the last stage; it computes no loss")
+        if not self.stage_module.is_last:
+            raise InvalidRequest(f"stage {self.stage_index} is not the last stage; it computes no loss")
         try:
-            self.stage.check_targets(x, targets)
+            self.stage_module.check_targets(x, targets)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -391,9 +399,9 @@ class StageExecutor:
     def snapshot(self, *, include_grads: bool) -> dict[str, torch.Tensor]:
         """Copies of the parameters ("param/<name>") and optionally of the accumulated gradients
         ("grad/<name>", sums over samples, not yet averaged), taken between two calls, so consistent."""
-        out = {f"param/{n}": p.detach().clone() for n, p in self.stage.named_parameters()}
+        out = {f"param/{n}": p.detach().clone() for n, p in self.stage_module.named_parameters()}
         if include_grads:
-            for (n, _), g in zip(self.stage.named_parameters(), self.optimizer.grad_sums()):
+            for (n, _), g in zip(self.stage_module.named_parameters(), self.optimizer.grad_sums()):
                 out[f"grad/{n}"] = g
         return out
 

@@ -1,7 +1,8 @@
 """Where a peer serves: the stage it picks on arrival and its periodic moves to the bottleneck stage.
 
 The decisions are :mod:`swarm.balance`'s pure policy; this module reads the swarm from the DHT, writes
-the claims that let at most one peer leave a stage per period, and asks the peer to move.
+the claims that let at most one peer leave a stage per period, and asks the peer to move (through a
+callback: it never sees the peer itself).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import logging
 import random
 import statistics
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from hivemind.utils import get_dht_time
 
@@ -18,9 +19,7 @@ from swarm.balance import (PeerRecord, RebalanceConfig, SwarmView, arrival_delay
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
 from swarm.model import ModelConfig
-
-if TYPE_CHECKING:
-    from swarm.peer.daemon import Peer
+from swarm.states import PeerState
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ def stage_costs(model: ModelConfig) -> list[float]:
 
 
 def _capacity(records: dict[str, StageRecord]) -> float:
-    return sum(r.throughput for r in records.values() if r.state in ("serving", "starting"))
+    return sum(r.throughput for r in records.values() if r.state in (PeerState.SERVING, PeerState.STARTING))
 
 
 def estimate_my_throughput(stages: list[dict[str, StageRecord]], costs: list[float]) -> list[float] | float:
@@ -81,11 +80,19 @@ async def read_view(directory: RunDirectory, model: ModelConfig, period: int) ->
 
 class Rebalancer:
     """Once per period (aligned on DHT time, so peers decide on about the same view), decide whether this
-    peer should move to the bottleneck stage; claim the move; move if the claim wins."""
+    peer should move to the bottleneck stage; claim the move; move if the claim wins.
 
-    def __init__(self, peer: Peer, config: RebalanceConfig):
-        self.peer = peer
+    ``state()`` is the peer's state now (only a serving peer moves); ``move(stage_index,
+    expected_throughput)`` drains the peer and moves it, returning once it serves the new stage."""
+
+    def __init__(self, directory: RunDirectory, model: ModelConfig, config: RebalanceConfig, *, peer_id: str,
+                 state: Callable[[], PeerState], move: Callable[[int, float], Awaitable[None]]):
+        self.directory = directory
+        self.model = model
         self.config = config
+        self.peer_id = peer_id
+        self._state = state
+        self._move = move
         self.moves = 0
 
     async def run(self) -> None:
@@ -102,23 +109,22 @@ class Rebalancer:
 
     async def step(self) -> bool:
         """One decision; returns True if this peer moved."""
-        peer = self.peer
-        if peer.state != "serving":
+        if self._state() != PeerState.SERVING:
             return False
         now = get_dht_time()
         period = period_index(now, self.config.period_s)
-        view = await read_view(peer.directory, peer.run.model, period)
-        move = decide_move(view, peer.peer_id, now, self.config)
+        view = await read_view(self.directory, self.model, period)
+        move = decide_move(view, self.peer_id, now, self.config)
         if move is None:
             return False
         key = claim_key(move.from_stage, period)
-        await peer.directory.claim(key, peer.peer_id, ttl_s=2 * self.config.period_s)
+        await self.directory.claim(key, self.peer_id, ttl_s=2 * self.config.period_s)
         # Let claims of peers that read a different view land, then the deterministic winner goes.
         await asyncio.sleep(min(1.0, 0.1 * self.config.period_s))
-        if not is_my_turn(await peer.directory.claimers(key), peer.peer_id, period):
+        if not is_my_turn(await self.directory.claimers(key), self.peer_id, period):
             return False
         logger.info("moving from stage %d to stage %d: swarm %.1f -> %.1f samples/s planned", move.from_stage,
                     move.to_stage, move.swarm_throughput, move.planned_throughput)
-        await peer.move_to(move.to_stage, expected_throughput=move.throughput_to)
+        await self._move(move.to_stage, move.throughput_to)
         self.moves += 1
         return True

@@ -1,42 +1,58 @@
 """The StagePeer gRPC servicer: validates every request, runs compute on the peer's worker thread.
 
+It sees the peer only through a :class:`ServiceContext` (ids, state, admission, the executor, the compute
+thread): it never imports the peer's lifecycle, so the lifecycle can build it without an import circle.
+
 Validation order matters for "bad input loses nothing": the request header (protocol, run, stage, codec,
 state) is checked first, tensor headers are checked before their payload is received, payloads are
 checked while decoding (lengths, finiteness), and only then does the executor touch any state.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from swarm.compression import CODEC_NAMES
-from swarm.errors import InvalidRequest, PeerDraining, WrongPeer
+from swarm.errors import InvalidRequest, WrongPeer
+from swarm.peer.admission import Admission
+from swarm.peer.executor import StageExecutor
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.server import stream_handler, unary_handler
+from swarm.states import PeerState
 from swarm.transport.tensors import FrameReader, StreamLimits, codec_or_invalid, tensor_frames
-
-if TYPE_CHECKING:
-    from swarm.peer.daemon import Peer
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServiceContext:
+    """What the service needs from the peer that runs it."""
+
+    run_id: str  # the run this peer serves
+    peer_id: str
+    state: Callable[[], PeerState]  # the peer's state now (sent in every reply)
+    executor: Callable[[], StageExecutor]  # read on every call: a peer that moves swaps its executor
+    admission: Admission  # drain window, fault injection, in-flight count
+    max_microbatch_size: int  # most samples accepted in one request
+    compute: Callable[..., Awaitable[Any]]  # run fn(*args, **kwargs) on the compute thread, after queued work
+    compute_urgent: Callable[..., Awaitable[Any]]  # run a cheap fn(*args) there ahead of queued compute
+    submit_urgent: Callable[..., None]  # queue a cheap fn(*args) ahead of compute, without waiting
+
+
 class StageService(pb_grpc.StagePeerServicer):
-    def __init__(self, peer: Peer):
-        self.peer = peer
+    def __init__(self, context: ServiceContext):
+        self.ctx = context
         self.limits = StreamLimits()
 
     @property
-    def executor(self):
-        # Read on every call: a peer that moves to another stage swaps its executor.
-        return self.peer.executor
+    def executor(self) -> StageExecutor:
+        return self.ctx.executor()
 
     # ------------------------------------------------------------------ RPCs
 
@@ -44,19 +60,18 @@ class StageService(pb_grpc.StagePeerServicer):
     async def Forward(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
         reader = FrameReader(request_iterator, limits=self.limits)
         meta = await reader.request()
-        self._admit(meta, new_work=not meta.eval_only)
-        await self.peer.inject_faults()
-        codec = codec_or_invalid(meta.codec)
-        stage = self.executor.stage
-        with self._in_flight():
+        self._check_request(meta)
+        async with self.ctx.admission.call(new_work=not meta.eval_only, stage_index=meta.stage):
+            codec = codec_or_invalid(meta.codec)
+            stage = self.executor.stage_module
             wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
             tensors = await self._read_tensors(reader, meta, {"input", "targets"} if wants_loss else {"input"})
             x = _require(tensors, "input")
             if meta.eval_only and stage.is_last:
-                loss = await self.peer.compute(self.executor.eval_loss, x, _require(tensors, "targets"))
+                loss = await self.ctx.compute(self.executor.eval_loss, x, _require(tensors, "targets"))
                 yield self._reply(loss=loss)
             elif meta.compute_loss:
-                loss, grad_input = await self.peer.compute(
+                loss, grad_input = await self.ctx.compute(
                     self.executor.forward_loss_backward, meta.microbatch_id, x, _require(tensors, "targets"),
                     _num_samples(meta, x))
                 async for frame in self._reply_and_commit(reader, meta, codec, grad_input, loss=loss):
@@ -64,8 +79,8 @@ class StageService(pb_grpc.StagePeerServicer):
             elif stage.is_last:
                 raise InvalidRequest("the last stage needs compute_loss (with targets) or eval_only")
             else:
-                output = await self.peer.compute(self.executor.forward, meta.microbatch_id, x,
-                                                 keep=not meta.eval_only)
+                output = await self.ctx.compute(self.executor.forward, meta.microbatch_id, x,
+                                                keep=not meta.eval_only)
                 yield self._reply(num_tensors=1)
                 async for frame in tensor_frames("output", output, codec):
                     yield frame
@@ -74,17 +89,16 @@ class StageService(pb_grpc.StagePeerServicer):
     async def Backward(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
         reader = FrameReader(request_iterator, limits=self.limits)
         meta = await reader.request()
+        self._check_request(meta)
         # A draining peer still finishes backward for microbatches it ran forward for.
-        self._admit(meta, new_work=meta.include_inputs)
-        await self.peer.inject_faults()
-        codec = codec_or_invalid(meta.codec)
-        with self._in_flight():
+        async with self.ctx.admission.call(new_work=meta.include_inputs, stage_index=meta.stage):
+            codec = codec_or_invalid(meta.codec)
             tensors = await self._read_tensors(
                 reader, meta, {"grad_output", "input"} if meta.include_inputs else {"grad_output"})
             grad_output = _require(tensors, "grad_output")
             inputs = _require(tensors, "input") if meta.include_inputs else None
-            grad_input = await self.peer.compute(self.executor.backward, meta.microbatch_id, grad_output, inputs,
-                                                 _num_samples(meta, grad_output))
+            grad_input = await self.ctx.compute(self.executor.backward, meta.microbatch_id, grad_output, inputs,
+                                                _num_samples(meta, grad_output))
             async for frame in self._reply_and_commit(reader, meta, codec, grad_input):
                 yield frame
 
@@ -109,22 +123,22 @@ class StageService(pb_grpc.StagePeerServicer):
                 raise InvalidRequest(f"commit names microbatch {commit.microbatch_id!r}, the call was for "
                                      f"{meta.microbatch_id!r}")
             batch_step = meta.batch_step if meta.HasField("batch_step") else None
-            committed = await self.peer.bookkeeping(self.executor.commit, meta.microbatch_id, batch_step)
+            committed = await self.ctx.compute_urgent(self.executor.commit, meta.microbatch_id, batch_step)
         finally:
             if not committed:
-                self.peer.submit(self.executor.abort, meta.microbatch_id)
+                self.ctx.submit_urgent(self.executor.abort, meta.microbatch_id)
 
     @stream_handler
     async def GetState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.Frame]:
-        if request.run_id != self.peer.run_id:
-            raise WrongPeer(f"this peer serves run '{self.peer.run_id}', not '{request.run_id}'")
+        if request.run_id != self.ctx.run_id:
+            raise WrongPeer(f"this peer serves run '{self.ctx.run_id}', not '{request.run_id}'")
         ex = self.executor
 
         def take():
             return ex.step, ex.samples_accumulated, ex.snapshot(include_grads=request.include_grads)
 
-        step, samples, tensors = await self.peer.bookkeeping(take)
-        yield pb.Frame(reply=pb.ReplyMeta(step=step, state=self.peer.state, samples_accumulated=samples,
+        step, samples, tensors = await self.ctx.compute_urgent(take)
+        yield pb.Frame(reply=pb.ReplyMeta(step=step, state=self.ctx.state(), samples_accumulated=samples,
                                           num_tensors=len(tensors)))
         codec = codec_or_invalid("none")  # state travels exactly
         for name, tensor in tensors.items():
@@ -133,36 +147,34 @@ class StageService(pb_grpc.StagePeerServicer):
 
     @unary_handler
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        if request.run_id and request.run_id != self.peer.run_id:
-            raise WrongPeer(f"this peer serves run '{self.peer.run_id}', not '{request.run_id}'")
+        if request.run_id and request.run_id != self.ctx.run_id:
+            raise WrongPeer(f"this peer serves run '{self.ctx.run_id}', not '{request.run_id}'")
         ex = self.executor
         return pb.InfoResponse(
-            protocol_version=PROTOCOL_VERSION, run_id=self.peer.run_id, stage=ex.stage.index,
-            peer_id=self.peer.peer_id, state=self.peer.state, throughput=self.peer.throughput,
-            in_flight=self.peer.in_flight, step=ex.step, samples_accumulated=ex.samples_accumulated,
+            protocol_version=PROTOCOL_VERSION, run_id=self.ctx.run_id, stage=ex.stage_index,
+            peer_id=self.ctx.peer_id, state=self.ctx.state(), throughput=ex.throughput,
+            in_flight=self.ctx.admission.in_flight, step=ex.step, samples_accumulated=ex.samples_accumulated,
             microbatches_applied=ex.microbatches_applied, samples_applied=ex.samples_applied, busy_s=ex.busy_s,
             codecs=list(CODEC_NAMES))
 
     # ------------------------------------------------------------------ checks
 
-    def _admit(self, meta: pb.RequestMeta, *, new_work: bool) -> None:
+    def _check_request(self, meta: pb.RequestMeta) -> None:
+        """The request header names this peer's protocol, run and stage, and a usable microbatch id."""
         if meta.protocol_version != PROTOCOL_VERSION:
             raise InvalidRequest(f"protocol version {meta.protocol_version} is not supported by this peer "
                                  f"(it speaks {PROTOCOL_VERSION}); upgrade the older side")
-        if meta.run_id != self.peer.run_id:
-            raise WrongPeer(f"this peer serves run '{self.peer.run_id}', not '{meta.run_id}'")
-        if meta.stage != self.executor.stage.index:
-            raise WrongPeer(f"this peer serves stage {self.executor.stage.index} of run '{self.peer.run_id}', "
+        if meta.run_id != self.ctx.run_id:
+            raise WrongPeer(f"this peer serves run '{self.ctx.run_id}', not '{meta.run_id}'")
+        if meta.stage != self.executor.stage_index:
+            raise WrongPeer(f"this peer serves stage {self.executor.stage_index} of run '{self.ctx.run_id}', "
                             f"not stage {meta.stage}; refresh the peer list from the DHT")
         if not meta.microbatch_id or len(meta.microbatch_id) > 256:
             raise InvalidRequest("microbatch_id must be a non-empty string of at most 256 characters")
-        if new_work and not self.peer.accepts_new_work:
-            raise PeerDraining(f"peer {self.peer.peer_id} is draining (shutting down) and takes no new work; "
-                               f"send it to another peer of stage {meta.stage}")
 
     def _header_check(self, *, allowed: set[str]) -> Callable:
-        stage = self.executor.stage
-        max_batch = self.peer.config.max_microbatch_size
+        stage = self.executor.stage_module
+        max_batch = self.ctx.max_microbatch_size
 
         def check(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str) -> None:
             if name not in allowed:
@@ -183,21 +195,10 @@ class StageService(pb_grpc.StagePeerServicer):
         return check
 
     def _reply(self, *, loss: float | None = None, num_tensors: int = 0) -> pb.Frame:
-        meta = pb.ReplyMeta(step=self.executor.step, state=self.peer.state, num_tensors=num_tensors)
+        meta = pb.ReplyMeta(step=self.executor.step, state=self.ctx.state(), num_tensors=num_tensors)
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)
-
-    @contextlib.contextmanager
-    def _in_flight(self):
-        self.peer.in_flight += 1
-        self.peer.last_call_at = time.monotonic()
-        try:
-            yield
-        finally:
-            self.peer.in_flight -= 1
-            self.peer.last_call_at = time.monotonic()
-            self.peer.idle.set() if self.peer.in_flight == 0 else self.peer.idle.clear()
 
 
 def _require(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

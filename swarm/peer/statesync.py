@@ -8,6 +8,7 @@ import torch
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
 from swarm.errors import SwarmError
+from swarm.states import PeerState
 from swarm.transport.client import PeerClient
 
 logger = logging.getLogger(__name__)
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 async def serving_peers(directory: RunDirectory, stage: int, *, exclude: str = "") -> list[StageRecord]:
     """The serving peers of ``stage`` but ``exclude``, most advanced (highest optimizer step) first."""
     records = await directory.stage_records(stage)
-    return sorted((r for r in records.values() if r.state == "serving" and r.peer_id != exclude),
+    return sorted((r for r in records.values() if r.state == PeerState.SERVING and r.peer_id != exclude),
                   key=lambda r: -r.step)
 
 

@@ -1,7 +1,7 @@
 """The peer's single compute thread, with two priorities.
 
 All of a replica's torch work runs on one thread, so an optimizer step never races a forward or backward.
-Cheap bookkeeping (committing held gradients, dropping aborted ones, snapshots) goes ahead of queued
+Urgent jobs (committing held gradients, dropping aborted ones, snapshots) are cheap and go ahead of queued
 compute: a commit waits for at most the job running now, not for the whole queue, so a slow or busy peer
 still confirms commits before its callers' deadlines.
 """
@@ -33,8 +33,17 @@ class PriorityWorker:
         self._queue.put((priority, next(self._order), future, fn, args, kwargs))
         return future
 
-    async def run(self, fn: Callable[..., Any], *args, priority: int = NORMAL, **kwargs) -> Any:
-        return await asyncio.wrap_future(self.submit(fn, *args, priority=priority, **kwargs))
+    async def compute(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run ``fn`` on the compute thread, after the jobs queued before it."""
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+
+    async def compute_urgent(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run a cheap ``fn`` on the compute thread ahead of queued compute (commits, snapshots, steps)."""
+        return await asyncio.wrap_future(self.submit(fn, *args, priority=URGENT, **kwargs))
+
+    def submit_urgent(self, fn: Callable[..., Any], *args, **kwargs) -> None:
+        """Queue a cheap ``fn`` ahead of compute without waiting (cleanup that must not be cancelled)."""
+        self.submit(fn, *args, priority=URGENT, **kwargs)
 
     def _run(self) -> None:
         while True:

@@ -44,17 +44,19 @@ from swarm.errors import WrongPeer
 from swarm.routing import NoPeersAvailable, RetriesExhausted, Router, StageRequest, wake_at
 from swarm.sim.config import SimConfig
 from swarm.sim.result import Move, SimResult
+from swarm.states import PeerState
 
 __all__ = ["simulate"]
 
-SERVING, STARTING, DRAINING, DEAD = "serving", "starting", "draining", "dead"
+SERVING, STARTING, DRAINING = PeerState.SERVING, PeerState.STARTING, PeerState.DRAINING
+DEAD = "dead"  # the simulator's own: a killed peer, never announced
 
 # Event kinds, in the order ties at equal times are processed.
 _DONE, _FAIL, _RETRY, _LEAVE, _READY, _DEATH, _PREEMPT, _ARRIVE, _JOIN, _DISCOVER, _REBALANCE, _SAMPLE = range(12)
 
 
 class _Peer:
-    __slots__ = ("pid", "speed", "stage", "state", "target", "free_at", "outstanding", "epoch")
+    __slots__ = ("pid", "speed", "stage", "state", "target", "free_at", "outstanding", "generation")
 
     def __init__(self, pid: str, speed: float, stage: int, state: str) -> None:
         self.pid = pid
@@ -66,18 +68,18 @@ class _Peer:
         # Insertion-ordered (not a set of objects hashed by address): kills must fail requests in
         # the same order in every process, or equal seeds would give different runs.
         self.outstanding: dict[_Request, None] = {}
-        self.epoch = 0  # bumps on each stage change: activations of an older epoch are gone
+        self.generation = 0  # bumps on each stage change: activations of an older generation are gone
 
 
 class _Microbatch:
-    __slots__ = ("trainer", "stage", "backward", "fwd_peer", "fwd_epoch", "request", "started_at")
+    __slots__ = ("trainer", "stage", "backward", "fwd_peer", "fwd_generation", "request", "started_at")
 
     def __init__(self, trainer: int, num_stages: int, now: float) -> None:
         self.trainer = trainer
         self.stage = 0
         self.backward = False
         self.fwd_peer: list[str | None] = [None] * num_stages
-        self.fwd_epoch = [0] * num_stages
+        self.fwd_generation = [0] * num_stages
         self.request: StageRequest | None = None  # the current hop through its retries
         self.started_at = now
 
@@ -275,7 +277,7 @@ class _Simulation:
                 request.error = WrongPeer(f"{pid} does not serve stage {stage} now")
             self._push(now + 2 * latency, _FAIL, request)
             return
-        if mb.backward and (pid != mb.fwd_peer[stage] or peer.epoch != mb.fwd_epoch[stage]):
+        if mb.backward and (pid != mb.fwd_peer[stage] or peer.generation != mb.fwd_generation[stage]):
             share = 1.0  # the inputs travel along and the forward is recomputed
             self.recomputes += 1
         start = max(now + latency, peer.free_at)
@@ -307,7 +309,7 @@ class _Simulation:
         mb.request = None
         if not mb.backward:
             mb.fwd_peer[stage] = request.pid
-            mb.fwd_epoch[stage] = peer.epoch if peer is not None else -1
+            mb.fwd_generation[stage] = peer.generation if peer is not None else -1
             if stage < cfg.num_stages - 1:
                 mb.stage = stage + 1
                 self._send(mb)
@@ -379,26 +381,26 @@ class _Simulation:
         # After its random delay the newcomer reads the records again and picks its stage.
         stage = choose_stage_on_arrival(self._capacities(count_starting=True), self._rates(speed), self.rng)
         peer = self._add_peer(speed, stage, STARTING)
-        self._push(self.now + self.cfg.load_s, _READY, (peer, peer.epoch))
+        self._push(self.now + self.cfg.load_s, _READY, (peer, peer.generation))
 
-    def _on_ready(self, peer: _Peer, epoch: int) -> None:
-        if peer.state != STARTING or peer.epoch != epoch:
+    def _on_ready(self, peer: _Peer, generation: int) -> None:
+        if peer.state != STARTING or peer.generation != generation:
             return
         peer.state = SERVING
         self.dirty[peer.stage] = True
         # As a real peer does: arriving on (or moving to) a stage starts its rebalancing cooldown.
         self.last_moved[peer.pid] = self.now
 
-    def _on_leave(self, peer: _Peer, epoch: int) -> None:
-        if peer.state != DRAINING or peer.epoch != epoch:
+    def _on_leave(self, peer: _Peer, generation: int) -> None:
+        if peer.state != DRAINING or peer.generation != generation:
             return
         if peer.free_at > self.now:  # finish the queue first: no request is cut off by a move
-            self._push(peer.free_at, _LEAVE, (peer, epoch))
+            self._push(peer.free_at, _LEAVE, (peer, generation))
             return
         peer.stage = peer.target
         peer.state = STARTING
-        peer.epoch += 1
-        self._push(self.now + self.cfg.load_s, _READY, (peer, peer.epoch))
+        peer.generation += 1
+        self._push(self.now + self.cfg.load_s, _READY, (peer, peer.generation))
 
     def _capacities(self, *, count_starting: bool) -> list[float]:
         capacity = [0.0] * self.cfg.num_stages
@@ -458,7 +460,7 @@ class _Simulation:
             self.dirty[move.from_stage] = True
             self.last_moved[peer.pid] = now
             self.moves.append(Move(time_s=now, peer_id=peer.pid, from_stage=move.from_stage, to_stage=move.to_stage))
-            self._push(now + cfg.drain_s, _LEAVE, (peer, peer.epoch))
+            self._push(now + cfg.drain_s, _LEAVE, (peer, peer.generation))
         self._push(now + cfg.balance.period_s, _REBALANCE)
 
     def _sample(self) -> None:

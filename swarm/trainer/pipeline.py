@@ -28,6 +28,7 @@ from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
 from swarm.routing.retry import failure_kind
+from swarm.states import PeerState
 from swarm.transport.client import ClientPool, Reply
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Pipeline:
         self._draining_replies = {k: t for k, t in self._draining_replies.items() if now - t < DRAINING_MEMORY_S}
         # Peers announce samples/s of forward + backward; routing counts in forward-sample units.
         serving = {pid: r.throughput * (FORWARD_COST + BACKWARD_COST) for pid, r in self.records[stage].items()
-                   if r.state == "serving" and (stage, pid) not in self._draining_replies}
+                   if r.state == PeerState.SERVING and (stage, pid) not in self._draining_replies}
         self.router.update_peers(stage, serving, now)
 
     async def _next_refresh(self, *, timeout_s: float) -> None:
@@ -150,7 +151,7 @@ class Pipeline:
         their replies): the most advanced replica's, or with ``every_replica`` the least advanced's."""
         out = []
         for stage in range(self.num_stages):
-            steps = [r.step for r in self.records[stage].values() if r.state == "serving"]
+            steps = [r.step for r in self.records[stage].values() if r.state == PeerState.SERVING]
             if every_replica:
                 out.append(min(steps, default=0))
             else:
@@ -311,7 +312,7 @@ class Pipeline:
             now = time.monotonic()
             self.router.on_success(stage, peer, work, max(now - started, 1e-6), now)
             self._replied_steps[stage] = max(self._replied_steps[stage], reply.meta.step)
-            if reply.meta.state == "draining" and (stage, peer) not in self._draining_replies:
+            if reply.meta.state == PeerState.DRAINING and (stage, peer) not in self._draining_replies:
                 self._draining_replies[(stage, peer)] = now
                 self._update_router(stage, now)
             return reply, peer

@@ -1,0 +1,93 @@
+"""A peer's heartbeat in the DHT: the record of the stage it serves, and during a move or on arrival a
+"starting" record on the stage it is heading to, so others count its capacity where it is going.
+
+The announcer reads the peer through two getters (its endpoint, and a :class:`Serving` snapshot of the
+stage it serves), never the peer itself; where the peer is heading and when it last moved are told to it
+(:meth:`Announcer.heading_to`, :meth:`Announcer.settled`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hivemind.utils import get_dht_time
+
+from swarm.config import RunConfig
+from swarm.discovery.dht import RunDirectory
+from swarm.discovery.records import StageRecord
+from swarm.states import PeerState
+
+logger = logging.getLogger(__name__)
+
+# The run's config lives this many record TTLs, refreshed every heartbeat: readable while any peer serves the run.
+RUN_TTL_FACTOR = 12
+
+
+@dataclass(frozen=True, kw_only=True)
+class Serving:
+    """The numbers a peer announces for the stage it serves, read at each heartbeat."""
+
+    stage_index: int
+    state: PeerState
+    throughput: float  # samples/s, forward + backward
+    in_flight: int  # calls being handled
+    step: int  # optimizer steps of its replica
+    step_pause_s: float  # how long its optimizer steps hold its compute
+
+
+class Announcer:
+    def __init__(self, directory: RunDirectory, run: RunConfig, *, peer_id: str, ttl_s: float, heartbeat_s: float,
+                 endpoint: Callable[[], str], serving: Callable[[], Serving | None]):
+        self.directory, self.run, self.peer_id = directory, run, peer_id
+        self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
+        self._endpoint = endpoint
+        self._serving = serving  # None until the peer serves a stage
+        self._heading_to: tuple[int, float] | None = None  # (stage index, expected samples/s)
+        self.last_moved_s = 0.0  # DHT time of the arrival or the last change of stage (0 = not yet)
+
+    def heading_to(self, stage_index: int | None, expected_throughput: float = 0.0) -> None:
+        """Announce "starting" on ``stage_index`` (None: on no stage, e.g. when leaving the swarm)."""
+        self._heading_to = None if stage_index is None else (stage_index, expected_throughput)
+
+    def settled(self) -> None:
+        """The peer arrived at (or moved to) the stage it serves now: no "starting" record, and the
+        rebalancing cooldown counts from here."""
+        self._heading_to = None
+        self.last_moved_s = get_dht_time()
+
+    def records(self) -> list[StageRecord]:
+        """What this peer announces: its stage, and during a move a "starting" record on the target."""
+        config_hash = self.run.fingerprint()
+        out = []
+        serving = self._serving()
+        if serving is not None:
+            out.append(StageRecord(peer_id=self.peer_id, endpoint=self._endpoint(), stage=serving.stage_index,
+                                   state=serving.state, throughput=serving.throughput, in_flight=serving.in_flight,
+                                   step=serving.step, config_hash=config_hash, last_moved_s=self.last_moved_s,
+                                   step_pause_s=serving.step_pause_s))
+        if self._heading_to is not None:
+            target, expected = self._heading_to
+            out.append(StageRecord(peer_id=self.peer_id, endpoint=self._endpoint(), stage=target,
+                                   state=PeerState.STARTING, throughput=expected, in_flight=0, step=0,
+                                   config_hash=config_hash, last_moved_s=self.last_moved_s))
+        return out
+
+    async def announce(self) -> None:
+        for record in self.records():
+            await self.directory.announce(record, ttl_s=self.ttl_s)
+
+    async def publish_run(self) -> None:
+        """Publish the run's config (a new run), or keep it alive in the DHT."""
+        await self.directory.publish_run(self.run, ttl_s=self.ttl_s * RUN_TTL_FACTOR)
+
+    async def run_forever(self) -> None:
+        """Heartbeat every ``heartbeat_s`` until cancelled."""
+        while True:
+            try:
+                await self.announce()
+                await self.publish_run()
+            except Exception as e:  # a DHT hiccup must not kill the peer; the next beat retries
+                logger.warning("announcement failed: %s", e)
+            await asyncio.sleep(self.heartbeat_s)

@@ -1,0 +1,319 @@
+"""A peer's life: start, serve one stage of one run, move to another stage, drain on SIGTERM, stop.
+
+Built in small steps (``Peer.create``), each registering its own cleanup on an AsyncExitStack, so a peer
+that fails half-way through starting still releases what it took, and shutdown needs no guards. The parts
+it wires together talk through narrow interfaces: the service and the announcer read the peer through
+getters, admission owns the call counts, and the rebalancer moves the peer through a callback.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
+from swarm.model import build_stage
+from swarm.peer.admission import Admission
+from swarm.peer.announcer import RUN_TTL_FACTOR, Announcer, Serving
+from swarm.averaging import HivemindStageOptimizer
+from swarm.optim import LocalStageOptimizer
+from swarm.peer.checkpoint import CheckpointStore
+from swarm.peer.config import PeerConfig
+from swarm.peer.executor import StageExecutor
+from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
+from swarm.peer.service import ServiceContext, StageService
+from swarm.peer.statesync import fetch_stage_state, serving_peers
+from swarm.peer.worker import PriorityWorker
+from swarm.states import PeerState
+from swarm.transport.server import start_server
+
+logger = logging.getLogger(__name__)
+
+# Seconds a peer moving in waits for a stage's parameters from one of its peers.
+FETCH_STATE_TIMEOUT_S = 60.0
+
+
+class Peer:
+    """A running peer. Use ``async with await Peer.create(config, run=...)`` or call ``shutdown()``."""
+
+    def __init__(self, config: PeerConfig):
+        self.config = config
+        self.run_id = config.run_id
+        self.peer_id = config.peer_id or uuid.uuid4().hex[:16]
+        self.state = PeerState.STARTING
+        self.stage_index: int | None = config.stage  # the stage served (or chosen on arrival)
+        self.endpoint = ""
+        self.run: RunConfig | None = None
+        self.executor: StageExecutor | None = None  # replaced by a move
+        self.dht = None
+        self.directory: RunDirectory | None = None
+        self.rebalancer: Rebalancer | None = None
+        self.stopped = asyncio.Event()
+        self.admission = Admission(
+            peer_id=self.peer_id, drain_timeout_s=config.drain_timeout_s, drain_notice_s=config.drain_notice_s,
+            drain_idle_s=config.drain_idle_s, fail_probability=config.fail_probability,
+            hang_after_calls=config.hang_after_calls, rng=random.Random(config.peer_id))
+        self._announcer: Announcer | None = None
+        self._worker: PriorityWorker | None = None
+        self._checkpoints = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
+        self._saved_step = -1  # step of the last checkpoint written or restored
+        self._stack = contextlib.AsyncExitStack()
+
+    @classmethod
+    async def create(cls, config: PeerConfig, *, run: RunConfig | None = None,
+                     run_wait_s: float = 60.0) -> Peer:
+        """Start a peer. ``run`` publishes a new run's config if the DHT has none for ``config.run_id``;
+        without it the config is read from the DHT (waiting up to ``run_wait_s``)."""
+        self = cls(config)
+        try:
+            await self._start_dht()
+            await self._resolve_run(run, run_wait_s)
+            await self._start_announcer()
+            await self._choose_stage()
+            await self._start_compute()
+            await self._start_replica()
+            await self._start_step_loop()
+            await self._start_server()
+            await self._start_heartbeat()
+            await self._start_rebalancer()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        # Arrival counts as a move for the rebalancing cooldown: until this peer and its neighbours have measured
+        # real work, its speed is a calibration on a machine that may be busy starting other peers.
+        self.state = PeerState.SERVING
+        self._announcer.settled()
+        await self._announcer.announce()
+        logger.info("peer %s serves stage %d of run '%s' at %s (%.1f samples/s)", self.peer_id,
+                    self.stage_index, self.run_id, self.endpoint, self.throughput)
+        return self
+
+    # ------------------------------------------------------------------ startup steps
+
+    async def _start_dht(self) -> None:
+        self.dht = await asyncio.to_thread(start_dht, self.config.dht, host=self.config.host,
+                                           announce_host=self.config.announce_host)
+        self._stack.callback(self.dht.shutdown)
+        self.directory = RunDirectory(self.dht, self.run_id)
+
+    async def _resolve_run(self, run: RunConfig | None, wait_s: float) -> None:
+        published = await self.directory.get_run()
+        if published is None and run is not None:
+            await self.directory.publish_run(run, ttl_s=self.config.ttl_s * RUN_TTL_FACTOR)
+            published = run
+        elif published is None:
+            published = await self.directory.wait_for_run(timeout_s=wait_s)
+        elif run is not None and published.fingerprint() != run.fingerprint():
+            raise ValueError(f"run '{self.run_id}' already exists in the DHT with another config "
+                             f"({published.to_dict()}); drop --preset/model flags to join it, or pick a new --run-id")
+        if self.stage_index is not None and self.stage_index >= published.model.num_stages:
+            raise ValueError(f"run '{self.run_id}' has {published.model.num_stages} stages; "
+                             f"--stage {self.stage_index} does not exist")
+        self.run = published
+
+    async def _start_announcer(self) -> None:
+        self._announcer = Announcer(self.directory, self.run, peer_id=self.peer_id, ttl_s=self.config.ttl_s,
+                                    heartbeat_s=self.config.heartbeat_s, endpoint=lambda: self.endpoint,
+                                    serving=self._serving)
+
+    async def _choose_stage(self) -> None:
+        if self.stage_index is not None:
+            return
+        self.stage_index = await choose_arrival_stage(self.directory, self.run.model, self.config.balance,
+                                                      random.Random(self.peer_id))
+        self._announcer.heading_to(self.stage_index)
+        await self._announcer.announce()  # "starting" on the chosen stage, so later arrivals count this peer
+
+    async def _start_compute(self) -> None:
+        # One worker thread runs all of this peer's torch work, so compute never races an optimizer step.
+        self._worker = PriorityWorker(f"peer{self.peer_id[:6]}-compute")
+        self._stack.callback(self._worker.shutdown)
+        torch.set_num_threads(self.config.threads)
+
+    async def _start_replica(self) -> None:
+        """Build this peer's replica of its stage (resumed from --checkpoint-dir, caught up with the stage's
+        peers with --average), and stop its optimizer at shutdown."""
+        self.executor, _ = await self._build_executor(self.stage_index, moving=False)
+        self._saved_step = self.executor.step
+
+        async def detach() -> None:  # the optimizer of the stage served at shutdown (a move replaces it)
+            await asyncio.to_thread(self.executor.optimizer.shutdown)
+
+        self._stack.push_async_callback(detach)
+
+    async def _build_executor(self, stage_index: int, *, moving: bool) -> tuple[StageExecutor, str]:
+        """A calibrated replica of ``stage_index`` and where its state came from. Its checkpoint, if this
+        peer has one, is restored first; then its peers' state is downloaded once: with --average by the
+        stage's hivemind optimizer if they are ahead, without it (on a move only, and only with no
+        checkpoint) the parameters of the stage's most advanced peer."""
+        run, config = self.run, self.config
+        stage_module = build_stage(run.model, stage_index)
+        restored = None
+        if self._checkpoints is not None:
+            restored = await asyncio.to_thread(self._checkpoints.load, stage_index, run=run)
+        source = "resumed from its checkpoint" if restored is not None else "no peer to load from: fresh init"
+        if moving and not config.averaging.average and restored is None:
+            state = await fetch_stage_state(self.directory, stage_index, exclude=self.peer_id,
+                                            timeout_s=FETCH_STATE_TIMEOUT_S)
+            if state is not None:
+                stage_module.load_state_dict(state)
+                source = "state loaded from its peers"
+        peers_step = 0
+        if config.averaging.average:
+            # The stage's averaging peers announce their step: a newcomer must reach it before it serves.
+            ahead = await serving_peers(self.directory, stage_index, exclude=self.peer_id)
+            peers_step = ahead[0].step if ahead else 0
+            # Built on the event loop's thread, which owns signal handling.
+            optimizer = HivemindStageOptimizer(stage_module, run, dht=self.dht, run_id=self.run_id,
+                                               config=config.averaging)
+        else:
+            optimizer = LocalStageOptimizer(stage_module, run)
+        executor = StageExecutor(stage_module, run, optimizer=optimizer, cache=config.cache,
+                                 slowdown=config.slowdown)
+
+        def restore_then_sync() -> bool:
+            if restored is not None:
+                executor.load_state(restored)
+                logger.info("stage %d resumed from checkpoint at step %d", stage_index, executor.step)
+            if config.averaging.average and optimizer.sync_with_peers(peers_step):
+                logger.info("stage %d state downloaded from its peers: now at step %d", stage_index, executor.step)
+                return True
+            return False
+
+        try:
+            await self._worker.compute(executor.calibrate, config.calibration_batch)
+            if await self._worker.compute(restore_then_sync):
+                source = "state loaded from its peers"
+        except BaseException:  # the hivemind optimizer runs processes of its own: stop them
+            await asyncio.to_thread(optimizer.shutdown)
+            raise
+        return executor, source
+
+    def _background(self, coro, name: str) -> None:
+        """Run ``coro`` as a task until shutdown, which cancels it and waits for it to end."""
+        task = asyncio.create_task(coro, name=f"{name}-{self.peer_id}")
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        self._stack.push_async_callback(stop)
+
+    async def _start_step_loop(self) -> None:
+        """Check periodically whether the stage's global batch is full (with --average), and save a
+        checkpoint every ``checkpoint_every_steps`` optimizer steps (and on drain, see :meth:`drain`)."""
+        self._background(self._step_loop(), "steps")
+
+    async def _step_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.averaging.step_check_s)
+            try:
+                if self.config.averaging.average:
+                    await self._worker.compute_urgent(self.executor.maybe_step)
+                if self.executor.step >= self._saved_step + self.config.checkpoint_every_steps:
+                    await self.save_checkpoint()
+            except OSError as e:  # a full disk must not stop serving; say so and retry later
+                logger.error("could not write the checkpoint: %s", e)
+            except Exception as e:  # averaging trouble must not kill the peer; the next check retries
+                logger.warning("optimizer step check failed: %s", e)
+
+    async def save_checkpoint(self) -> None:
+        """Write this peer's stage state to --checkpoint-dir (no-op without it)."""
+        if self._checkpoints is None:
+            return
+        state = await self._worker.compute_urgent(self.executor.state_dict)
+        await asyncio.to_thread(self._checkpoints.save, state, run=self.run)
+        self._saved_step = state["step"]
+        logger.info("checkpoint of stage %d at step %d written to %s", state["stage"], state["step"],
+                    self._checkpoints.directory)
+
+    async def _start_server(self) -> None:
+        context = ServiceContext(
+            run_id=self.run_id, peer_id=self.peer_id, state=lambda: self.state, executor=lambda: self.executor,
+            admission=self.admission, max_microbatch_size=self.config.max_microbatch_size,
+            compute=self._worker.compute, compute_urgent=self._worker.compute_urgent,
+            submit_urgent=self._worker.submit_urgent)
+        server, port = await start_server(StageService(context), host=self.config.host, port=self.config.port)
+        self._stack.push_async_callback(server.stop, 1.0)
+        self.endpoint = f"{self.config.announce_host or self.config.host}:{port}"
+        if self.endpoint.startswith("0.0.0.0:"):
+            raise ValueError("listening on 0.0.0.0 needs --announce-host: the address trainers should dial")
+
+    async def _start_heartbeat(self) -> None:
+        self._background(self._announcer.run_forever(), "announce")
+
+    async def _start_rebalancer(self) -> None:
+        if not self.config.rebalance or self.run.model.num_stages < 2:
+            return
+        self.rebalancer = Rebalancer(self.directory, self.run.model, self.config.balance, peer_id=self.peer_id,
+                                     state=lambda: self.state,
+                                     move=lambda stage_index, expected: self.move_to(stage_index,
+                                                                                     expected_throughput=expected))
+        self._background(self.rebalancer.run(), "rebalance")
+
+    # ------------------------------------------------------------------ running
+
+    @property
+    def throughput(self) -> float:
+        return self.executor.throughput if self.executor else 0.0
+
+    def _serving(self) -> Serving | None:
+        """What the heartbeat announces for the stage this peer serves (None before it serves one)."""
+        ex = self.executor
+        if ex is None:
+            return None
+        return Serving(stage_index=self.stage_index, state=self.state, throughput=ex.throughput,
+                       in_flight=self.admission.in_flight, step=ex.step, step_pause_s=ex.optimizer.step_pause_s)
+
+    async def drain(self) -> None:
+        """Stop taking new work, finish what is in flight and what trainers will still ask (backward for
+        microbatches this peer ran forward), all within ``drain_timeout_s``."""
+        if self.state == PeerState.DRAINING:
+            return
+        self._announcer.heading_to(None)  # leaving the swarm, not moving within it
+        await self._drain_work()
+        await self.save_checkpoint()
+
+    async def move_to(self, stage_index: int, *, expected_throughput: float) -> None:
+        """Leave the current stage for ``stage_index``: drain, load the new stage's state, serve it."""
+        old = self.stage_index
+        self._announcer.heading_to(stage_index, expected_throughput)
+        await self._drain_work()
+        await asyncio.to_thread(self.executor.optimizer.shutdown)
+        executor, source = await self._build_executor(stage_index, moving=True)
+        self.executor, self.stage_index = executor, stage_index
+        self._saved_step = executor.step
+        self.admission.end_drain()
+        self.state = PeerState.SERVING
+        self._announcer.settled()
+        await self._announcer.announce()
+        logger.info("peer %s moved from stage %d to stage %d (%s)", self.peer_id, old, stage_index, source)
+
+    async def _drain_work(self) -> None:
+        self.state = PeerState.DRAINING
+        self.admission.begin_drain()
+        logger.info("peer %s draining (at most %.0fs)", self.peer_id, self.config.drain_timeout_s)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._announcer.announce(), timeout=max(0.1, self.admission.drain_left_s))
+        # Trainers stop routing new forwards here once they see the draining state (in a reply or the
+        # DHT); until the cached microbatches are claimed by their backward, keep serving.
+        await self.admission.wait_until_drained(lambda: self.executor.cached_microbatches)
+
+    async def shutdown(self) -> None:
+        await self._stack.aclose()
+        self.stopped.set()
+
+    async def __aenter__(self) -> Peer:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    def addresses(self) -> list[str]:
+        return visible_addresses(self.dht)

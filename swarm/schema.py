@@ -117,3 +117,23 @@ def _warn_unknown(what: str, names: list[str]) -> None:
     _warned.add(key)
     logger.warning("%s has fields this version does not know, left out: %s (written by a newer version?)",
                    what, ", ".join(sorted(names)))
+
+
+def check_field_types(config: Any, *, numbers: Collection[str] = (), ints: Collection[str] = (),
+                      bools: Collection[str] = ()) -> None:
+    """Check that a config built in code holds what its annotations say (a dataclass constructor checks
+    nothing): ``numbers`` are finite ints or floats, ``ints`` ints, ``bools`` bools; a ``bool`` is never a
+    number. For ``__post_init__``, before the range checks. Raises ``ValueError`` naming ``Class.field``."""
+    name = type(config).__name__
+    for field in numbers:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name}.{field} must be a finite number, got {value!r}")
+    for field in ints:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}.{field} must be an int, got {value!r}")
+    for field in bools:
+        value = getattr(config, field)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}.{field} must be a bool, got {value!r}")

@@ -71,20 +71,20 @@ def test_in_flight_requests_shift_work_to_idle_peers():
     router.on_success(STAGE, "busy", size=4.0, elapsed_s=2.0, now=1.0)
     router.on_failure(STAGE, "busy", now=1.0)
     router.on_cancel(STAGE, "busy", now=1.0)
-    assert router.peer_state(STAGE, "busy", 1.0).in_flight == 0
+    assert router.snapshot(STAGE, "busy", 1.0).in_flight == 0
 
 
 def test_first_measurement_replaces_prior_then_ema_blends():
     router = Router(RoutingConfig(ema_alpha=0.5))
     router.update_peers(STAGE, {"p": 100.0}, now=0.0)
-    assert router.peer_state(STAGE, "p", 0.0).throughput == 100.0
+    assert router.snapshot(STAGE, "p", 0.0).throughput == 100.0
     router.on_start(STAGE, "p", 0.0)
     router.on_success(STAGE, "p", size=10.0, elapsed_s=5.0, now=5.0)  # 2 samples/s
-    state = router.peer_state(STAGE, "p", 5.0)
+    state = router.snapshot(STAGE, "p", 5.0)
     assert (state.throughput_ema, state.latency_ema_s) == (2.0, 5.0)
     router.on_start(STAGE, "p", 5.0)
     router.on_success(STAGE, "p", size=10.0, elapsed_s=2.5, now=7.5)  # 4 samples/s
-    state = router.peer_state(STAGE, "p", 7.5)
+    state = router.snapshot(STAGE, "p", 7.5)
     assert (state.throughput_ema, state.latency_ema_s) == (3.0, 3.75)
     assert state.num_successes == 2
 
@@ -92,7 +92,7 @@ def test_first_measurement_replaces_prior_then_ema_blends():
 def test_new_peer_without_claim_competes_with_the_best_known_peer():
     router = measured_router({"old": 4.0}, explore_probability=0.0)
     router.update_peers(STAGE, {"old": 4.0, "new": 0.0}, now=1.0)  # 0 = no usable claim
-    assert router.peer_state(STAGE, "new", 1.0).throughput == 4.0
+    assert router.snapshot(STAGE, "new", 1.0).throughput == 4.0
     rng = random.Random(1)
     first = next(i for i in range(100) if router.choose(STAGE, 1.0, rng) == "new")
     assert first < 10
@@ -117,14 +117,14 @@ def test_under_announcing_peer_is_explored_soon():
 def test_false_high_claim_does_not_outbid_measured_peers():
     router = measured_router({"honest": 4.0}, explore_probability=0.0)
     router.update_peers(STAGE, {"honest": 4.0, "liar": 1e9}, now=1.0)
-    assert router.peer_state(STAGE, "liar", 1.0).throughput == 4.0
+    assert router.snapshot(STAGE, "liar", 1.0).throughput == 4.0
     assert draw_shares(router, 10_000)["liar"] == pytest.approx(0.5, abs=0.02)
 
 
 def test_announcements_order_peers_before_any_measurement():
     router = Router(RoutingConfig(explore_probability=0.0))
     router.update_peers(STAGE, {"a": 1.0, "b": 3.0, "bad": float("nan")}, now=0.0)
-    states = {s.peer_id: s.throughput for s in router.states(STAGE, 0.0)}
+    states = {s.peer_id: s.throughput for s in router.snapshots(STAGE, 0.0)}
     assert states == {"a": 1.0, "b": 3.0, "bad": 3.0}  # NaN is "no claim" -> best known
 
 
@@ -159,11 +159,11 @@ def test_bans_grow_exponentially_cap_and_expire():
         now = until  # the ban has ended at exactly `until`
         assert router.banned_until_s("flaky", now) is None
         assert "flaky" in {router.choose(STAGE, now, rng) for _ in range(100)}
-    assert router.peer_state(STAGE, "flaky", now).failures == 5
+    assert router.snapshot(STAGE, "flaky", now).failures == 5
     # A success resets the count: the next failure bans for ban_base_s again.
     router.on_start(STAGE, "flaky", now)
     router.on_success(STAGE, "flaky", size=1.0, elapsed_s=1.0, now=now + 1)
-    assert router.peer_state(STAGE, "flaky", now + 1).failures == 0
+    assert router.snapshot(STAGE, "flaky", now + 1).failures == 0
     assert router.on_failure(STAGE, "flaky", now + 1) == now + 2
 
 
@@ -174,8 +174,8 @@ def test_requests_failing_together_count_as_one_incident():
     # The peer crashes with 8 requests in flight; their failures trickle in during the ban.
     bans = [router.on_failure(STAGE, "p", now=0.1 * i) for i in range(8)]
     assert bans == [2.0] * 8
-    assert router.peer_state(STAGE, "p", 1.0).failures == 1
-    assert router.peer_state(STAGE, "p", 1.0).in_flight == 0
+    assert router.snapshot(STAGE, "p", 1.0).failures == 1
+    assert router.snapshot(STAGE, "p", 1.0).in_flight == 0
     # The next failure after the ban is the second incident: twice as long.
     assert router.on_failure(STAGE, "p", now=2.0) == 6.0
 
@@ -206,10 +206,10 @@ def test_peers_that_left_lose_their_stats_but_stayers_keep_them():
     router.on_start(STAGE, "stay", 0.0)
     router.update_peers(STAGE, {"stay": 9.0, "join": 1.0}, now=1.0)
     assert router.peers(STAGE) == ("stay", "join")
-    stay = router.peer_state(STAGE, "stay", 1.0)
+    stay = router.snapshot(STAGE, "stay", 1.0)
     assert (stay.throughput_ema, stay.in_flight) == (2.0, 1)
     with pytest.raises(KeyError, match="leave"):
-        router.peer_state(STAGE, "leave", 1.0)
+        router.snapshot(STAGE, "leave", 1.0)
     # Lifecycle calls about a departed peer still reach its ban record and do not crash.
     router.on_success(STAGE, "leave", size=1.0, elapsed_s=1.0, now=1.0)
     assert router.on_failure(STAGE, "leave", now=1.0) == 2.0
@@ -426,7 +426,7 @@ def test_simulated_slow_peer_gets_a_fifth_of_the_work():
     assert share(served, "slow", 0.0, 400.0) == pytest.approx(0.2, abs=0.02)
     # Neither peer sits idle: the swarm delivers close to its 5 samples/s capacity.
     assert len(served) / 400.0 > 0.95 * 5.0
-    ema = {s.peer_id: s.throughput_ema for s in router.states(STAGE, 400.0)}
+    ema = {s.peer_id: s.throughput_ema for s in router.snapshots(STAGE, 400.0)}
     assert ema["fast"] > 2.0 * ema["slow"]
 
 
@@ -494,7 +494,7 @@ def test_what_a_failure_does_depends_on_its_kind():
     router.on_start(STAGE, "p", 1.0)
     assert request.failed("p", InvalidRequest("bad shape"), 1.0) is Failure.GIVE_UP
     assert router.banned_until_s("p", 1.0) is None and request.budget.attempts_failed == 0
-    assert router.peer_state(STAGE, "p", 1.0).in_flight == 0
+    assert router.snapshot(STAGE, "p", 1.0).in_flight == 0
     # Draining or moved: no ban, but counted and excluded from this request.
     for error in (PeerDraining("leaving"), WrongPeer("serves stage 2")):
         router.on_start(STAGE, "p", 1.0)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from swarm.schema import check_field_types
 
 __all__ = ["RebalanceConfig"]
 
@@ -29,21 +30,15 @@ class RebalanceConfig:
     arrival_max_delay_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("period_s", "min_gain", "min_move_fraction", "arrival_max_delay_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"RebalanceConfig.{name} must be a finite number, got {value!r}")
+        check_field_types(self, numbers=("period_s", "min_gain", "min_move_fraction", "arrival_max_delay_s"),
+                          ints=("cooldown_periods",), bools=("count_starting",))
         if self.period_s <= 0:
             raise ValueError(f"period_s must be > 0 seconds, got {self.period_s}")
         if self.min_gain < 0:
             raise ValueError(f"min_gain must be >= 0 (a relative gain, 0.1 = 10%), got {self.min_gain}")
         if not 0.0 < self.min_move_fraction <= 1.0:
             raise ValueError(f"min_move_fraction must be in (0, 1], got {self.min_move_fraction}")
-        if isinstance(self.cooldown_periods, bool) or not isinstance(self.cooldown_periods, int):
-            raise ValueError(f"cooldown_periods must be an int, got {self.cooldown_periods!r}")
         if self.cooldown_periods < 0:
             raise ValueError(f"cooldown_periods must be >= 0, got {self.cooldown_periods}")
-        if not isinstance(self.count_starting, bool):
-            raise ValueError(f"count_starting must be a bool, got {self.count_starting!r}")
         if self.arrival_max_delay_s < 0:
             raise ValueError(f"arrival_max_delay_s must be >= 0 seconds, got {self.arrival_max_delay_s}")

@@ -6,14 +6,15 @@ Pure code (no I/O, clocks or asyncio) shared by the trainer and the simulator. S
 
 from swarm.routing.config import RoutingConfig
 from swarm.routing.errors import NoPeersAvailable, RetriesExhausted, RoutingError
-from swarm.routing.retry import Failure, RetryBudget, StageRequest, wake_at
+from swarm.routing.budget import RetryBudget
+from swarm.routing.retry import Failure, StageRequest, wake_at
 from swarm.routing.router import Router
-from swarm.routing.stats import PeerState
+from swarm.routing.stats import PeerSnapshot
 
 __all__ = [
     "Failure",
     "NoPeersAvailable",
-    "PeerState",
+    "PeerSnapshot",
     "RetriesExhausted",
     "RetryBudget",
     "Router",

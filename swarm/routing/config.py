@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from swarm.schema import check_field_types
 
 __all__ = ["RoutingConfig"]
 
@@ -38,18 +39,12 @@ class RoutingConfig:
     default_throughput: float = 1.0
 
     def __post_init__(self) -> None:
-        def finite(name: str) -> float:
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"RoutingConfig.{name} must be a finite number, got {value!r}")
-            return float(value)
-
-        for name in (
-            "ema_alpha", "min_timeout_s", "max_timeout_s", "initial_timeout_s", "timeout_factor",
-            "timeout_slack_s", "ban_base_s", "ban_max_s", "explore_probability",
-            "default_throughput",
-        ):
-            finite(name)
+        check_field_types(
+            self,
+            numbers=("ema_alpha", "min_timeout_s", "max_timeout_s", "initial_timeout_s", "timeout_factor",
+                     "timeout_slack_s", "ban_base_s", "ban_max_s", "explore_probability", "default_throughput"),
+            ints=("max_attempts", "max_ban_records"),
+        )
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if self.min_timeout_s <= 0:
@@ -77,16 +72,12 @@ class RoutingConfig:
             raise ValueError(
                 f"ban_max_s ({self.ban_max_s}) must be >= ban_base_s ({self.ban_base_s})"
             )
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
-            raise ValueError(f"max_attempts must be an int, got {self.max_attempts!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not 0.0 <= self.explore_probability <= 1.0:
             raise ValueError(
                 f"explore_probability must be in [0, 1], got {self.explore_probability}"
             )
-        if isinstance(self.max_ban_records, bool) or not isinstance(self.max_ban_records, int):
-            raise ValueError(f"max_ban_records must be an int, got {self.max_ban_records!r}")
         if self.max_ban_records < 1:
             raise ValueError(f"max_ban_records must be >= 1, got {self.max_ban_records}")
         if self.default_throughput <= 0:

@@ -38,15 +38,13 @@ from __future__ import annotations
 
 import enum
 import random
-from typing import TYPE_CHECKING
 
 from swarm.errors import PeerDraining, SwarmError, WrongPeer
-from swarm.routing.errors import NoPeersAvailable, RetriesExhausted
+from swarm.routing.errors import NoPeersAvailable
+from swarm.routing.router import Router
 
-if TYPE_CHECKING:  # the router imports this module (for RetryBudget)
-    from swarm.routing.router import Router
 
-__all__ = ["Failure", "RetryBudget", "StageRequest", "failure_kind", "wake_at"]
+__all__ = ["Failure", "StageRequest", "failure_kind", "wake_at"]
 
 
 class Failure(enum.Enum):
@@ -72,53 +70,6 @@ def wake_at(error: NoPeersAvailable, now: float, *, wait_s: float, min_wait_s: f
     may appear meanwhile), and never sooner than ``now + min_wait_s`` (seconds, caller's clock)."""
     delay = wait_s if error.retry_at_s is None else min(wait_s, error.retry_at_s - now)
     return now + max(min_wait_s, delay)
-
-
-class RetryBudget:
-    """Counts the attempts of one request to ``stage``; at most ``max_attempts`` (>= 1) fail."""
-
-    def __init__(self, stage: int, *, max_attempts: int) -> None:
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        self.stage = stage
-        self.max_attempts = max_attempts
-        self._failed: list[str] = []
-        self._last_error: BaseException | None = None
-
-    @property
-    def attempts_failed(self) -> int:
-        return len(self._failed)
-
-    @property
-    def attempts_left(self) -> int:
-        return self.max_attempts - len(self._failed)
-
-    @property
-    def failed_peers(self) -> frozenset[str]:
-        """Peers that failed this request: pass as ``exclude`` to ``Router.choose``."""
-        return frozenset(self._failed)
-
-    @property
-    def last_error(self) -> BaseException | None:
-        return self._last_error
-
-    def record_failure(self, peer_id: str, error: BaseException | None = None) -> None:
-        """Record that the attempt on ``peer_id`` failed with ``error``.
-
-        Raises :class:`RetriesExhausted` (chained from ``error``) when that was the last attempt
-        the budget allows; otherwise returns and the caller may try another peer.
-        """
-        self._failed.append(peer_id)
-        if error is not None:
-            self._last_error = error
-        if len(self._failed) >= self.max_attempts:
-            raise RetriesExhausted(
-                self.stage, len(self._failed), self._last_error
-            ) from self._last_error
-
-    def exhausted_error(self) -> RetriesExhausted:
-        """The error to raise when the caller gives up early (e.g. no peers left to try)."""
-        return RetriesExhausted(self.stage, len(self._failed), self._last_error)
 
 
 class StageRequest:

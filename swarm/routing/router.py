@@ -15,8 +15,8 @@ from collections.abc import Collection, Mapping
 from swarm.routing.bans import BanBook
 from swarm.routing.config import RoutingConfig
 from swarm.routing.errors import NoPeersAvailable
-from swarm.routing.retry import RetryBudget
-from swarm.routing.stats import PeerState, PeerStats, valid_announcement
+from swarm.routing.budget import RetryBudget
+from swarm.routing.stats import PeerSnapshot, PeerStats, valid_announcement
 
 __all__ = ["Router"]
 
@@ -204,13 +204,13 @@ class Router:
         """End of ``peer_id``'s ban, seconds, or ``None`` when it is not banned at ``now``."""
         return self._bans.banned_until_s(peer_id, now)
 
-    def peer_state(self, stage: int, peer_id: str, now: float) -> PeerState:
+    def snapshot(self, stage: int, peer_id: str, now: float) -> PeerSnapshot:
         """Snapshot of one known peer; raises ``KeyError`` naming it when the stage lacks it."""
         peers = self._stages.get(stage, {})
         stats = peers.get(peer_id)
         if stats is None:
             raise KeyError(f"peer {peer_id!r} is not among the {len(peers)} peers of stage {stage}")
-        return PeerState(
+        return PeerSnapshot(
             peer_id=peer_id,
             stage=stage,
             throughput=self._throughput(stats, self._best_throughput(peers)),
@@ -223,9 +223,9 @@ class Router:
             banned_until_s=self._bans.banned_until_s(peer_id, now),
         )
 
-    def states(self, stage: int, now: float) -> list[PeerState]:
+    def snapshots(self, stage: int, now: float) -> list[PeerSnapshot]:
         """Snapshots of all known peers of ``stage``, in discovery order."""
-        return [self.peer_state(stage, peer_id, now) for peer_id in self._stages.get(stage, {})]
+        return [self.snapshot(stage, peer_id, now) for peer_id in self._stages.get(stage, {})]
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["PeerStats", "PeerState", "ema", "valid_announcement"]
+__all__ = ["PeerStats", "PeerSnapshot", "ema", "valid_announcement"]
 
 
 def ema(previous: float | None, observation: float, alpha: float) -> float:
@@ -61,7 +61,7 @@ class PeerStats:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PeerState:
+class PeerSnapshot:
     """Read-only view of one peer for status pages, the simulator and tests."""
 
     peer_id: str

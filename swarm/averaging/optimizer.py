@@ -55,13 +55,14 @@ class HivemindStageOptimizer:
     (``maybe_step`` may hold it for the all-reduce; never the event loop). It splits accumulation from the
     global step through :mod:`swarm.averaging.hivemind_private`."""
 
-    def __init__(self, stage: Stage, run: RunConfig, *, dht, run_id: str, config: AveragingConfig,
+    def __init__(self, stage_module: Stage, run: RunConfig, *, dht, run_id: str, config: AveragingConfig,
                  private_key=None):
-        self.stage, self.run, self.config = stage, run, config
-        self.params = list(stage.parameters())
+        self.stage_module, self.run, self.config = stage_module, run, config
+        self.stage_index = stage_module.index
+        self.params = list(stage_module.parameters())
         self._later = LaterBatches()
         self.step_pause_s = 0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
-        groups = adamw_param_groups(stage, run.weight_decay)
+        groups = adamw_param_groups(stage_module, run.weight_decay)
         # adamw_param_groups keeps parameters in stage order within each group; hivemind averages in the
         # optimizer's order, so map stage order -> position for gradient reads.
         self._order = [p for g in groups for p in g["params"]]
@@ -81,7 +82,7 @@ class HivemindStageOptimizer:
         # hivemind advises a request timeout below the matchmaking time (else matchmaking can deadlock).
         request_timeout = min(5.0, config.matchmaking_s / 2)
         return hp.GlobalBatchOptimizer(
-            dht=dht, run_id=stage_run_id(run_id, self.stage.index), target_batch_size=run.target_batch_size,
+            dht=dht, run_id=stage_run_id(run_id, self.stage_index), target_batch_size=run.target_batch_size,
             params=groups, optimizer=lambda params: build_stage_optimizer(params, run, lr=0.0),
             matchmaking_time=config.matchmaking_s, averaging_timeout=config.averaging_timeout_s,
             # hivemind's default waits one matchmaking time for each chunk: a groupmate busy computing for longer
@@ -173,7 +174,7 @@ class HivemindStageOptimizer:
             # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
             # Take their state now, in time to look for the next step's group.
             logger.warning("stage %d replica is behind its peers (step %d < %d): loading their state",
-                           self.stage.index, self.step, tracker.global_epoch)
+                           self.stage_index, self.step, tracker.global_epoch)
             self._load_from_peers(tracker.global_epoch)
             self._catch_up()
             return True
@@ -206,7 +207,7 @@ class HivemindStageOptimizer:
             # averaged gradient (a groupmate's part timed out: it used its own values there), or skipped the step
             # (a non-finite average): its parameters now differ from its peers'. Take theirs rather than carry (and
             # later average) a private state.
-            logger.warning("stage %d %s at step %d: reloading the stage's state from its peers", self.stage.index,
+            logger.warning("stage %d %s at step %d: reloading the stage's state from its peers", self.stage_index,
                            why, before)
             self._load_from_peers(self.step, doubtful=True)
         set_learning_rate(opt_inner, self.run, self.step)
@@ -226,7 +227,7 @@ class HivemindStageOptimizer:
             time.sleep(0.2)  # the tracker refreshes every default_refresh_period; there is no event per refresh
         if tracker.global_progress.num_peers == 0 or tracker.global_epoch <= self.step:
             if peers_step > self.step:
-                raise RuntimeError(f"stage {self.stage.index}'s peers announce step {peers_step} but their "
+                raise RuntimeError(f"stage {self.stage_index}'s peers announce step {peers_step} but their "
                                    f"averaging state was not visible within {self.config.load_state_timeout_s:.0f}s; "
                                    f"check that they run with --average and this peer can reach them, then restart")
             return False
@@ -265,7 +266,7 @@ class HivemindStageOptimizer:
             self._announce_step()
             opt.grad_averager.reset_accumulated_grads_()
         if self.step < want_step:
-            logger.warning("stage %d: downloaded the state of step %d, its peers are at step %d", self.stage.index,
+            logger.warning("stage %d: downloaded the state of step %d, its peers are at step %d", self.stage_index,
                            self.step, want_step)
 
     def grad_sums(self):

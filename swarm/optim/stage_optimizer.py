@@ -22,7 +22,7 @@ from swarm.optim.schedule import set_learning_rate
 
 class StageOptimizer(Protocol):
     """What the executor needs. ``accumulate`` takes gradient SUMS over ``num_samples`` samples (one
-    microbatch) in ``stage.parameters()`` order, toward optimizer step ``batch_step`` (None: the current
+    microbatch) in ``stage_module.parameters()`` order, toward optimizer step ``batch_step`` (None: the current
     one), and returns True when the parameters changed. ``step`` counts the optimizer steps taken (the
     index of the step the next global batch is for); ``maybe_step`` takes the next one if it is due."""
 
@@ -44,10 +44,10 @@ class LocalStageOptimizer:
     sample toward its own next step (``batch_step`` is ignored): with no peers to agree with, the count
     alone is exact."""
 
-    def __init__(self, stage: Stage, run: RunConfig):
-        self.stage, self.run = stage, run
-        self.params = list(stage.parameters())
-        self.optimizer = build_stage_optimizer(stage, run)
+    def __init__(self, stage_module: Stage, run: RunConfig):
+        self.stage_module, self.run = stage_module, run
+        self.params = list(stage_module.parameters())
+        self.optimizer = build_stage_optimizer(stage_module, run)
         self.step = 0
         self.local_samples = 0
         self.step_pause_s = 0.0  # no all-reduce

@@ -58,8 +58,8 @@ def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatc
         raise ValueError(f"clipping must be 'stage' or 'global', got {clipping!r}")
     model = build_full_model(run.model)
     exact = clipping == "global"
-    optimizers = [LocalStageOptimizer(stage, dataclasses.replace(run, max_grad_norm=0.0) if exact else run)
-                  for stage in model.stages]
+    optimizers = [LocalStageOptimizer(stage_module, dataclasses.replace(run, max_grad_norm=0.0) if exact else run)
+                  for stage_module in model.stages]
     generator = torch.Generator().manual_seed(seed)
     seq_len = run.model.seq_len
     per_step = math.ceil(run.target_batch_size / microbatch_size)
@@ -74,9 +74,9 @@ def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatc
             loss = model.loss(tokens[:, :-1], tokens[:, 1:])
             (loss * n).backward()  # gradient sums weighted by samples, as the peers accumulate them
             if not exact:  # feed each microbatch as the swarm's commits do; the stage optimizer steps at the target
-                for stage, optimizer in zip(model.stages, optimizers):
-                    grads = [p.grad for p in stage.parameters()]
-                    for p in stage.parameters():
+                for stage_module, optimizer in zip(model.stages, optimizers):
+                    grads = [p.grad for p in stage_module.parameters()]
+                    for p in stage_module.parameters():
                         p.grad = None
                     optimizer.accumulate(grads, n)
             weighted, samples = weighted + float(loss.detach()) * n, samples + n
@@ -84,9 +84,9 @@ def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatc
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g / samples) for g in grads])))
             scale = min(1.0, run.max_grad_norm / (norm + 1e-6)) if run.max_grad_norm > 0 else 1.0
-            for stage, optimizer in zip(model.stages, optimizers):
-                stage_grads = [None if p.grad is None else p.grad * scale for p in stage.parameters()]
-                for p in stage.parameters():
+            for stage_module, optimizer in zip(model.stages, optimizers):
+                stage_grads = [None if p.grad is None else p.grad * scale for p in stage_module.parameters()]
+                for p in stage_module.parameters():
                     p.grad = None
                 optimizer.accumulate(stage_grads, samples)
         result.losses.append(weighted / samples)  # float(loss) synced the device: the time below is honest

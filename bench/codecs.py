@@ -3,9 +3,9 @@
 Run from the repository root:  .venv/bin/python bench/codecs.py
 Prints a markdown table and writes it, with the environment, to bench/results/codecs.md.
 
-Throughput is MB/s (10^6 bytes) of float32 input per second of encode + decode, best of ``--repeats`` runs, on
-``--threads`` torch threads (1 by default). Relative error is ||x - dec(enc(x))|| / ||x||. A codec that fails is reported with
-the exception it raised, never hidden.
+Throughput is MB/s (10^6 bytes) of float32 input per second of encode + decode, best of ``--repeats``
+runs, on ``--threads`` torch threads (1 by default). Relative error is ||x - dec(enc(x))|| / ||x||. A codec
+that fails is reported with the exception it raised, never hidden.
 """
 
 from __future__ import annotations
@@ -70,29 +70,58 @@ def best_time_s(function: Callable[[], object], repeats: int) -> tuple[float, ob
 
 
 def relative_error(original: torch.Tensor, decoded: torch.Tensor) -> float:
-    return float((original.double() - decoded.double().reshape(-1)).norm() / original.double().norm())
+    return float(
+        (original.double() - decoded.double().reshape(-1)).norm() / original.double().norm()
+    )
 
 
 def measure(
-    codec: str, tensor_name: str, flat: torch.Tensor, encode: Callable, decode: Callable, size: Callable, repeats: int
+    codec: str,
+    tensor_name: str,
+    flat: torch.Tensor,
+    encode: Callable,
+    decode: Callable,
+    size: Callable,
+    repeats: int,
 ) -> Row:
     """Time ``encode(flat) -> payload`` and ``decode(payload) -> tensor``; report where it fails instead of raising."""
     input_mb = flat.numel() * 4 / 1e6
     try:
         encode_s, payload = best_time_s(lambda: encode(flat), repeats)
     except Exception as error:  # noqa: BLE001 - the benchmark reports every failure as a table cell
-        return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=None, encode_mb_s=None, decode_mb_s=None,
-                   round_trip_mb_s=None, relative_error=None, note=f"encode fails: {describe(error)}")
+        return Row(
+            codec=codec,
+            tensor=tensor_name,
+            wire_bytes_per_value=None,
+            encode_mb_s=None,
+            decode_mb_s=None,
+            round_trip_mb_s=None,
+            relative_error=None,
+            note=f"encode fails: {describe(error)}",
+        )
     bytes_per_value = size(payload) / flat.numel()
     try:
         decode_s, decoded = best_time_s(lambda: decode(payload), repeats)
     except Exception as error:  # noqa: BLE001
-        return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=bytes_per_value,
-                   encode_mb_s=input_mb / encode_s, decode_mb_s=None, round_trip_mb_s=None, relative_error=None,
-                   note=f"decode fails: {describe(error)}")
-    return Row(codec=codec, tensor=tensor_name, wire_bytes_per_value=bytes_per_value, encode_mb_s=input_mb / encode_s,
-               decode_mb_s=input_mb / decode_s, round_trip_mb_s=input_mb / (encode_s + decode_s),
-               relative_error=relative_error(flat, decoded))
+        return Row(
+            codec=codec,
+            tensor=tensor_name,
+            wire_bytes_per_value=bytes_per_value,
+            encode_mb_s=input_mb / encode_s,
+            decode_mb_s=None,
+            round_trip_mb_s=None,
+            relative_error=None,
+            note=f"decode fails: {describe(error)}",
+        )
+    return Row(
+        codec=codec,
+        tensor=tensor_name,
+        wire_bytes_per_value=bytes_per_value,
+        encode_mb_s=input_mb / encode_s,
+        decode_mb_s=input_mb / decode_s,
+        round_trip_mb_s=input_mb / (encode_s + decode_s),
+        relative_error=relative_error(flat, decoded),
+    )
 
 
 def describe(error: Exception) -> str:
@@ -105,8 +134,17 @@ def swarm_rows(tensor_name: str, flat: torch.Tensor, repeats: int) -> list[Row]:
     rows = []
     for name in CODEC_NAMES:
         codec = get_codec(name)
-        rows.append(measure(f"swarm {name}", tensor_name, flat, codec.encode,
-                            lambda payload, codec=codec: codec.decode(payload, flat.numel(), flat.dtype), len, repeats))
+        rows.append(
+            measure(
+                f"swarm {name}",
+                tensor_name,
+                flat,
+                codec.encode,
+                lambda payload, codec=codec: codec.decode(payload, flat.numel(), flat.dtype),
+                len,
+                repeats,
+            )
+        )
     return rows
 
 
@@ -115,25 +153,55 @@ def hivemind_rows(tensor_name: str, flat: torch.Tensor, repeats: int) -> list[Ro
 
     info = hc.CompressionInfo.from_tensor(flat)
     rows = []
-    for class_name in ("NoCompression", "Float16Compression", "ScaledFloat16Compression", "Uniform8BitQuantization",
-                       "Quantile8BitQuantization", "BlockwiseQuantization"):
+    for class_name in (
+        "NoCompression",
+        "Float16Compression",
+        "ScaledFloat16Compression",
+        "Uniform8BitQuantization",
+        "Quantile8BitQuantization",
+        "BlockwiseQuantization",
+    ):
         codec = getattr(hc, class_name)()
-        rows.append(measure(f"hivemind {class_name}", tensor_name, flat, lambda x, c=codec: c.compress(x, info),
-                            codec.extract, lambda message: len(message.buffer), repeats))
-        if class_name in ("Uniform8BitQuantization", "Quantile8BitQuantization") and rows[-1].relative_error is None:
+        rows.append(
+            measure(
+                f"hivemind {class_name}",
+                tensor_name,
+                flat,
+                lambda x, c=codec: c.compress(x, info),
+                codec.extract,
+                lambda message: len(message.buffer),
+                repeats,
+            )
+        )
+        if (
+            class_name in ("Uniform8BitQuantization", "Quantile8BitQuantization")
+            and rows[-1].relative_error is None
+        ):
             # hivemind's own extract() fails under numpy 2; read its documented layout ourselves so the accuracy of
             # the 8-bit format can still be compared (int64 codebook size, float32 codebook, uint8 indices)
-            rows.append(measure(f"hivemind {class_name} (bench's own reader)", tensor_name, flat,
-                                lambda x, c=codec: c.compress(x, info), _read_codebook_message,
-                                lambda message: len(message.buffer), repeats))
+            rows.append(
+                measure(
+                    f"hivemind {class_name} (bench's own reader)",
+                    tensor_name,
+                    flat,
+                    lambda x, c=codec: c.compress(x, info),
+                    _read_codebook_message,
+                    lambda message: len(message.buffer),
+                    repeats,
+                )
+            )
     return rows
 
 
 def _read_codebook_message(message) -> torch.Tensor:
     buffer = message.buffer
     codebook_size = int(np.frombuffer(buffer, count=1, dtype="<i8")[0])
-    codebook = torch.from_numpy(np.frombuffer(buffer, offset=8, count=codebook_size, dtype="<f4").copy())
-    indices = torch.from_numpy(np.frombuffer(buffer, offset=8 + 4 * codebook_size, dtype=np.uint8).copy())
+    codebook = torch.from_numpy(
+        np.frombuffer(buffer, offset=8, count=codebook_size, dtype="<f4").copy()
+    )
+    indices = torch.from_numpy(
+        np.frombuffer(buffer, offset=8 + 4 * codebook_size, dtype=np.uint8).copy()
+    )
     return codebook[indices.long()]
 
 
@@ -177,8 +245,14 @@ def failures_section(rows: list[Row]) -> str:
 
 def git_revision() -> str:
     try:
-        completed = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                   text=True, timeout=10, check=False)
+        completed = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"unknown ({type(error).__name__})"
     if completed.returncode != 0:
@@ -189,23 +263,31 @@ def git_revision() -> str:
 def environment(load_before: float) -> str:
     import hivemind
 
-    return "\n".join([
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- git: {git_revision()}",
-        f"- os.cpu_count(): {os.cpu_count()}, torch threads: {torch.get_num_threads()}, load average (1 min) "
-        f"before/after: {load_before:.2f}/{os.getloadavg()[0]:.2f} (other processes share these cores)",
-        f"- python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
-        f"hivemind {hivemind.__version__}, {platform.machine()}",
-    ])
+    return "\n".join(
+        [
+            f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+            f"- git: {git_revision()}",
+            f"- os.cpu_count(): {os.cpu_count()}, torch threads: {torch.get_num_threads()}, load average (1 min) "
+            f"before/after: {load_before:.2f}/{os.getloadavg()[0]:.2f} (other processes share these cores)",
+            f"- python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
+            f"hivemind {hivemind.__version__}, {platform.machine()}",
+        ]
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs per measurement; the best one counts")
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="timed runs per measurement; the best one counts"
+    )
     # one thread by default: on a small shared machine, OpenMP threads spin-waiting on a busy core make timings
     # swing 10x; peers doing codec work next to a training step get about one core anyway
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
-    parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "codecs.md")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default: 1)"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=REPO_ROOT / "bench" / "results" / "codecs.md"
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -213,7 +295,9 @@ def main() -> None:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    warnings.filterwarnings("ignore")  # torch.jit/quantize deprecation noise from hivemind's import and codecs
+    warnings.filterwarnings(
+        "ignore"
+    )  # torch.jit/quantize deprecation noise from hivemind's import and codecs
 
     warm_up()
     rows: list[Row] = []
@@ -227,17 +311,19 @@ def main() -> None:
     table = markdown_table(rows)
     print(table)
 
-    report = "\n\n".join([
-        "# Codec benchmark: swarm.compression vs hivemind.compression",
-        "Reproduce: `.venv/bin/python bench/codecs.py` (from the repository root; under a minute on 2 cores).",
-        environment(load_before),
-        "Tensors are float32: `normal` is N(0, 1); `student_t2` is Student-t with 2 degrees of freedom (heavy "
-        "tails, infinite variance). MB/s counts 10^6 bytes of float32 input per second, best of "
-        f"{args.repeats} runs. bytes/value is the payload size per element (float32 = 4). relative error is "
-        "||x - dec(enc(x))|| / ||x||. swarm int8 = blockwise absmax, 32-element blocks, one bfloat16 scale each.",
-        table,
-        failures_section(rows),
-    ])
+    report = "\n\n".join(
+        [
+            "# Codec benchmark: swarm.compression vs hivemind.compression",
+            "Reproduce: `.venv/bin/python bench/codecs.py` (from the repository root; under a minute on 2 cores).",
+            environment(load_before),
+            "Tensors are float32: `normal` is N(0, 1); `student_t2` is Student-t with 2 degrees of freedom (heavy "
+            "tails, infinite variance). MB/s counts 10^6 bytes of float32 input per second, best of "
+            f"{args.repeats} runs. bytes/value is the payload size per element (float32 = 4). relative error is "
+            "||x - dec(enc(x))|| / ||x||. swarm int8 = blockwise absmax, 32-element blocks, one bfloat16 scale each.",
+            table,
+            failures_section(rows),
+        ]
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(report)
     print(f"wrote {args.output}", file=sys.stderr)

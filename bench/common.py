@@ -5,6 +5,7 @@ after: these 2-core machines are shared, so absolute numbers drift and only rati
 compare), and the one command that reproduces it. Import it from a benchmark script run from the
 repository root; importing also puts the checkout on ``sys.path``, so the scripts run without installing.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -26,10 +27,20 @@ if str(REPO_ROOT) not in sys.path:
 def git_revision() -> str:
     """``git rev-parse --short HEAD`` of the checkout, with "+dirty" when tracked files differ from it."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                               timeout=10).returncode != 0
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(
+                ["git", "diff", "--quiet", "HEAD"], cwd=REPO_ROOT, capture_output=True, timeout=10
+            ).returncode
+            != 0
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown (not a git checkout)"
     return head + ("+dirty" if dirty else "")
@@ -48,10 +59,13 @@ class RunInfo:
     """Provenance of one benchmark run. Create it first (records the load before), ``finish()`` it last."""
 
     command: str  # the one command that reproduces the result, run from the repository root
-    started: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc))
+    started: datetime.datetime = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc)
+    )
     load_before: float = field(default_factory=load_average)
     load_after: float = float("nan")
-    extra: list[str] = field(default_factory=list)  # more "- key: value" lines (threads, versions, ...)
+    # more "- key: value" lines (threads, versions, ...)
+    extra: list[str] = field(default_factory=list)
 
     def finish(self) -> None:
         self.load_after = load_average()
@@ -70,8 +84,9 @@ class RunInfo:
         ]
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *,
-                   right_align_from: int = 1) -> str:
+def markdown_table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], *, right_align_from: int = 1
+) -> str:
     """A GitHub markdown table; columns from ``right_align_from`` on are right-aligned (numbers)."""
     align = ["---" if i < right_align_from else "---:" for i in range(len(headers))]
     out = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
@@ -82,8 +97,18 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *,
 def write_result(path: Path, *, title: str, info: RunInfo, body: str) -> Path:
     """Write ``# title``, the reproduce command, the provenance lines and ``body`` to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = "\n".join([f"# {title}", "", f"Reproduce: `{info.command}` (from the repository root)", "",
-                      *info.lines(), "", body.rstrip(), ""])
+    text = "\n".join(
+        [
+            f"# {title}",
+            "",
+            f"Reproduce: `{info.command}` (from the repository root)",
+            "",
+            *info.lines(),
+            "",
+            body.rstrip(),
+            "",
+        ]
+    )
     path.write_text(text)
     return path
 
@@ -109,7 +134,9 @@ class LossCurves:
     val: list[tuple[float, float]]  # (samples trained, validation loss)
 
 
-def plot_loss_curves(runs: Sequence[LossCurves], *, title: str, path: Path, window: int = 5) -> None:
+def plot_loss_curves(
+    runs: Sequence[LossCurves], *, title: str, path: Path, window: int = 5
+) -> None:
     """Training loss (moving average over ``window`` steps: one step's loss is a noisy estimate) and validation
     loss of several runs, side by side, against samples trained; saved as a PNG (needs matplotlib)."""
     import matplotlib
@@ -120,11 +147,18 @@ def plot_loss_curves(runs: Sequence[LossCurves], *, title: str, path: Path, wind
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
         losses = [loss for _, loss in run.train]
-        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
-                  for i in range(len(losses))]
+        smooth = [
+            sum(losses[max(0, i - window + 1) : i + 1])
+            / len(losses[max(0, i - window + 1) : i + 1])
+            for i in range(len(losses))
+        ]
         ax_train.plot([samples for samples, _ in run.train], smooth, label=run.label)
         ax_val.plot(*zip(*run.val), marker="o", label=f"{run.label} ({run.val[-1][1]:.3f})")
-    ax_train.set(title=f"training loss ({window}-step moving average)", xlabel="samples", ylabel="loss (nats/byte)")
+    ax_train.set(
+        title=f"training loss ({window}-step moving average)",
+        xlabel="samples",
+        ylabel="loss (nats/byte)",
+    )
     ax_val.set(title="validation loss", xlabel="samples", ylabel="loss (nats/byte)")
     for ax in (ax_train, ax_val):
         ax.grid(alpha=0.3)

@@ -19,6 +19,7 @@ A second single-process run clips the whole model's gradient by its global norm 
 to ``max_grad_norm / sqrt(stages)`` (what the swarm does, since no stage knows the others' norms): the gap
 between the two one-process rows is the effect of that approximation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, RESULTS_DIR, LossCurves, RunInfo, markdown_table, plot_loss_curves,  # noqa: E402
-                    write_result)
+from common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    LossCurves,
+    RunInfo,
+    markdown_table,
+    plot_loss_curves,  # noqa: E402
+    write_result,
+)
 from swarmrun import Where, read_metrics, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
 
 from swarm.config import RunConfig  # noqa: E402
@@ -58,8 +66,13 @@ class ConvergenceConfig:
     seed: int = 0
 
     def run_config(self) -> RunConfig:
-        return RunConfig(model=MODEL_PRESETS["tiny"], target_batch_size=self.target_batch_size, lr=self.lr,
-                         warmup_steps=self.warmup_steps, total_steps=self.steps)
+        return RunConfig(
+            model=MODEL_PRESETS["tiny"],
+            target_batch_size=self.target_batch_size,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.steps,
+        )
 
 
 @dataclass
@@ -77,35 +90,90 @@ class Curve:
 def run_swarm(cfg: ConvergenceConfig, workdir: Path, *, sync: bool, label: str) -> Curve:
     run = cfg.run_config()
     run_id = f"conv-{'sync' if sync else 'pipelined'}"
-    run_flags = ["--preset", "tiny", "--codec", "none", "--target-batch-size", str(run.target_batch_size),
-                 "--lr", str(run.lr), "--warmup-steps", str(run.warmup_steps), "--total-steps", str(run.total_steps),
-                 "--average", "--matchmaking-s", str(cfg.matchmaking_s), "--no-rebalance"]
+    run_flags = [
+        "--preset",
+        "tiny",
+        "--codec",
+        "none",
+        "--target-batch-size",
+        str(run.target_batch_size),
+        "--lr",
+        str(run.lr),
+        "--warmup-steps",
+        str(run.warmup_steps),
+        "--total-steps",
+        str(run.total_steps),
+        "--average",
+        "--matchmaking-s",
+        str(cfg.matchmaking_s),
+        "--no-rebalance",
+    ]
     with ProcessGroup(workdir / run_id) as group:
         addr_file = workdir / run_id / "bootstrap.addr"
         start_bootstrap(group, addr_file, where=Where())
-        peers = [start_peer(group, f"s{stage}-{replica}", stage=stage, run_id=run_id, addr_file=addr_file,
-                            run_flags=run_flags)
-                 for stage in range(run.model.num_stages) for replica in range(cfg.peers_per_stage)]
+        peers = [
+            start_peer(
+                group,
+                f"s{stage}-{replica}",
+                stage=stage,
+                run_id=run_id,
+                addr_file=addr_file,
+                run_flags=run_flags,
+            )
+            for stage in range(run.model.num_stages)
+            for replica in range(cfg.peers_per_stage)
+        ]
         for proc in peers:
             wait_ready(proc)
         metrics_path = workdir / f"{run_id}.jsonl"
-        flags = ["--microbatch-size", cfg.microbatch_size, "--in-flight", 1 if sync else cfg.in_flight,
-                 "--eval-every-steps", cfg.eval_every_steps, "--eval-batches", cfg.eval_batches, "--seed", cfg.seed,
-                 "--log-every-s", 10, "--max-batches-ahead", 0 if sync else 2]
-        trainer = start_trainer(group, "trainer", run_id=run_id, addr_file=addr_file, metrics_path=metrics_path,
-                                steps=cfg.steps, flags=[str(f) for f in flags])
+        flags = [
+            "--microbatch-size",
+            cfg.microbatch_size,
+            "--in-flight",
+            1 if sync else cfg.in_flight,
+            "--eval-every-steps",
+            cfg.eval_every_steps,
+            "--eval-batches",
+            cfg.eval_batches,
+            "--seed",
+            cfg.seed,
+            "--log-every-s",
+            10,
+            "--max-batches-ahead",
+            0 if sync else 2,
+        ]
+        trainer = start_trainer(
+            group,
+            "trainer",
+            run_id=run_id,
+            addr_file=addr_file,
+            metrics_path=metrics_path,
+            steps=cfg.steps,
+            flags=[str(f) for f in flags],
+        )
         if trainer.popen.wait(timeout=3600) != 0:
             raise RuntimeError(f"the trainer of {run_id} failed; see {trainer.log_path}")
         tokens_per_s = float(trainer.wait_for(SUMMARY, timeout_s=10).group(2).replace(",", ""))
     metrics = read_metrics(metrics_path)
-    return Curve(label=label, losses=[s["loss"] for s in metrics.steps],
-                 val_curve=[(v["step"], v["val_loss"]) for v in metrics.validations], tokens_per_s=tokens_per_s)
+    return Curve(
+        label=label,
+        losses=[s["loss"] for s in metrics.steps],
+        val_curve=[(v["step"], v["val_loss"]) for v in metrics.validations],
+        tokens_per_s=tokens_per_s,
+    )
 
 
 def run_reference(cfg: ConvergenceConfig, *, clipping: str = "stage") -> Curve:
-    result = train_reference(cfg.run_config(), ByteCorpus.load(DataConfig()), steps=cfg.steps,
-                             microbatch_size=cfg.microbatch_size, seed=cfg.seed, eval_batches=cfg.eval_batches,
-                             eval_every_steps=cfg.eval_every_steps, clipping=clipping)
+    result = train_reference(
+        cfg.run_config(),
+        ByteCorpus.load(DataConfig()),
+        steps=cfg.steps,
+        microbatch_size=cfg.microbatch_size,
+        seed=cfg.seed,
+        eval_batches=cfg.eval_batches,
+        eval_every_steps=cfg.eval_every_steps,
+        clipping=clipping,
+    )
     label = "one process" if clipping == "stage" else "one process, exact global clipping"
     return Curve(label=label, losses=result.losses, val_curve=result.val_losses)
 
@@ -113,22 +181,36 @@ def run_reference(cfg: ConvergenceConfig, *, clipping: str = "stage") -> Curve:
 def plot(curves: list[Curve], cfg: ConvergenceConfig, path: Path) -> None:
     batch = cfg.target_batch_size
     plot_loss_curves(
-        [LossCurves(c.label, train=[((i + 1) * batch, loss) for i, loss in enumerate(c.losses)],
-                    val=[(step * batch, loss) for step, loss in c.val_curve]) for c in curves],
+        [
+            LossCurves(
+                c.label,
+                train=[((i + 1) * batch, loss) for i, loss in enumerate(c.losses)],
+                val=[(step * batch, loss) for step, loss in c.val_curve],
+            )
+            for c in curves
+        ],
         title=f"tiny model, 2 stages x {cfg.peers_per_stage} peers averaging gradients (codec none) vs one process; "
-              f"same init, data, batches of {batch}, schedule", path=path)
+        f"same init, data, batches of {batch}, schedule",
+        path=path,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=120, help="global batches of 64 samples")
-    parser.add_argument("--in-flight", type=int, default=4, help="microbatches in flight in the pipelined run")
-    parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
+    parser.add_argument(
+        "--in-flight", type=int, default=4, help="microbatches in flight in the pipelined run"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="process logs (default: a temporary folder)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "convergence.md")
     parser.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "convergence.png")
     args = parser.parse_args()
     cfg = ConvergenceConfig(steps=args.steps, in_flight=args.in_flight)
-    info = RunInfo(command=".venv/bin/python bench/convergence.py" + "".join(f" {a}" for a in sys.argv[1:]))
+    info = RunInfo(
+        command=".venv/bin/python bench/convergence.py" + "".join(f" {a}" for a in sys.argv[1:])
+    )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-convergence-"))
     print(f"logs in {workdir}", flush=True)
     curves = [run_reference(cfg), run_reference(cfg, clipping="global")]
@@ -136,19 +218,38 @@ def main() -> None:
         print(f"  {c.label}: final validation loss {c.final_val:.4f}", flush=True)
     for sync, label in ((True, "swarm, lockstep"), (False, f"swarm, {cfg.in_flight} in flight")):
         curves.append(run_swarm(cfg, workdir, sync=sync, label=label))
-        print(f"  {label}: final validation loss {curves[-1].final_val:.4f}, "
-              f"{curves[-1].tokens_per_s:,.0f} tokens/s", flush=True)
+        print(
+            f"  {label}: final validation loss {curves[-1].final_val:.4f}, "
+            f"{curves[-1].tokens_per_s:,.0f} tokens/s",
+            flush=True,
+        )
     info.finish()
     plot(curves, cfg, args.plot)
     reference = curves[0]
     rows = []
     for c in curves:
         gap = abs(c.final_val - reference.final_val) / reference.final_val
-        rows.append([c.label, f"{c.final_val:.4f}", f"{100 * gap:.2f}%", "yes" if gap <= TARGET else "**no**",
-                     ", ".join(f"{s}: {v:.3f}" for s, v in c.val_curve),
-                     "" if math.isnan(c.tokens_per_s) else f"{c.tokens_per_s:,.0f}"])
-    table = markdown_table(["run", "final validation loss", "gap vs one process", f"within {TARGET:.0%}",
-                            "validation loss (global batches: loss)", "tokens/s"], rows)
+        rows.append(
+            [
+                c.label,
+                f"{c.final_val:.4f}",
+                f"{100 * gap:.2f}%",
+                "yes" if gap <= TARGET else "**no**",
+                ", ".join(f"{s}: {v:.3f}" for s, v in c.val_curve),
+                "" if math.isnan(c.tokens_per_s) else f"{c.tokens_per_s:,.0f}",
+            ]
+        )
+    table = markdown_table(
+        [
+            "run",
+            "final validation loss",
+            "gap vs one process",
+            f"within {TARGET:.0%}",
+            "validation loss (global batches: loss)",
+            "tokens/s",
+        ],
+        rows,
+    )
     info.extra += [
         f"tiny preset, 2 stages x {cfg.peers_per_stage} peers (`--threads 1`, codec none, `--matchmaking-s "
         f"{cfg.matchmaking_s}`) on loopback; {cfg.steps} global batches of {cfg.target_batch_size} samples "
@@ -156,8 +257,12 @@ def main() -> None:
         f"seed {cfg.seed}; validation on {cfg.eval_batches} fixed batches",
         f"plot: {args.plot.relative_to(REPO_ROOT) if args.plot.is_relative_to(REPO_ROOT) else args.plot}",
     ]
-    path = write_result(args.out, title="Convergence: swarm with averaging replicas vs one process", info=info,
-                        body=table)
+    path = write_result(
+        args.out,
+        title="Convergence: swarm with averaging replicas vs one process",
+        info=info,
+        body=table,
+    )
     print("\n" + table + f"\n\nwritten to {path} and {args.plot}")
 
 

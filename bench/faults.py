@@ -11,6 +11,7 @@ at >= 80% of the throughput before the freeze.
 
     .venv/bin/python bench/faults.py [--phase-s 20] [--bucket-s 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,18 @@ from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E
 
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
 
-PEER_FLAGS = ["--preset", "tiny", "--target-batch-size", "32", "--heartbeat-s", "0.5", "--ttl-s", "3",
-              "--threads", "1"]
+PEER_FLAGS = [
+    "--preset",
+    "tiny",
+    "--target-batch-size",
+    "32",
+    "--heartbeat-s",
+    "0.5",
+    "--ttl-s",
+    "3",
+    "--threads",
+    "1",
+]
 READY = r"serves stage \d+ of run '[^']+' at (\S+)"
 
 
@@ -53,9 +64,14 @@ def log_time(line: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase-s", type=float, default=20.0, help="seconds between two faults")
-    parser.add_argument("--bucket-s", type=float, default=2.0, help="seconds per row of the time series")
+    parser.add_argument(
+        "--bucket-s", type=float, default=2.0, help="seconds per row of the time series"
+    )
     args = parser.parse_args()
-    info = RunInfo(command="python bench/faults.py" + (f" --phase-s {args.phase_s:g}" if args.phase_s != 20 else ""))
+    info = RunInfo(
+        command="python bench/faults.py"
+        + (f" --phase-s {args.phase_s:g}" if args.phase_s != 20 else "")
+    )
     workdir = Path(tempfile.mkdtemp(prefix="swarm-bench-faults-"))
     metrics = workdir / "metrics.jsonl"
     addr = workdir / "bootstrap.addr"
@@ -63,14 +79,37 @@ def main() -> int:
     with ProcessGroup(workdir) as group:
         group.swarm("bootstrap", "dht", "--address-file", str(addr))
         common = ["--run-id", "faults", "--initial-peers", f"@{addr}"]
-        peers = {name: group.swarm(name, "peer", "--stage", stage, "--no-rebalance", *common, *PEER_FLAGS,
-                                   env={"OMP_NUM_THREADS": "1"})
-                 for name, stage in [("s0-a", "0"), ("s0-b", "0"), ("s1-a", "1"), ("s1-b", "1")]}
+        peers = {
+            name: group.swarm(
+                name,
+                "peer",
+                "--stage",
+                stage,
+                "--no-rebalance",
+                *common,
+                *PEER_FLAGS,
+                env={"OMP_NUM_THREADS": "1"},
+            )
+            for name, stage in [("s0-a", "0"), ("s0-b", "0"), ("s1-a", "1"), ("s1-b", "1")]
+        }
         for proc in peers.values():
             proc.wait_for(READY, timeout_s=180)
-        trainer = group.swarm("trainer", "train", *common, "--steps", "0", "--microbatch-size", "8", "--in-flight",
-                              "4", "--log-every-s", "0", "--metrics-path", str(metrics),
-                              env={"OMP_NUM_THREADS": "1"})
+        trainer = group.swarm(
+            "trainer",
+            "train",
+            *common,
+            "--steps",
+            "0",
+            "--microbatch-size",
+            "8",
+            "--in-flight",
+            "4",
+            "--log-every-s",
+            "0",
+            "--metrics-path",
+            str(metrics),
+            env={"OMP_NUM_THREADS": "1"},
+        )
         trainer.wait_for(r"^step 1\b", timeout_s=180)
         start = steps(metrics)[0]["wall_time"]
 
@@ -83,13 +122,31 @@ def main() -> int:
             return at
 
         phase("SIGKILL peer s0-b (stage 0)", lambda: peers["s0-b"].signal(signal.SIGKILL))
-        joined = phase("new peer s0-c joins stage 0",
-                       lambda: group.swarm("s0-c", "peer", "--stage", "0", "--no-rebalance", *common, *PEER_FLAGS,
-                                           env={"OMP_NUM_THREADS": "1"}))
+        joined = phase(
+            "new peer s0-c joins stage 0",
+            lambda: group.swarm(
+                "s0-c",
+                "peer",
+                "--stage",
+                "0",
+                "--no-rebalance",
+                *common,
+                *PEER_FLAGS,
+                env={"OMP_NUM_THREADS": "1"},
+            ),
+        )
         group.procs["s0-c"].wait_for(READY, timeout_s=180)
-        events.append((log_time(next(l for l in group.procs["s0-c"].lines if "serves stage" in l)),
-                       "s0-c serving"))
-        frozen_at = phase("SIGSTOP peer s1-b (stage 1)", lambda: peers["s1-b"].signal(signal.SIGSTOP))
+        events.append(
+            (
+                log_time(
+                    next(line for line in group.procs["s0-c"].lines if "serves stage" in line)
+                ),
+                "s0-c serving",
+            )
+        )
+        frozen_at = phase(
+            "SIGSTOP peer s1-b (stage 1)", lambda: peers["s1-b"].signal(signal.SIGSTOP)
+        )
         phase("SIGCONT peer s1-b", lambda: peers["s1-b"].signal(signal.SIGCONT))
         wait_until(trainer, metrics, time.time() + args.phase_s)
         group.stop("trainer", sig=signal.SIGINT)
@@ -104,7 +161,9 @@ def main() -> int:
         count = sum(1 for r in records if t <= r["wall_time"] < t + args.bucket_s)
         marks = "; ".join(label for at, label in events if t <= at < t + args.bucket_s)
         series.append((t, count * per_step_tokens / args.bucket_s))
-        rows.append([f"{t - start:.0f}–{t - start + args.bucket_s:.0f}", f"{series[-1][1]:,.0f}", marks])
+        rows.append(
+            [f"{t - start:.0f}–{t - start + args.bucket_s:.0f}", f"{series[-1][1]:,.0f}", marks]
+        )
         t += args.bucket_s
 
     def mean_rate(t0, t1):
@@ -112,27 +171,49 @@ def main() -> int:
         return sum(chosen) / max(len(chosen), 1)
 
     before_freeze = mean_rate(frozen_at - args.phase_s + args.bucket_s, frozen_at)
-    failures = [log_time(line) for line in trainer.lines
-                if "failed (" in line and line[:4].isdigit() and log_time(line) >= frozen_at]
+    failures = [
+        log_time(line)
+        for line in trainer.lines
+        if "failed (" in line and line[:4].isdigit() and log_time(line) >= frozen_at
+    ]
     detect_s = failures[0] - frozen_at if failures else float("nan")
     recovered = next((at for at, r in series if at >= frozen_at and r >= 0.8 * before_freeze), None)
     recover_s = (recovered + args.bucket_s - frozen_at) if recovered is not None else float("nan")
     summary = markdown_table(
         ["measure", "value"],
-        [["tokens/s before the kill", f"{mean_rate(start + args.bucket_s, events[0][0]):,.0f}"],
-         ["tokens/s between kill and rejoin", f"{mean_rate(events[0][0] + args.bucket_s, joined):,.0f}"],
-         ["tokens/s after rejoin, before the freeze", f"{before_freeze:,.0f}"],
-         ["frozen peer: first failed call after SIGSTOP (detection)", f"{detect_s:.1f} s"],
-         ["frozen peer: back to >= 80% of the pre-freeze tokens/s", f"{recover_s:.1f} s"],
-         ["microbatches lost", "0 (the trainer completes every microbatch it starts; see tests/test_faults.py)"]],
-        right_align_from=1)
-    body = "\n".join([
-        "2 stages x 2 peers (`tiny`), one trainer (microbatch 8, 4 in flight), all on this machine's 2 cores; "
-        "faults injected with real signals. Detection of a frozen peer is bounded by its call deadline, which "
-        "routing sets from the peer's measured latency (`timeout_factor` x predicted round trip + slack, at "
-        "least `min_timeout_s`).", "", summary, "", f"Time series ({args.bucket_s:g} s buckets):", "",
-        markdown_table(["seconds", "tokens/s", "event"], rows, right_align_from=1)])
-    path = write_result(RESULTS_DIR / "faults.md", title="Throughput through faults", info=info, body=body)
+        [
+            ["tokens/s before the kill", f"{mean_rate(start + args.bucket_s, events[0][0]):,.0f}"],
+            [
+                "tokens/s between kill and rejoin",
+                f"{mean_rate(events[0][0] + args.bucket_s, joined):,.0f}",
+            ],
+            ["tokens/s after rejoin, before the freeze", f"{before_freeze:,.0f}"],
+            ["frozen peer: first failed call after SIGSTOP (detection)", f"{detect_s:.1f} s"],
+            ["frozen peer: back to >= 80% of the pre-freeze tokens/s", f"{recover_s:.1f} s"],
+            [
+                "microbatches lost",
+                "0 (the trainer completes every microbatch it starts; see tests/test_faults.py)",
+            ],
+        ],
+        right_align_from=1,
+    )
+    body = "\n".join(
+        [
+            "2 stages x 2 peers (`tiny`), one trainer (microbatch 8, 4 in flight), all on this machine's 2 cores; "
+            "faults injected with real signals. Detection of a frozen peer is bounded by its call deadline, which "
+            "routing sets from the peer's measured latency (`timeout_factor` x predicted round trip + slack, at "
+            "least `min_timeout_s`).",
+            "",
+            summary,
+            "",
+            f"Time series ({args.bucket_s:g} s buckets):",
+            "",
+            markdown_table(["seconds", "tokens/s", "event"], rows, right_align_from=1),
+        ]
+    )
+    path = write_result(
+        RESULTS_DIR / "faults.md", title="Throughput through faults", info=info, body=body
+    )
     print(summary)
     print(f"wrote {path}")
     return 0

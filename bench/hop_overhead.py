@@ -18,6 +18,7 @@ worker thread): they share the GIL, and on a 2-core machine they share the cores
 would. Across machines the two sides would run in parallel, so these numbers are an upper bound on CPU cost
 per hop, and a lower bound on nothing network-related (loopback has no bandwidth limit to speak of).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, RunInfo, markdown_table, percentile, write_result  # noqa: E402
-
 import grpc  # noqa: E402
 import torch  # noqa: E402
+from common import RESULTS_DIR, RunInfo, markdown_table, percentile, write_result  # noqa: E402
 
 from swarm.compression import CODEC_NAMES, get_codec  # noqa: E402
 from swarm.config import RunConfig  # noqa: E402
@@ -48,7 +48,9 @@ from swarm.transport.client import PeerClient  # noqa: E402
 
 SEQ_LEN, WIDTH = 128, 256  # activation shape (B, SEQ_LEN, WIDTH): W1's cut
 BYTES_PER_SAMPLE = SEQ_LEN * WIDTH * 4  # float32: 128 KiB per sequence
-PROBE_MODEL = ModelConfig(d_model=8, n_heads=1, n_layers=3, num_stages=3, seq_len=SEQ_LEN, bottleneck_dim=WIDTH)
+PROBE_MODEL = ModelConfig(
+    d_model=8, n_heads=1, n_layers=3, num_stages=3, seq_len=SEQ_LEN, bottleneck_dim=WIDTH
+)
 RUN_ID = "bench-hop"
 STAGE = 1  # the middle stage: float activations in and out
 RAW = "raw gRPC"  # the floor: bytes echoed by a bare grpc.aio server, no swarm code on either side
@@ -82,13 +84,32 @@ class Row:
         ms = lambda values, q: f"{1e3 * percentile(values, q):.1f}"  # noqa: E731
         over_med = percentile(self.overhead_s, 50)
         moved_mb = 2 * self.case.size_mib * (1 << 20) / 1e6  # fp32 bytes in + out
-        return [f"{self.case.size_mib:g} MiB (B={self.case.batch})", self.case.codec, f"{self.wire_mib:.2f}",
-                len(self.rtt_s), ms(self.rtt_s, 50), ms(self.rtt_s, 90), ms(self.compute_s, 50),
-                ms(self.overhead_s, 50), ms(self.overhead_s, 90), f"{moved_mb / over_med:,.0f}"]
+        return [
+            f"{self.case.size_mib:g} MiB (B={self.case.batch})",
+            self.case.codec,
+            f"{self.wire_mib:.2f}",
+            len(self.rtt_s),
+            ms(self.rtt_s, 50),
+            ms(self.rtt_s, 90),
+            ms(self.compute_s, 50),
+            ms(self.overhead_s, 50),
+            ms(self.overhead_s, 90),
+            f"{moved_mb / over_med:,.0f}",
+        ]
 
 
-HEADERS = ["activation (each way)", "codec", "wire MiB each way", "calls", "round trip p50 ms", "p90 ms",
-           "compute p50 ms", "overhead p50 ms", "overhead p90 ms", "fp32 MB/s (in+out / overhead p50)"]
+HEADERS = [
+    "activation (each way)",
+    "codec",
+    "wire MiB each way",
+    "calls",
+    "round trip p50 ms",
+    "p90 ms",
+    "compute p50 ms",
+    "overhead p50 ms",
+    "overhead p90 ms",
+    "fp32 MB/s (in+out / overhead p50)",
+]
 
 
 class LoopThread:
@@ -97,6 +118,7 @@ class LoopThread:
     def __init__(self, name: str):
         try:
             import uvloop
+
             self.loop = uvloop.new_event_loop()
         except ImportError:
             self.loop = asyncio.new_event_loop()
@@ -129,8 +151,9 @@ class ComputeTimer:
         executor.forward = timed  # the service looks the method up on every call
 
 
-async def round_trips(peer_endpoint: str, echo_endpoint: str, cases: list[Case], warmup: int
-                      ) -> list[tuple[list[str], list[float]]]:
+async def round_trips(
+    peer_endpoint: str, echo_endpoint: str, cases: list[Case], warmup: int
+) -> list[tuple[list[str], list[float]]]:
     """For each case (all of one size): (microbatch ids, round-trip seconds) of its timed calls.
 
     The cases take turns call by call (none, fp16, bf16, int8, raw gRPC, none, ...), so a burst of load from
@@ -140,8 +163,12 @@ async def round_trips(peer_endpoint: str, echo_endpoint: str, cases: list[Case],
     try:
         async with grpc.aio.insecure_channel(echo_endpoint, options=GRPC_OPTIONS) as echo_channel:
             echo = echo_channel.stream_stream(ECHO_METHOD)
-            inputs = [torch.randn(c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0))  # (B, T, W)
-                      for c in cases]
+            inputs = [
+                torch.randn(
+                    c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0)
+                )  # (B, T, W)
+                for c in cases
+            ]
             for i in range(warmup + max(c.repeats for c in cases)):
                 for case, x, (ids, rtts) in zip(cases, inputs, results):
                     if i >= warmup + case.repeats:
@@ -162,20 +189,31 @@ async def round_trips(peer_endpoint: str, echo_endpoint: str, cases: list[Case],
 
 
 async def forward_call(client: PeerClient, case: Case, microbatch_id: str, x: torch.Tensor) -> None:
-    meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, run_id=RUN_ID, stage=STAGE, microbatch_id=microbatch_id,
-                          codec=case.codec, eval_only=True, num_samples=case.batch)
+    meta = pb.RequestMeta(
+        protocol_version=PROTOCOL_VERSION,
+        run_id=RUN_ID,
+        stage=STAGE,
+        microbatch_id=microbatch_id,
+        codec=case.codec,
+        eval_only=True,
+        num_samples=case.batch,
+    )
     reply = await client.forward(meta, [("input", x)], get_codec(case.codec), timeout_s=120)
     if tuple(reply.tensors["output"].shape) != tuple(x.shape):
-        raise RuntimeError(f"the peer answered shape {list(reply.tensors['output'].shape)} to {list(x.shape)}")
+        raise RuntimeError(
+            f"the peer answered shape {list(reply.tensors['output'].shape)} to {list(x.shape)}"
+        )
 
 
 async def echo_call(echo, x: torch.Tensor) -> None:
     """Stream x's float32 bytes in 1 MiB chunks to the bare echo server and read them all back."""
-    payload = x.numpy().tobytes()  # the copy a sender makes anyway; the transport's encode does the same
+    payload = (
+        x.numpy().tobytes()
+    )  # the copy a sender makes anyway; the transport's encode does the same
 
     async def send():
         for start in range(0, len(payload), CHUNK_BYTES):
-            yield payload[start:start + CHUNK_BYTES]
+            yield payload[start : start + CHUNK_BYTES]
 
     received = sum([len(chunk) async for chunk in echo(send(), timeout=120)])
     if received != len(payload):
@@ -193,8 +231,13 @@ async def start_echo_server() -> tuple[grpc.aio.Server, str]:
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     # No (de)serializers: messages are raw bytes, so this measures gRPC and HTTP/2 alone.
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Stream": grpc.stream_stream_rpc_method_handler(echo)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "bench.Echo", {"Stream": grpc.stream_stream_rpc_method_handler(echo)}
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -211,9 +254,13 @@ def build_cases(args) -> list[Case]:
     codecs = [c for c in args.codecs.split(",") if c]
     unknown = sorted(set(codecs) - set(CODEC_NAMES) - {RAW})
     if unknown:
-        raise SystemExit(f"unknown codecs {unknown}; swarm.compression.CODEC_NAMES = {list(CODEC_NAMES)}")
+        raise SystemExit(
+            f"unknown codecs {unknown}; swarm.compression.CODEC_NAMES = {list(CODEC_NAMES)}"
+        )
     # one sequence: the fixed cost per call
-    cases = [Case(size_mib=0.125, codec=c, repeats=args.repeats) for c in ("none", RAW) if c in codecs]
+    cases = [
+        Case(size_mib=0.125, codec=c, repeats=args.repeats) for c in ("none", RAW) if c in codecs
+    ]
     cases += [Case(size_mib=1, codec=c, repeats=args.repeats) for c in codecs]
     cases += [Case(size_mib=16, codec=c, repeats=max(5, args.repeats // 3)) for c in codecs]
     if args.big_mib:
@@ -223,20 +270,30 @@ def build_cases(args) -> list[Case]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=100, help="timed calls per 1 MiB case (a third for 16 MiB)")
+    parser.add_argument(
+        "--repeats", type=int, default=100, help="timed calls per 1 MiB case (a third for 16 MiB)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each case")
-    parser.add_argument("--codecs", default=",".join([*CODEC_NAMES, RAW]),
-                        help=f"comma-separated codec names; '{RAW}' = the bare gRPC floor")
-    parser.add_argument("--big-mib", type=int, default=64, help="one larger size with codec none (0 = skip)")
+    parser.add_argument(
+        "--codecs",
+        default=",".join([*CODEC_NAMES, RAW]),
+        help=f"comma-separated codec names; '{RAW}' = the bare gRPC floor",
+    )
+    parser.add_argument(
+        "--big-mib", type=int, default=64, help="one larger size with codec none (0 = skip)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "hop_overhead.md")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     command = ".venv/bin/python bench/hop_overhead.py" + "".join(f" {a}" for a in sys.argv[1:])
     info = RunInfo(command=command)
     cases = build_cases(args)
-    peer_config = PeerConfig(run_id=RUN_ID, stage=STAGE, threads=1,
-                             max_microbatch_size=max(c.batch for c in cases))
-    run = RunConfig(model=PROBE_MODEL, target_batch_size=1 << 30)  # eval_only calls never step anyway
+    peer_config = PeerConfig(
+        run_id=RUN_ID, stage=STAGE, threads=1, max_microbatch_size=max(c.batch for c in cases)
+    )
+    run = RunConfig(
+        model=PROBE_MODEL, target_batch_size=1 << 30
+    )  # eval_only calls never step anyway
 
     server_loop, client_loop = LoopThread("peer-loop"), LoopThread("client-loop")
     rows: list[Row] = []
@@ -244,13 +301,19 @@ def main() -> None:
     try:
         peer = server_loop.run(Peer.create(peer_config, run=run))
         timer = ComputeTimer(peer.executor)
-        print(f"peer serves stage {STAGE} of the probe model at {peer.endpoint}; "
-              f"{len(cases)} cases", flush=True)
+        print(
+            f"peer serves stage {STAGE} of the probe model at {peer.endpoint}; {len(cases)} cases",
+            flush=True,
+        )
         echo_server, echo_endpoint = server_loop.run(start_echo_server())
         try:
-            for size in dict.fromkeys(c.size_mib for c in cases):  # sizes in order; codecs interleaved within
+            for size in dict.fromkeys(
+                c.size_mib for c in cases
+            ):  # sizes in order; codecs interleaved within
                 group = [c for c in cases if c.size_mib == size]
-                measured = client_loop.run(round_trips(peer.endpoint, echo_endpoint, group, args.warmup))
+                measured = client_loop.run(
+                    round_trips(peer.endpoint, echo_endpoint, group, args.warmup)
+                )
                 for case, (ids, rtts) in zip(group, measured):
                     compute = [0.0 if case.codec == RAW else timer.seconds[i] for i in ids]
                     rows.append(Row(case, wire_mib(case), rtts, compute))
@@ -265,9 +328,11 @@ def main() -> None:
         server_loop.close()
     info.finish()
 
-    info.extra += [f"torch threads: peer compute 1 (PeerConfig.threads); encode/decode of chunks >= 256 KiB "
-                   f"on each loop's default thread pool", "client and peer in one process, two event-loop "
-                   "threads (uvloop), loopback gRPC"]
+    info.extra += [
+        "torch threads: peer compute 1 (PeerConfig.threads); encode/decode of chunks >= 256 KiB "
+        "on each loop's default thread pool",
+        "client and peer in one process, two event-loop threads (uvloop), loopback gRPC",
+    ]
     table = markdown_table(HEADERS, [row.cells() for row in rows], right_align_from=2)
     one = {r.case.codec: r for r in rows if r.case.size_mib == 1}
     notes = [
@@ -288,10 +353,14 @@ def main() -> None:
     ]
     if "none" in one and percentile(one["none"].overhead_s, 50) > 0:
         base = percentile(one["none"].overhead_s, 50)
-        ratios = ", ".join(f"{c} {percentile(r.overhead_s, 50) / base:.2f}x" for c, r in one.items() if c != "none")
+        ratios = ", ".join(
+            f"{c} {percentile(r.overhead_s, 50) / base:.2f}x" for c, r in one.items() if c != "none"
+        )
         notes.append(f"1 MiB overhead relative to codec none, same run: {ratios}.")
     body = "\n".join([table, "", *(f"- {n}" for n in notes)])
-    path = write_result(args.out, title="Per-hop RPC overhead (loopback gRPC, one real peer)", info=info, body=body)
+    path = write_result(
+        args.out, title="Per-hop RPC overhead (loopback gRPC, one real peer)", info=info, body=body
+    )
     print("\n" + table + "\n\n" + "\n".join(notes) + f"\n\nwritten to {path}")
 
 

@@ -17,6 +17,7 @@ suddenly slower would time calls out and ban the only peer of a stage, one that 
 Bytes through the trainer's interface in the window give the link's utilisation, which tells whether the
 link or the CPUs were the bottleneck.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, RunInfo, load_average, markdown_table, write_result  # noqa: E402
-from swarmrun import (Progress, Where, read_metrics, start_bootstrap, start_peer, start_trainer,  # noqa: E402
-                      wait_ready)
+from swarmrun import (
+    Progress,
+    Where,
+    read_metrics,
+    start_bootstrap,
+    start_peer,
+    start_trainer,  # noqa: E402
+    wait_ready,
+)
 
 from deploy.netns import EmulatedHost, EmulatedNetwork, have_netns  # noqa: E402
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
@@ -42,7 +50,9 @@ TARGET_BATCH = 32  # samples per optimizer step of each stage (the demo's)
 LR = 3e-3
 MAX_DATA_BYTES = 8_000_000  # the trainer loads this much text: faster start, same throughput
 KEEP_AT_100 = 0.80  # target: int8 at 100 Mbit/s keeps this share of its unlimited-link tokens/s
-INT8_SPEEDUP = 3.0  # target: int8 this many times faster than none wherever the link is the bottleneck
+INT8_SPEEDUP = (
+    3.0  # target: int8 this many times faster than none wherever the link is the bottleneck
+)
 LINK_BOUND = 0.80  # "the link is the bottleneck" for none at a rate: it keeps less than this share of unlimited
 
 
@@ -95,8 +105,14 @@ class SetupResult:
 
 def _link_bytes(host: EmulatedHost) -> tuple[int, int]:
     """(tx, rx) bytes of the host's interface, read inside its namespace (the kernel's counters)."""
-    out = host.run(["cat", "/sys/class/net/eth0/statistics/tx_bytes", "/sys/class/net/eth0/statistics/rx_bytes"],
-                   timeout_s=10).stdout.split()
+    out = host.run(
+        [
+            "cat",
+            "/sys/class/net/eth0/statistics/tx_bytes",
+            "/sys/class/net/eth0/statistics/rx_bytes",
+        ],
+        timeout_s=10,
+    ).stdout.split()
     return int(out[0]), int(out[1])
 
 
@@ -108,20 +124,37 @@ def _wait_progress(metrics: Path, *, after_step: int, trainer, timeout_s: float)
         if progress is not None and progress.step > after_step:
             return progress
         if not trainer.alive():
-            raise RuntimeError(f"the trainer exited (code {trainer.popen.poll()}); see {trainer.log_path}")
+            raise RuntimeError(
+                f"the trainer exited (code {trainer.popen.poll()}); see {trainer.log_path}"
+            )
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no step after {after_step} within {timeout_s:.0f}s; see {trainer.log_path}")
+            raise TimeoutError(
+                f"no step after {after_step} within {timeout_s:.0f}s; see {trainer.log_path}"
+            )
         time.sleep(0.2)  # the trainer appends to a file; there is no event to wait on
 
 
-def measure_window(host: EmulatedHost, metrics: Path, trainer, *, rate_mbit: float | None, warmup_s: float,
-                   seconds: float, min_steps: int, timeout_s: float) -> Window:
+def measure_window(
+    host: EmulatedHost,
+    metrics: Path,
+    trainer,
+    *,
+    rate_mbit: float | None,
+    warmup_s: float,
+    seconds: float,
+    min_steps: int,
+    timeout_s: float,
+) -> Window:
     """Warm up at the current rate, then tokens/s and link bytes between two step boundaries."""
     begun = time.monotonic()
     now = read_metrics(metrics).progress()
     # Warmup: at least one step completed entirely at the new rate, and at least warmup_s.
-    after = _wait_progress(metrics, after_step=(now.step if now else 0) + 1, trainer=trainer, timeout_s=timeout_s)
-    time.sleep(max(0.0, warmup_s - (time.monotonic() - begun)))  # a measuring period, not a wait for an event
+    after = _wait_progress(
+        metrics, after_step=(now.step if now else 0) + 1, trainer=trainer, timeout_s=timeout_s
+    )
+    time.sleep(
+        max(0.0, warmup_s - (time.monotonic() - begun))
+    )  # a measuring period, not a wait for an event
     start = _wait_progress(metrics, after_step=after.step, trainer=trainer, timeout_s=timeout_s)
     tx0, rx0, t0 = *_link_bytes(host), time.monotonic()
     end = start
@@ -129,53 +162,126 @@ def measure_window(host: EmulatedHost, metrics: Path, trainer, *, rate_mbit: flo
         end = _wait_progress(metrics, after_step=end.step, trainer=trainer, timeout_s=timeout_s)
     tx1, rx1, t1 = *_link_bytes(host), time.monotonic()
     # Byte counters are read at our clock, steps at the trainer's: both span the same steps to within a poll.
-    return Window(rate_mbit=rate_mbit, tokens_per_s=end.tokens_per_s_since(start), seconds=end.time_s - start.time_s,
-                  steps=end.step - start.step, sent_mbit_per_s=(tx1 - tx0) * 8 / (t1 - t0) / 1e6,
-                  received_mbit_per_s=(rx1 - rx0) * 8 / (t1 - t0) / 1e6, load=load_average())
+    return Window(
+        rate_mbit=rate_mbit,
+        tokens_per_s=end.tokens_per_s_since(start),
+        seconds=end.time_s - start.time_s,
+        steps=end.step - start.step,
+        sent_mbit_per_s=(tx1 - tx0) * 8 / (t1 - t0) / 1e6,
+        received_mbit_per_s=(rx1 - rx0) * 8 / (t1 - t0) / 1e6,
+        load=load_average(),
+    )
 
 
-def measure_setup(setup: SwarmSetup, workdir: Path, *, warmup_s: float, seconds: float, min_steps: int,
-                  timeout_s: float) -> SetupResult:
+def measure_setup(
+    setup: SwarmSetup,
+    workdir: Path,
+    *,
+    warmup_s: float,
+    seconds: float,
+    min_steps: int,
+    timeout_s: float,
+) -> SetupResult:
     """Start the swarm of ``setup`` on 4 emulated hosts once and measure each of its rates."""
     result = SetupResult(setup)
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    with EmulatedNetwork(num_hosts=4, rate_mbit=setup.rates_mbit[0]) as net, ProcessGroup(workdir) as group:
+    with (
+        EmulatedNetwork(num_hosts=4, rate_mbit=setup.rates_mbit[0]) as net,
+        ProcessGroup(workdir) as group,
+    ):
         boot, peer0, peer1, trainer_host = net.hosts
         addr_file = workdir / "bootstrap.addr"
         started = time.monotonic()
         start_bootstrap(group, addr_file, where=Where.on(boot))
         run_id = f"net-{setup.name}".replace("+", "-")
-        bench_dir = Path(__file__).resolve().parent  # the checkout's swarm package, not an installed one
-        boot.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(bench_dir.parent)!r}, {str(bench_dir)!r}]; "
-                  "import swarmrun; sys.exit(swarmrun.main())", "publish", "--addr-file",
-                  str(addr_file), "--run-id", run_id, "--config-json", json.dumps(setup.run_config().to_dict())],
-                 timeout_s=timeout_s)
-        peers = [start_peer(group, f"peer-s{k}", stage=k, run_id=run_id, addr_file=addr_file, where=Where.on(host))
-                 for k, host in enumerate((peer0, peer1))]
+        bench_dir = (
+            Path(__file__).resolve().parent
+        )  # the checkout's swarm package, not an installed one
+        boot.run(
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path[:0] = [{str(bench_dir.parent)!r}, {str(bench_dir)!r}]; "
+                "import swarmrun; sys.exit(swarmrun.main())",
+                "publish",
+                "--addr-file",
+                str(addr_file),
+                "--run-id",
+                run_id,
+                "--config-json",
+                json.dumps(setup.run_config().to_dict()),
+            ],
+            timeout_s=timeout_s,
+        )
+        peers = [
+            start_peer(
+                group,
+                f"peer-s{k}",
+                stage=k,
+                run_id=run_id,
+                addr_file=addr_file,
+                where=Where.on(host),
+            )
+            for k, host in enumerate((peer0, peer1))
+        ]
         for proc in peers:
             wait_ready(proc)
-        trainer = start_trainer(group, "trainer", run_id=run_id, addr_file=addr_file, metrics_path=metrics,
-                                steps=0, where=Where.on(trainer_host),
-                                flags=["--microbatch-size", str(MICROBATCH), "--in-flight", str(IN_FLIGHT),
-                                       "--eval-every-steps", "0", "--eval-batches", "1", "--log-every-s", "10",
-                                       "--max-bytes", str(MAX_DATA_BYTES)])
+        trainer = start_trainer(
+            group,
+            "trainer",
+            run_id=run_id,
+            addr_file=addr_file,
+            metrics_path=metrics,
+            steps=0,
+            where=Where.on(trainer_host),
+            flags=[
+                "--microbatch-size",
+                str(MICROBATCH),
+                "--in-flight",
+                str(IN_FLIGHT),
+                "--eval-every-steps",
+                "0",
+                "--eval-batches",
+                "1",
+                "--log-every-s",
+                "10",
+                "--max-bytes",
+                str(MAX_DATA_BYTES),
+            ],
+        )
         _wait_progress(metrics, after_step=0, trainer=trainer, timeout_s=timeout_s)
-        print(f"  {setup.name}: swarm up and training after {time.monotonic() - started:.0f}s", flush=True)
+        print(
+            f"  {setup.name}: swarm up and training after {time.monotonic() - started:.0f}s",
+            flush=True,
+        )
         for rate in setup.rates_mbit:
             for host in net.hosts:
                 host.set_rate(rate)
-            window = measure_window(trainer_host, metrics, trainer, rate_mbit=rate, warmup_s=warmup_s,
-                                    seconds=seconds, min_steps=min_steps, timeout_s=timeout_s)
+            window = measure_window(
+                trainer_host,
+                metrics,
+                trainer,
+                rate_mbit=rate,
+                warmup_s=warmup_s,
+                seconds=seconds,
+                min_steps=min_steps,
+                timeout_s=timeout_s,
+            )
             result.windows[rate] = window
-            print(f"  {setup.name} @ {_rate_label(rate)}: {window.tokens_per_s:,.0f} tokens/s over "
-                  f"{window.seconds:.0f}s ({window.steps} steps); trainer link up {window.sent_mbit_per_s:.1f} / "
-                  f"down {window.received_mbit_per_s:.1f} Mbit/s; load {window.load:.1f}", flush=True)
+            print(
+                f"  {setup.name} @ {_rate_label(rate)}: {window.tokens_per_s:,.0f} tokens/s over "
+                f"{window.seconds:.0f}s ({window.steps} steps); trainer link up {window.sent_mbit_per_s:.1f} / "
+                f"down {window.received_mbit_per_s:.1f} Mbit/s; load {window.load:.1f}",
+                flush=True,
+            )
         group.stop("trainer", sig=signal.SIGINT, timeout_s=30)
         retried = sum("retrying elsewhere" in line for line in trainer.lines)
         if retried:
-            print(f"  {setup.name}: the trainer retried {retried} calls at another peer (see {trainer.log_path})",
-                  flush=True)
+            print(
+                f"  {setup.name}: the trainer retried {retried} calls at another peer (see {trainer.log_path})",
+                flush=True,
+            )
     return result
 
 
@@ -205,7 +311,9 @@ def tables(results: list[SetupResult]) -> tuple[str, str, list[str]]:
         rows.append(row)
     throughput = markdown_table(["config"] + [_rate_label(r) for r in rates], rows)
 
-    by_name = {(res.setup.preset, res.setup.codec, res.setup.bottleneck_dim): res for res in results}
+    by_name = {
+        (res.setup.preset, res.setup.codec, res.setup.bottleneck_dim): res for res in results
+    }
     ratio_rows, verdicts = [], []
     for preset in dict.fromkeys(res.setup.preset for res in results):
         none = by_name.get((preset, "none", None))
@@ -217,15 +325,19 @@ def tables(results: list[SetupResult]) -> tuple[str, str, list[str]]:
             cells = []
             for rate in rates:
                 a, b = res.windows.get(rate), none.windows.get(rate)
-                cells.append("" if a is None or b is None else f"{a.tokens_per_s / b.tokens_per_s:.2f}x")
+                cells.append(
+                    "" if a is None or b is None else f"{a.tokens_per_s / b.tokens_per_s:.2f}x"
+                )
             ratio_rows.append([f"{res.setup.name} / none ({preset})", *cells])
         int8 = by_name.get((preset, "int8", None))
         if int8 is None:
             continue
         if 100 in int8.windows and None in int8.windows and preset == "tiny":
             keep = int8.windows[100].tokens_per_s / int8.windows[None].tokens_per_s
-            verdicts.append(f"{preset}, int8 at 100 Mbit/s keeps {keep:.0%} of its unlimited-link tokens/s "
-                            f"(target >= {KEEP_AT_100:.0%}): {'met' if keep >= KEEP_AT_100 else '**missed**'}")
+            verdicts.append(
+                f"{preset}, int8 at 100 Mbit/s keeps {keep:.0%} of its unlimited-link tokens/s "
+                f"(target >= {KEEP_AT_100:.0%}): {'met' if keep >= KEEP_AT_100 else '**missed**'}"
+            )
         base = none.windows.get(None)
         for rate in rates:
             if rate is None or rate not in none.windows or rate not in int8.windows or base is None:
@@ -234,25 +346,45 @@ def tables(results: list[SetupResult]) -> tuple[str, str, list[str]]:
             if keep_none >= LINK_BOUND:
                 continue  # the link is not the bottleneck for none here: the 3x target does not apply
             speedup = int8.windows[rate].tokens_per_s / none.windows[rate].tokens_per_s
-            int8_keep = int8.windows[rate].tokens_per_s / int8.windows[None].tokens_per_s \
-                if None in int8.windows else float("nan")
-            bound = "link-bound" if int8_keep < LINK_BOUND else f"compute-bound, {int8_keep:.0%} of unlimited"
-            verdicts.append(f"{preset} at {_rate_label(rate)}: none is link-bound ({keep_none:.0%} of unlimited); "
-                            f"int8 is {speedup:.2f}x faster (target >= {INT8_SPEEDUP:g}x): "
-                            f"{'met' if speedup >= INT8_SPEEDUP else '**missed**'}; int8 itself is {bound}")
+            int8_keep = (
+                int8.windows[rate].tokens_per_s / int8.windows[None].tokens_per_s
+                if None in int8.windows
+                else float("nan")
+            )
+            bound = (
+                "link-bound"
+                if int8_keep < LINK_BOUND
+                else f"compute-bound, {int8_keep:.0%} of unlimited"
+            )
+            verdicts.append(
+                f"{preset} at {_rate_label(rate)}: none is link-bound ({keep_none:.0%} of unlimited); "
+                f"int8 is {speedup:.2f}x faster (target >= {INT8_SPEEDUP:g}x): "
+                f"{'met' if speedup >= INT8_SPEEDUP else '**missed**'}; int8 itself is {bound}"
+            )
     ratios = markdown_table(["ratio of tokens/s"] + [_rate_label(r) for r in rates], ratio_rows)
     return throughput, ratios, verdicts
 
 
-def default_setups(rates: tuple[float | None, ...], *, w2: bool, w2_rates: tuple[float | None, ...]) -> list[SwarmSetup]:
-    setups = [SwarmSetup(name="none", preset="tiny", codec="none", rates_mbit=rates),
-              SwarmSetup(name="fp16", preset="tiny", codec="fp16", rates_mbit=rates),
-              SwarmSetup(name="int8", preset="tiny", codec="int8", rates_mbit=rates),
-              SwarmSetup(name="int8+bottleneck32", preset="tiny", codec="int8", bottleneck_dim=32,
-                         rates_mbit=rates)]
+def default_setups(
+    rates: tuple[float | None, ...], *, w2: bool, w2_rates: tuple[float | None, ...]
+) -> list[SwarmSetup]:
+    setups = [
+        SwarmSetup(name="none", preset="tiny", codec="none", rates_mbit=rates),
+        SwarmSetup(name="fp16", preset="tiny", codec="fp16", rates_mbit=rates),
+        SwarmSetup(name="int8", preset="tiny", codec="int8", rates_mbit=rates),
+        SwarmSetup(
+            name="int8+bottleneck32",
+            preset="tiny",
+            codec="int8",
+            bottleneck_dim=32,
+            rates_mbit=rates,
+        ),
+    ]
     if w2:
-        setups += [SwarmSetup(name="none", preset="w2", codec="none", rates_mbit=w2_rates),
-                   SwarmSetup(name="int8", preset="w2", codec="int8", rates_mbit=w2_rates)]
+        setups += [
+            SwarmSetup(name="none", preset="w2", codec="none", rates_mbit=w2_rates),
+            SwarmSetup(name="int8", preset="w2", codec="int8", rates_mbit=w2_rates),
+        ]
     return setups
 
 
@@ -265,29 +397,51 @@ def _parse_rates(text: str) -> tuple[float | None, ...]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rates", default="5,20,100,0", help="Mbit/s per host link, 0 = unlimited")
-    parser.add_argument("--w2", action="store_true", help="also W2 (--preset w2, 4 MiB activations): none, int8")
+    parser.add_argument(
+        "--w2", action="store_true", help="also W2 (--preset w2, 4 MiB activations): none, int8"
+    )
     parser.add_argument("--w2-rates", default="20,100,0", help="rates for the W2 configurations")
     parser.add_argument("--configs", default=None, help="only these config names, comma-separated")
     parser.add_argument("--seconds", type=float, default=12.0, help="least measured time per rate")
-    parser.add_argument("--min-steps", type=int, default=3, help="least global batches measured per rate")
-    parser.add_argument("--warmup-seconds", type=float, default=4.0, help="least time at a rate before measuring")
-    parser.add_argument("--timeout-s", type=float, default=240.0, help="longest wait for one step or startup")
-    parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
+    parser.add_argument(
+        "--min-steps", type=int, default=3, help="least global batches measured per rate"
+    )
+    parser.add_argument(
+        "--warmup-seconds", type=float, default=4.0, help="least time at a rate before measuring"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=240.0, help="longest wait for one step or startup"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="process logs (default: a temporary folder)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "netswarm.md")
     args = parser.parse_args()
     ok, why = have_netns()
     if not ok:
         raise SystemExit(f"bench/netswarm.py needs network namespaces: {why}")
-    setups = default_setups(_parse_rates(args.rates), w2=args.w2, w2_rates=_parse_rates(args.w2_rates))
+    setups = default_setups(
+        _parse_rates(args.rates), w2=args.w2, w2_rates=_parse_rates(args.w2_rates)
+    )
     if args.configs:
         wanted = set(args.configs.split(","))
         setups = [s for s in setups if s.name in wanted]
-    info = RunInfo(command="sudo .venv/bin/python bench/netswarm.py" + "".join(f" {a}" for a in sys.argv[1:]))
+    info = RunInfo(
+        command="sudo .venv/bin/python bench/netswarm.py" + "".join(f" {a}" for a in sys.argv[1:])
+    )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-netbench-"))
     print(f"logs in {workdir}", flush=True)
-    results = [measure_setup(s, workdir / f"{s.preset}-{s.name}", warmup_s=args.warmup_seconds,
-                             seconds=args.seconds, min_steps=args.min_steps, timeout_s=args.timeout_s)
-               for s in setups]
+    results = [
+        measure_setup(
+            s,
+            workdir / f"{s.preset}-{s.name}",
+            warmup_s=args.warmup_seconds,
+            seconds=args.seconds,
+            min_steps=args.min_steps,
+            timeout_s=args.timeout_s,
+        )
+        for s in setups
+    ]
     info.finish()
     throughput, ratios, verdicts = tables(results)
     info.extra += [
@@ -297,13 +451,34 @@ def main() -> None:
         f"in flight {IN_FLIGHT}, target batch {TARGET_BATCH}; per rate (slowest first) >= {args.warmup_seconds:g}s "
         f"and 1 step of warmup, then >= {args.seconds:g}s and >= {args.min_steps} steps measured",
     ]
-    body = "\n".join([
-        "Tokens/s of the trainer (in brackets: share of the same swarm's unlimited-link tokens/s, and the "
-        "utilisation of the trainer's link — its busier direction — as a share of the rate):", "", throughput, "",
-        "Speed-up over codec none at the same rate:", "", ratios, "", "Targets:", "",
-        *(f"- {v}" for v in verdicts)])
-    path = write_result(args.out, title="Swarm tokens/s over emulated slow links, per codec", info=info, body=body)
-    print("\n" + throughput + "\n\n" + ratios + "\n\n" + "\n".join(verdicts) + f"\n\nwritten to {path}")
+    body = "\n".join(
+        [
+            "Tokens/s of the trainer (in brackets: share of the same swarm's unlimited-link tokens/s, and the "
+            "utilisation of the trainer's link — its busier direction — as a share of the rate):",
+            "",
+            throughput,
+            "",
+            "Speed-up over codec none at the same rate:",
+            "",
+            ratios,
+            "",
+            "Targets:",
+            "",
+            *(f"- {v}" for v in verdicts),
+        ]
+    )
+    path = write_result(
+        args.out, title="Swarm tokens/s over emulated slow links, per codec", info=info, body=body
+    )
+    print(
+        "\n"
+        + throughput
+        + "\n\n"
+        + ratios
+        + "\n\n"
+        + "\n".join(verdicts)
+        + f"\n\nwritten to {path}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the runs then differ only by the codec. With several in flight (``--in-flight 4`
 microbatch lands in which optimizer step depends on timing, so two runs with the same codec differ too; the
 ``none (repeat)`` row (``--repeat-none``) measures that noise floor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, RESULTS_DIR, LossCurves, RunInfo, markdown_table, plot_loss_curves,  # noqa: E402
-                    write_result)
+from common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    LossCurves,
+    RunInfo,
+    markdown_table,
+    plot_loss_curves,  # noqa: E402
+    write_result,
+)
 from swarmrun import Where, read_metrics, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
 
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
@@ -36,12 +44,15 @@ SUMMARY = r"validation loss ([\d.]+) \| ([\d,]+) tokens/s"
 class QualityConfig:
     """One training run per codec, all with the same model, data order and schedule."""
 
-    codecs: tuple[str, ...] = ("none", "fp16", "int8")  # wire codecs to compare; "none" is the reference
-    preset: str | None = "tiny"  # model preset the first peer publishes; None = the caller published the run
+    # wire codecs to compare; "none" is the reference
+    codecs: tuple[str, ...] = ("none", "fp16", "int8")
+    # model preset the first peer publishes; None = the caller published the run
+    preset: str | None = "tiny"
     num_stages: int = 2  # stages of the model (one peer each)
     steps: int = 150  # global batches per run (x target_batch_size samples)
     microbatch_size: int = 8  # sequences per microbatch
-    in_flight: int = 1  # microbatches in the pipeline at once; 1 = deterministic runs (the demo uses 4)
+    # microbatches in the pipeline at once; 1 = deterministic runs (the demo uses 4)
+    in_flight: int = 1
     target_batch_size: int = 32  # samples per optimizer step of each stage
     lr: float = 3e-3  # peak learning rate (the demo's); cosine decay over `steps`
     warmup_steps: int = 10  # optimizer steps of linear warmup
@@ -54,9 +65,16 @@ class QualityConfig:
     def __post_init__(self):
         if not self.codecs or self.codecs[0] != "none":
             raise ValueError(f"codecs must start with the reference 'none', got {self.codecs}")
-        if self.steps < 1 or self.num_stages < 2 or self.eval_batches < 1 or self.run_timeout_s <= 0:
-            raise ValueError(f"need steps >= 1 ({self.steps}), num_stages >= 2 ({self.num_stages}), "
-                             f"eval_batches >= 1 ({self.eval_batches}), run_timeout_s > 0 ({self.run_timeout_s})")
+        if (
+            self.steps < 1
+            or self.num_stages < 2
+            or self.eval_batches < 1
+            or self.run_timeout_s <= 0
+        ):
+            raise ValueError(
+                f"need steps >= 1 ({self.steps}), num_stages >= 2 ({self.num_stages}), "
+                f"eval_batches >= 1 ({self.eval_batches}), run_timeout_s > 0 ({self.run_timeout_s})"
+            )
 
     @property
     def samples_per_step(self) -> int:
@@ -68,32 +86,85 @@ class QualityResult:
     label: str  # codec name, or "none (repeat)"
     codec: str
     losses: list[float]  # mean training loss per global batch
-    val_curve: list[tuple[int, float]] = field(default_factory=list)  # (samples trained, validation loss)
-    tokens_per_s: float = float("nan")  # the trainer's whole-run average (loopback; for information)
+    # (samples trained, validation loss)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    # the trainer's whole-run average (loopback; for information)
+    tokens_per_s: float = float("nan")
 
     @property
     def final_val(self) -> float:
         return self.val_curve[-1][1]
 
 
-def run_codec(group: ProcessGroup, cfg: QualityConfig, *, codec: str, run_id: str, addr_file: Path,
-              workdir: Path, label: str | None = None) -> QualityResult:
+def run_codec(
+    group: ProcessGroup,
+    cfg: QualityConfig,
+    *,
+    codec: str,
+    run_id: str,
+    addr_file: Path,
+    workdir: Path,
+    label: str | None = None,
+) -> QualityResult:
     """Train one run of ``cfg`` with ``codec`` on fresh peers (stopped afterwards); returns its curves.
     With ``cfg.preset`` None the run ``run_id`` must already be published (its codec is then the record's)."""
-    run_flags = [] if cfg.preset is None else [
-        "--preset", cfg.preset, "--codec", codec, "--target-batch-size", cfg.target_batch_size, "--lr", cfg.lr,
-        "--warmup-steps", cfg.warmup_steps, "--total-steps", cfg.steps]
-    peers = [start_peer(group, f"{run_id}-s{stage}", stage=stage, run_id=run_id, addr_file=addr_file,
-                        run_flags=[str(f) for f in run_flags]) for stage in range(cfg.num_stages)]
+    run_flags = (
+        []
+        if cfg.preset is None
+        else [
+            "--preset",
+            cfg.preset,
+            "--codec",
+            codec,
+            "--target-batch-size",
+            cfg.target_batch_size,
+            "--lr",
+            cfg.lr,
+            "--warmup-steps",
+            cfg.warmup_steps,
+            "--total-steps",
+            cfg.steps,
+        ]
+    )
+    peers = [
+        start_peer(
+            group,
+            f"{run_id}-s{stage}",
+            stage=stage,
+            run_id=run_id,
+            addr_file=addr_file,
+            run_flags=[str(f) for f in run_flags],
+        )
+        for stage in range(cfg.num_stages)
+    ]
     for proc in peers:
         wait_ready(proc)
     metrics_path = workdir / f"{run_id}.jsonl"
-    flags = ["--microbatch-size", cfg.microbatch_size, "--in-flight", cfg.in_flight, "--eval-every-steps",
-             cfg.eval_every_steps, "--eval-batches", cfg.eval_batches, "--seed", cfg.seed, "--log-every-s", 10]
+    flags = [
+        "--microbatch-size",
+        cfg.microbatch_size,
+        "--in-flight",
+        cfg.in_flight,
+        "--eval-every-steps",
+        cfg.eval_every_steps,
+        "--eval-batches",
+        cfg.eval_batches,
+        "--seed",
+        cfg.seed,
+        "--log-every-s",
+        10,
+    ]
     if cfg.max_data_bytes is not None:
         flags += ["--max-bytes", cfg.max_data_bytes]
-    trainer = start_trainer(group, f"{run_id}-trainer", run_id=run_id, addr_file=addr_file,
-                            metrics_path=metrics_path, steps=cfg.steps, flags=[str(f) for f in flags])
+    trainer = start_trainer(
+        group,
+        f"{run_id}-trainer",
+        run_id=run_id,
+        addr_file=addr_file,
+        metrics_path=metrics_path,
+        steps=cfg.steps,
+        flags=[str(f) for f in flags],
+    )
     code = trainer.popen.wait(timeout=cfg.run_timeout_s)
     if code != 0:
         raise RuntimeError(f"trainer of run '{run_id}' exited with {code}; see {trainer.log_path}")
@@ -102,10 +173,17 @@ def run_codec(group: ProcessGroup, cfg: QualityConfig, *, codec: str, run_id: st
         group.stop(proc.name)
     metrics = read_metrics(metrics_path)
     if len(metrics.steps) != cfg.steps:
-        raise RuntimeError(f"run '{run_id}' logged {len(metrics.steps)} steps, expected {cfg.steps}")
+        raise RuntimeError(
+            f"run '{run_id}' logged {len(metrics.steps)} steps, expected {cfg.steps}"
+        )
     curve = [(v["step"] * cfg.samples_per_step, v["val_loss"]) for v in metrics.validations]
-    return QualityResult(label=label or codec, codec=codec, losses=[s["loss"] for s in metrics.steps],
-                         val_curve=curve, tokens_per_s=tokens_per_s)
+    return QualityResult(
+        label=label or codec,
+        codec=codec,
+        losses=[s["loss"] for s in metrics.steps],
+        val_curve=curve,
+        tokens_per_s=tokens_per_s,
+    )
 
 
 def run_all(cfg: QualityConfig, workdir: Path, *, repeat_none: bool = False) -> list[QualityResult]:
@@ -117,10 +195,19 @@ def run_all(cfg: QualityConfig, workdir: Path, *, repeat_none: bool = False) -> 
         start_bootstrap(group, addr_file, where=Where())
         for i, (codec, label) in enumerate(plan):
             print(f"  run {i + 1}/{len(plan)}: codec {label}, {cfg.steps} steps", flush=True)
-            result = run_codec(group, cfg, codec=codec, run_id=f"quality-{i}-{codec}", addr_file=addr_file,
-                               workdir=workdir, label=label)
-            print(f"    final validation loss {result.final_val:.4f}, {result.tokens_per_s:,.0f} tokens/s",
-                  flush=True)
+            result = run_codec(
+                group,
+                cfg,
+                codec=codec,
+                run_id=f"quality-{i}-{codec}",
+                addr_file=addr_file,
+                workdir=workdir,
+                label=label,
+            )
+            print(
+                f"    final validation loss {result.final_val:.4f}, {result.tokens_per_s:,.0f} tokens/s",
+                flush=True,
+            )
             results.append(result)
     return results
 
@@ -132,38 +219,75 @@ def relative_gap(result: QualityResult, reference: QualityResult) -> float:
 
 def report(results: list[QualityResult], cfg: QualityConfig) -> str:
     reference = results[0]
-    headers = ["codec", "final validation loss", "gap vs none", f"within {TARGET:.0%}",
-               "validation loss at each checkpoint (samples: loss)", "train loss, last 5 steps"]
+    headers = [
+        "codec",
+        "final validation loss",
+        "gap vs none",
+        f"within {TARGET:.0%}",
+        "validation loss at each checkpoint (samples: loss)",
+        "train loss, last 5 steps",
+    ]
     rows = []
     for r in results:
         gap = relative_gap(r, reference)
         curve = ", ".join(f"{s}: {v:.3f}" for s, v in r.val_curve)
-        rows.append([r.label, f"{r.final_val:.4f}", f"{100 * gap:.2f}%", "yes" if gap <= TARGET else "**no**",
-                     curve, f"{sum(r.losses[-5:]) / len(r.losses[-5:]):.4f}"])
+        rows.append(
+            [
+                r.label,
+                f"{r.final_val:.4f}",
+                f"{100 * gap:.2f}%",
+                "yes" if gap <= TARGET else "**no**",
+                curve,
+                f"{sum(r.losses[-5:]) / len(r.losses[-5:]):.4f}",
+            ]
+        )
     return markdown_table(headers, rows)
 
 
 def plot(results: list[QualityResult], cfg: QualityConfig, path: Path) -> None:
     plot_loss_curves(
-        [LossCurves(r.label, train=[((i + 1) * cfg.samples_per_step, loss) for i, loss in enumerate(r.losses)],
-                    val=list(r.val_curve)) for r in results],
+        [
+            LossCurves(
+                r.label,
+                train=[((i + 1) * cfg.samples_per_step, loss) for i, loss in enumerate(r.losses)],
+                val=list(r.val_curve),
+            )
+            for r in results
+        ],
         title=f"{cfg.preset} model, 2 stages x 1 peer, {cfg.in_flight} microbatch(es) in flight; codec on "
-              f"activations and gradients, same init and data order", path=path)
+        f"activations and gradients, same init and data order",
+        path=path,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=150, help="global batches (32 samples) per codec")
-    parser.add_argument("--codecs", default="none,fp16,int8", help="comma-separated, starting with none")
-    parser.add_argument("--in-flight", type=int, default=1, help="microbatches in flight (1 = deterministic)")
-    parser.add_argument("--repeat-none", action="store_true", help="a second 'none' run: the noise floor")
-    parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
+    parser.add_argument(
+        "--steps", type=int, default=150, help="global batches (32 samples) per codec"
+    )
+    parser.add_argument(
+        "--codecs", default="none,fp16,int8", help="comma-separated, starting with none"
+    )
+    parser.add_argument(
+        "--in-flight", type=int, default=1, help="microbatches in flight (1 = deterministic)"
+    )
+    parser.add_argument(
+        "--repeat-none", action="store_true", help="a second 'none' run: the noise floor"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="process logs (default: a temporary folder)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quality.md")
     parser.add_argument("--plot", type=Path, default=REPO_ROOT / "docs" / "compression_quality.png")
     args = parser.parse_args()
-    cfg = QualityConfig(codecs=tuple(c for c in args.codecs.split(",") if c), steps=args.steps,
-                        in_flight=args.in_flight)
-    info = RunInfo(command=".venv/bin/python bench/quality.py" + "".join(f" {a}" for a in sys.argv[1:]))
+    cfg = QualityConfig(
+        codecs=tuple(c for c in args.codecs.split(",") if c),
+        steps=args.steps,
+        in_flight=args.in_flight,
+    )
+    info = RunInfo(
+        command=".venv/bin/python bench/quality.py" + "".join(f" {a}" for a in sys.argv[1:])
+    )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-quality-"))
     print(f"logs in {workdir}", flush=True)
     results = run_all(cfg, workdir, repeat_none=args.repeat_none)
@@ -178,12 +302,19 @@ def main() -> None:
         f"plot: {args.plot.relative_to(REPO_ROOT) if args.plot.is_relative_to(REPO_ROOT) else args.plot}",
     ]
     int8 = next((r for r in results if r.label == "int8"), None)
-    verdict = ("no int8 run" if int8 is None else
-               f"int8 vs none: {100 * relative_gap(int8, results[0]):.2f}% "
-               f"({'meets' if relative_gap(int8, results[0]) <= TARGET else 'misses'} the {TARGET:.0%} target)")
+    verdict = (
+        "no int8 run"
+        if int8 is None
+        else f"int8 vs none: {100 * relative_gap(int8, results[0]):.2f}% "
+        f"({'meets' if relative_gap(int8, results[0]) <= TARGET else 'misses'} the {TARGET:.0%} target)"
+    )
     body = "\n".join([table, "", f"- {verdict}."])
-    path = write_result(args.out, title="Validation loss per wire codec (same samples, same seed)", info=info,
-                        body=body)
+    path = write_result(
+        args.out,
+        title="Validation loss per wire codec (same samples, same seed)",
+        info=info,
+        body=body,
+    )
     print("\n" + table + f"\n\n{verdict}\nwritten to {path} and {args.plot}")
 
 

@@ -52,7 +52,9 @@ def run(name: str, config: SimConfig) -> tuple[SimResult, float]:
     started = time.process_time()
     result = simulate(config)
     cpu_s = time.process_time() - started
-    print(f"  {name}: {cpu_s:.1f} s CPU, {result.events} events, {result.num_moves} moves", flush=True)
+    print(
+        f"  {name}: {cpu_s:.1f} s CPU, {result.events} events, {result.num_moves} moves", flush=True
+    )
     return result, cpu_s
 
 
@@ -97,17 +99,26 @@ def summary(results: dict[str, SimResult], cpu: dict[str, float], after_s: float
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=1000, help="peers at t=0 (load and churn scale with it)")
+    parser.add_argument(
+        "--peers", type=int, default=1000, help="peers at t=0 (load and churn scale with it)"
+    )
     parser.add_argument("--duration-s", type=float, default=600.0, help="simulated seconds")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "rebalance_sim.md")
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT / "bench" / "results" / "rebalance_sim.md"
+    )
     args = parser.parse_args(argv)
 
     base = base_config(args.peers, args.duration_s)
@@ -124,37 +135,41 @@ def main(argv: list[str] | None = None) -> int:
         results[name], cpu[name] = run(name, config)
 
     main_runs = {k: results[k] for k in ("rebalancing", "static")}
-    today_runs = {"rebalancing": results["rebalancing, peers compute expired requests"],
-                  "static": results["static, peers compute expired requests"]}
-    report = "\n".join([
-        "# Rebalancing in a simulated 1000-peer swarm",
-        "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- commit: {git_commit()}",
-        f"- machine: {platform.machine()}, os.cpu_count() = {os.cpu_count()}, Python {platform.python_version()}",
-        f"- reproduce: `{COMMAND}` (add `--peers 200` for a quick look)",
-        "",
-        "Scenario: " + " ".join(line.strip() for line in __doc__.split("\n\n")[2].splitlines()),
-        f"Rebalancing: `RebalanceConfig(period_s=30)` (min_gain {base.balance.min_gain}, cooldown "
-        f"{base.balance.cooldown_periods} periods); a move drains {base.drain_s:.0f} s and loads "
-        f"{base.load_s:.0f} s. Bottleneck capacity = the smallest stage's summed peer speed (samples/s).",
-        "",
-        "## Peers skip requests whose deadline passed (skip_expired=True)",
-        "",
-        table(main_runs, 60.0),
-        "",
-        "## Peers compute expired requests anyway (the peer daemon today)",
-        "",
-        table(today_runs, 60.0),
-        "",
-        "## Totals",
-        "",
-        summary(results, cpu, 120.0),
-        "",
-        f"Simulator cost: {args.peers} peers x {args.duration_s:.0f} simulated s took "
-        f"{min(cpu.values()):.1f}-{max(cpu.values()):.1f} s of CPU per run on one core.",
-        "",
-    ])
+    today_runs = {
+        "rebalancing": results["rebalancing, peers compute expired requests"],
+        "static": results["static, peers compute expired requests"],
+    }
+    report = "\n".join(
+        [
+            "# Rebalancing in a simulated 1000-peer swarm",
+            "",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- commit: {git_commit()}",
+            f"- machine: {platform.machine()}, os.cpu_count() = {os.cpu_count()}, Python {platform.python_version()}",
+            f"- reproduce: `{COMMAND}` (add `--peers 200` for a quick look)",
+            "",
+            "Scenario: " + " ".join(line.strip() for line in __doc__.split("\n\n")[2].splitlines()),
+            f"Rebalancing: `RebalanceConfig(period_s=30)` (min_gain {base.balance.min_gain}, cooldown "
+            f"{base.balance.cooldown_periods} periods); a move drains {base.drain_s:.0f} s and loads "
+            f"{base.load_s:.0f} s. Bottleneck capacity = the smallest stage's summed peer speed (samples/s).",
+            "",
+            "## Peers skip requests whose deadline passed (skip_expired=True)",
+            "",
+            table(main_runs, 60.0),
+            "",
+            "## Peers compute expired requests anyway (the peer daemon today)",
+            "",
+            table(today_runs, 60.0),
+            "",
+            "## Totals",
+            "",
+            summary(results, cpu, 120.0),
+            "",
+            f"Simulator cost: {args.peers} peers x {args.duration_s:.0f} simulated s took "
+            f"{min(cpu.values()):.1f}-{max(cpu.values()):.1f} s of CPU per run on one core.",
+            "",
+        ]
+    )
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)

@@ -17,6 +17,7 @@ run config, at 1 torch thread and at all cores, timed over global batches after 
 CPU use of each role (peers, trainer, bootstrap; each process group, so hivemind's DHT child processes and
 p2pd count too) is read from /proc over the measured window, to show where the cycles go.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
 from common import RESULTS_DIR, RunInfo, load_average, markdown_table, write_result  # noqa: E402
 
-import torch  # noqa: E402
-
+from swarm.config import RunConfig  # noqa: E402
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
 from swarm.data import ByteCorpus, DataConfig  # noqa: E402
-from swarm.config import RunConfig  # noqa: E402
 from swarm.model import MODEL_PRESETS  # noqa: E402
 from swarm.trainer.reference import train_reference  # noqa: E402
 
@@ -59,7 +59,8 @@ class SwarmResult:
     window_s: float
     steps: int  # global batches completed in the window
     load: float  # 1-minute load average at the end of the window
-    cpu_s: dict[str, float] = field(default_factory=dict)  # role -> cores used (CPU-s per s) in the window
+    # role -> cores used (CPU-s per s) in the window
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_cpu_s(self) -> float:
@@ -112,7 +113,7 @@ def group_cpu_s(pgid: int) -> float:
                 stat = f.read()
         except OSError:
             continue  # exited while we looked
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
         if int(fields[2]) == pgid:  # field 5 of stat: pgrp
             total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime (clock ticks)
     return total / CLOCK_TICKS
@@ -136,19 +137,24 @@ def cpu_by_role(group: ProcessGroup) -> dict[str, float]:
 def window_tokens_per_s(metrics_path: Path, warmup_s: float) -> tuple[float, float, int]:
     """(tokens/s, window seconds, steps) between the first step record at or after ``warmup_s`` of training
     and the last one. The trainer writes cumulative tokens/s and elapsed time per step."""
-    steps = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if "tokens_per_s" in r]
+    steps = [
+        r for r in map(json.loads, metrics_path.read_text().splitlines()) if "tokens_per_s" in r
+    ]
     window = [r for r in steps if r["time_s"] >= warmup_s]
     if len(window) < 2:
-        raise RuntimeError(f"only {len(window)} steps after {warmup_s:.0f}s of warmup in {metrics_path} "
-                           f"({len(steps)} in all): train longer (--seconds) or check the trainer's log")
+        raise RuntimeError(
+            f"only {len(window)} steps after {warmup_s:.0f}s of warmup in {metrics_path} "
+            f"({len(steps)} in all): train longer (--seconds) or check the trainer's log"
+        )
     first, last = window[0], window[-1]
     tokens = last["tokens_per_s"] * last["time_s"] - first["tokens_per_s"] * first["time_s"]
     seconds = last["time_s"] - first["time_s"]
     return tokens / seconds, seconds, last["step"] - first["step"]
 
 
-def measure_swarm(preset: str, peer_counts: list[int], *, seconds: float, warmup_s: float,
-                  workdir: Path) -> list[SwarmResult]:
+def measure_swarm(
+    preset: str, peer_counts: list[int], *, seconds: float, warmup_s: float, workdir: Path
+) -> list[SwarmResult]:
     """Start a swarm for ``preset`` and measure a fresh trainer at each peers-per-stage count (increasing)."""
     num_stages = MODEL_PRESETS[preset].num_stages
     run_id = f"bench-{preset}"
@@ -160,19 +166,47 @@ def measure_swarm(preset: str, peer_counts: list[int], *, seconds: float, warmup
         run_flags = ["--preset", preset, "--target-batch-size", str(TARGET_BATCH), "--lr", str(LR)]
         running = 0
         for count in peer_counts:
-            started = [group.swarm(f"peer-s{stage}-{replica}", "peer", "--stage", str(stage), "--threads", "1",
-                                   *common, *run_flags)
-                       for replica in range(running, count) for stage in range(num_stages)]
+            started = [
+                group.swarm(
+                    f"peer-s{stage}-{replica}",
+                    "peer",
+                    "--stage",
+                    str(stage),
+                    "--threads",
+                    "1",
+                    *common,
+                    *run_flags,
+                )
+                for replica in range(running, count)
+                for stage in range(num_stages)
+            ]
             for proc in started:
                 proc.wait_for(PEER_READY, timeout_s=180)
             running = count
             metrics = workdir / f"metrics-x{count}.jsonl"
             name = f"trainer-x{count}"
-            print(f"  {preset}: {num_stages} stages x {count} peers up; training for {warmup_s + seconds:.0f}s",
-                  flush=True)
-            trainer = group.swarm(name, "train", *common, "--steps", "0", "--microbatch-size", str(MICROBATCH),
-                                  "--in-flight", str(IN_FLIGHT), "--eval-every-steps", "0", "--eval-batches", "1",
-                                  "--metrics-path", str(metrics), env={"OMP_NUM_THREADS": "1"})
+            print(
+                f"  {preset}: {num_stages} stages x {count} peers up; training for {warmup_s + seconds:.0f}s",
+                flush=True,
+            )
+            trainer = group.swarm(
+                name,
+                "train",
+                *common,
+                "--steps",
+                "0",
+                "--microbatch-size",
+                str(MICROBATCH),
+                "--in-flight",
+                str(IN_FLIGHT),
+                "--eval-every-steps",
+                "0",
+                "--eval-batches",
+                "1",
+                "--metrics-path",
+                str(metrics),
+                env={"OMP_NUM_THREADS": "1"},
+            )
             trainer.wait_for(TRAINER_PROGRESS, timeout_s=180)
             # A benchmark's measuring period, not a wait for an event: training runs for a fixed time.
             time.sleep(warmup_s)
@@ -185,21 +219,35 @@ def measure_swarm(preset: str, peer_counts: list[int], *, seconds: float, warmup
             tps, window_s, steps = window_tokens_per_s(metrics, warmup_s)
             # CPU per role, scaled from the sampled wall interval to a per-second rate over the window.
             cpu = {role: (cpu_after[role] - cpu_before.get(role, 0.0)) / wall for role in cpu_after}
-            results.append(SwarmResult(preset, count, num_stages, tps, window_s, steps, load_average(), cpu))
-            print(f"  {preset} x{count}: {tps:,.0f} tokens/s over {window_s:.0f}s ({steps} steps)", flush=True)
+            results.append(
+                SwarmResult(preset, count, num_stages, tps, window_s, steps, load_average(), cpu)
+            )
+            print(
+                f"  {preset} x{count}: {tps:,.0f} tokens/s over {window_s:.0f}s ({steps} steps)",
+                flush=True,
+            )
     return results
 
 
 # ---------------------------------------------------------------------------------------- one process
 
 
-def measure_local(preset: str, corpus: ByteCorpus, *, threads: int, seconds: float,
-                  warmup_steps: int = 1, max_steps: int = 100_000) -> LocalResult:
+def measure_local(
+    preset: str,
+    corpus: ByteCorpus,
+    *,
+    threads: int,
+    seconds: float,
+    warmup_steps: int = 1,
+    max_steps: int = 100_000,
+) -> LocalResult:
     """train_reference at ``threads`` torch threads for ``warmup_steps`` global batches and then about ``seconds``
     (stopped from its step callback, so a slowdown from other users cannot stretch it); rates over the batches
     after warmup. CPU time is this process's (all its threads), which includes OpenMP spin-waiting at more than
     1 thread."""
-    run = RunConfig(model=MODEL_PRESETS[preset], target_batch_size=TARGET_BATCH, lr=LR)  # the swarm's run flags
+    run = RunConfig(
+        model=MODEL_PRESETS[preset], target_batch_size=TARGET_BATCH, lr=LR
+    )  # the swarm's run flags
     wall: list[float] = []
     cpu: list[float] = []
 
@@ -211,15 +259,27 @@ def measure_local(preset: str, corpus: ByteCorpus, *, threads: int, seconds: flo
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        result = train_reference(run, corpus, steps=max_steps, microbatch_size=MICROBATCH, eval_batches=0,
-                                 on_step=on_step)
+        result = train_reference(
+            run,
+            corpus,
+            steps=max_steps,
+            microbatch_size=MICROBATCH,
+            eval_batches=0,
+            on_step=on_step,
+        )
     finally:
         torch.set_num_threads(previous)
     # From the end of the last warmup batch (the first carries one-off allocation costs) to the last batch.
     steps = len(wall) - warmup_steps
     tokens = result.tokens // len(wall) * steps  # every global batch has the same samples
-    return LocalResult(preset, threads, tokens / (wall[-1] - wall[warmup_steps - 1]),
-                       tokens / (cpu[-1] - cpu[warmup_steps - 1]), steps, load_average())
+    return LocalResult(
+        preset,
+        threads,
+        tokens / (wall[-1] - wall[warmup_steps - 1]),
+        tokens / (cpu[-1] - cpu[warmup_steps - 1]),
+        steps,
+        load_average(),
+    )
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -227,7 +287,9 @@ def measure_local(preset: str, corpus: ByteCorpus, *, threads: int, seconds: flo
 
 def best_baseline(local: dict[tuple[str, int], Baseline], preset: str) -> tuple[int, Baseline]:
     """(threads, baseline) of the thread count that trained ``preset`` fastest in one process."""
-    return max(((t, b) for (p, t), b in local.items() if p == preset), key=lambda tb: tb[1].tokens_per_s)
+    return max(
+        ((t, b) for (p, t), b in local.items() if p == preset), key=lambda tb: tb[1].tokens_per_s
+    )
 
 
 def report(swarm: list[SwarmResult], local: dict[tuple[str, int], Baseline]) -> str:
@@ -237,37 +299,97 @@ def report(swarm: list[SwarmResult], local: dict[tuple[str, int], Baseline]) -> 
     for r in swarm:
         config = f"{r.preset}: {r.num_stages} stages x {r.peers_per_stage} peer(s)"
         threads, best = best_baseline(local, r.preset)
-        wall_rows.append([config, f"{r.tokens_per_s:,.0f}", f"{best.tokens_per_s:,.0f} ({threads} thread"
-                          f"{'s' if threads > 1 else ''})", f"**{r.tokens_per_s / best.tokens_per_s:.2f}**",
-                          f"{r.load:.1f}"])
+        wall_rows.append(
+            [
+                config,
+                f"{r.tokens_per_s:,.0f}",
+                f"{best.tokens_per_s:,.0f} ({threads} thread{'s' if threads > 1 else ''})",
+                f"**{r.tokens_per_s / best.tokens_per_s:.2f}**",
+                f"{r.load:.1f}",
+            ]
+        )
         one = local[(r.preset, 1)]
-        cores = " / ".join(f"{r.cpu_s.get(role, 0.0):.2f}"
-                           for role in ("peers", f"trainer-x{r.peers_per_stage}", "bootstrap"))
-        cpu_rows.append([config, f"{r.tokens_per_cpu_s:,.0f}", f"{one.tokens_per_cpu_s:,.0f}",
-                         f"**{r.tokens_per_cpu_s / one.tokens_per_cpu_s:.2f}**", cores])
-    wall = markdown_table(["config", "swarm tokens/s", "1 process tokens/s (fastest thread count)",
-                           "ratio swarm / 1 process", "load (1 min) after"], wall_rows)
-    cpu = markdown_table(["config", "swarm tokens per CPU-s", "1 process (1 thread) tokens per CPU-s",
-                          "ratio swarm / 1 process", "swarm cores used: peers / trainer / bootstrap"], cpu_rows)
-    return "\n".join(["Wall clock (tokens/s):", "", wall, "", "CPU efficiency (tokens per CPU-second):", "", cpu])
+        cores = " / ".join(
+            f"{r.cpu_s.get(role, 0.0):.2f}"
+            for role in ("peers", f"trainer-x{r.peers_per_stage}", "bootstrap")
+        )
+        cpu_rows.append(
+            [
+                config,
+                f"{r.tokens_per_cpu_s:,.0f}",
+                f"{one.tokens_per_cpu_s:,.0f}",
+                f"**{r.tokens_per_cpu_s / one.tokens_per_cpu_s:.2f}**",
+                cores,
+            ]
+        )
+    wall = markdown_table(
+        [
+            "config",
+            "swarm tokens/s",
+            "1 process tokens/s (fastest thread count)",
+            "ratio swarm / 1 process",
+            "load (1 min) after",
+        ],
+        wall_rows,
+    )
+    cpu = markdown_table(
+        [
+            "config",
+            "swarm tokens per CPU-s",
+            "1 process (1 thread) tokens per CPU-s",
+            "ratio swarm / 1 process",
+            "swarm cores used: peers / trainer / bootstrap",
+        ],
+        cpu_rows,
+    )
+    return "\n".join(
+        ["Wall clock (tokens/s):", "", wall, "", "CPU efficiency (tokens per CPU-second):", "", cpu]
+    )
 
 
 def baseline_table(local: dict[tuple[str, int], Baseline]) -> str:
-    headers = ["preset", "torch threads", "tokens/s before / after the swarm runs", "mean tokens/s",
-               "mean tokens per CPU-s", "load before / after"]
-    rows = [[preset, threads, b.describe(), f"{b.tokens_per_s:,.0f}", f"{b.tokens_per_cpu_s:,.0f}",
-             f"{b.before.load:.1f} / {b.after.load:.1f}"] for (preset, threads), b in local.items()]
+    headers = [
+        "preset",
+        "torch threads",
+        "tokens/s before / after the swarm runs",
+        "mean tokens/s",
+        "mean tokens per CPU-s",
+        "load before / after",
+    ]
+    rows = [
+        [
+            preset,
+            threads,
+            b.describe(),
+            f"{b.tokens_per_s:,.0f}",
+            f"{b.tokens_per_cpu_s:,.0f}",
+            f"{b.before.load:.1f} / {b.after.load:.1f}",
+        ]
+        for (preset, threads), b in local.items()
+    ]
     return markdown_table(headers, rows, right_align_from=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="measured training time per swarm config")
-    parser.add_argument("--warmup-seconds", type=float, default=6.0, help="training time excluded at the start")
-    parser.add_argument("--local-seconds", type=float, default=6.0,
-                        help="measured time per single-process baseline (it is steadier than the swarm)")
-    parser.add_argument("--configs", default="tiny,w1", help=f"comma-separated presets of {sorted(CONFIGS)}")
-    parser.add_argument("--workdir", type=Path, default=None, help="process logs (default: a temporary folder)")
+    parser.add_argument(
+        "--seconds", type=float, default=30.0, help="measured training time per swarm config"
+    )
+    parser.add_argument(
+        "--warmup-seconds", type=float, default=6.0, help="training time excluded at the start"
+    )
+    parser.add_argument(
+        "--local-seconds",
+        type=float,
+        default=6.0,
+        help="measured time per single-process baseline (it is steadier than the swarm)",
+    )
+    parser.add_argument(
+        "--configs", default="tiny,w1", help=f"comma-separated presets of {sorted(CONFIGS)}"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="process logs (default: a temporary folder)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "swarm_throughput.md")
     args = parser.parse_args()
     presets = [p for p in args.configs.split(",") if p]
@@ -275,9 +397,14 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
     if args.seconds <= 0 or args.warmup_seconds < 0 or args.local_seconds <= 0:
-        raise SystemExit(f"need --seconds > 0 ({args.seconds}), --warmup-seconds >= 0 ({args.warmup_seconds}) "
-                         f"and --local-seconds > 0 ({args.local_seconds})")
-    info = RunInfo(command=".venv/bin/python bench/swarm_throughput.py" + "".join(f" {a}" for a in sys.argv[1:]))
+        raise SystemExit(
+            f"need --seconds > 0 ({args.seconds}), --warmup-seconds >= 0 ({args.warmup_seconds}) "
+            f"and --local-seconds > 0 ({args.local_seconds})"
+        )
+    info = RunInfo(
+        command=".venv/bin/python bench/swarm_throughput.py"
+        + "".join(f" {a}" for a in sys.argv[1:])
+    )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-bench-"))
     all_threads = torch.get_num_threads()
     corpus = ByteCorpus.load(DataConfig())
@@ -290,15 +417,25 @@ def main() -> None:
     def baselines(preset: str, when: str) -> dict[int, LocalResult]:
         out = {}
         for threads in thread_counts:
-            out[threads] = measure_local(preset, corpus, threads=threads, seconds=args.local_seconds)
-            print(f"  {preset} in one process ({when}), {threads} thread(s): {out[threads].tokens_per_s:,.0f} "
-                  f"tokens/s ({out[threads].steps} steps)", flush=True)
+            out[threads] = measure_local(
+                preset, corpus, threads=threads, seconds=args.local_seconds
+            )
+            print(
+                f"  {preset} in one process ({when}), {threads} thread(s): {out[threads].tokens_per_s:,.0f} "
+                f"tokens/s ({out[threads].steps} steps)",
+                flush=True,
+            )
         return out
 
     for preset in presets:
         before = baselines(preset, "before")
-        swarm += measure_swarm(preset, CONFIGS[preset], seconds=args.seconds, warmup_s=args.warmup_seconds,
-                               workdir=workdir / preset)
+        swarm += measure_swarm(
+            preset,
+            CONFIGS[preset],
+            seconds=args.seconds,
+            warmup_s=args.warmup_seconds,
+            workdir=workdir / preset,
+        )
         after = baselines(preset, "after")
         for threads in thread_counts:
             local[(preset, threads)] = Baseline(before[threads], after[threads])
@@ -332,9 +469,21 @@ def main() -> None:
         f"The one-process baseline steps AdamW after every microbatch ({MICROBATCH} sequences); the swarm's "
         f"stages step every {TARGET_BATCH} samples, so the baseline does a little more optimizer work per token.",
     ]
-    body = "\n".join([table, "", *(f"- {n}" for n in notes), "", "Single-process baselines (the ratios use the "
-                       "mean of the runs before and after each preset's swarm runs):", "", baseline_table(local)])
-    path = write_result(args.out, title="Swarm throughput vs one process (loopback)", info=info, body=body)
+    body = "\n".join(
+        [
+            table,
+            "",
+            *(f"- {n}" for n in notes),
+            "",
+            "Single-process baselines (the ratios use the "
+            "mean of the runs before and after each preset's swarm runs):",
+            "",
+            baseline_table(local),
+        ]
+    )
+    path = write_result(
+        args.out, title="Swarm throughput vs one process (loopback)", info=info, body=body
+    )
     print("\n" + table + f"\n\nwritten to {path}")
 
 

@@ -10,6 +10,7 @@ training began, and one per validation) is the measurement source: :func:`read_m
 :class:`Progress` gives tokens and trainer time at any point, so tokens/s over a window is a difference of two
 snapshots taken at step boundaries.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,23 +51,56 @@ def _swarm_argv(where: Where, *args: str) -> list[str]:
     return where.wrap([sys.executable, "-m", "swarm", *map(str, args)])
 
 
-def start_bootstrap(group: ProcessGroup, addr_file: Path, *, where: Where = Where(), name: str = "bootstrap",
-                    wait_s: float = 120.0) -> Proc:
+def start_bootstrap(
+    group: ProcessGroup,
+    addr_file: Path,
+    *,
+    where: Where = Where(),
+    name: str = "bootstrap",
+    wait_s: float = 120.0,
+) -> Proc:
     """A DHT bootstrap node that writes its multiaddrs to ``addr_file``; returns once it is up."""
     addr_file.unlink(missing_ok=True)
-    proc = group.start(name, _swarm_argv(where, "dht", "--host", where.address, "--address-file", addr_file),
-                       env=SINGLE_THREAD_ENV)
+    proc = group.start(
+        name,
+        _swarm_argv(where, "dht", "--host", where.address, "--address-file", addr_file),
+        env=SINGLE_THREAD_ENV,
+    )
     proc.wait_for(BOOTSTRAP_READY, timeout_s=wait_s)
     return proc
 
 
-def start_peer(group: ProcessGroup, name: str, *, stage: int, run_id: str, addr_file: Path,
-               where: Where = Where(), run_flags: Sequence[str] = ()) -> Proc:
+def start_peer(
+    group: ProcessGroup,
+    name: str,
+    *,
+    stage: int,
+    run_id: str,
+    addr_file: Path,
+    where: Where = Where(),
+    run_flags: Sequence[str] = (),
+) -> Proc:
     """``swarm peer`` for ``stage`` (1 torch thread); ``run_flags`` (``--preset``, ``--codec``, ...) publish the
     run if it is new. Does not wait: call :func:`wait_ready` so that several peers start in parallel."""
-    return group.start(name, _swarm_argv(where, "peer", "--run-id", run_id, "--stage", stage, "--threads", 1,
-                                         "--host", where.address, "--initial-peers", f"@{addr_file}", *run_flags),
-                       env=SINGLE_THREAD_ENV)
+    return group.start(
+        name,
+        _swarm_argv(
+            where,
+            "peer",
+            "--run-id",
+            run_id,
+            "--stage",
+            stage,
+            "--threads",
+            1,
+            "--host",
+            where.address,
+            "--initial-peers",
+            f"@{addr_file}",
+            *run_flags,
+        ),
+        env=SINGLE_THREAD_ENV,
+    )
 
 
 def wait_ready(proc: Proc, *, timeout_s: float = 180.0) -> str:
@@ -74,21 +108,46 @@ def wait_ready(proc: Proc, *, timeout_s: float = 180.0) -> str:
     return proc.wait_for(PEER_READY, timeout_s=timeout_s).group(1)
 
 
-def start_trainer(group: ProcessGroup, name: str, *, run_id: str, addr_file: Path, metrics_path: Path,
-                  steps: int, where: Where = Where(), flags: Sequence[str] = ()) -> Proc:
+def start_trainer(
+    group: ProcessGroup,
+    name: str,
+    *,
+    run_id: str,
+    addr_file: Path,
+    metrics_path: Path,
+    steps: int,
+    where: Where = Where(),
+    flags: Sequence[str] = (),
+) -> Proc:
     """``swarm train`` writing ``metrics_path`` (``steps`` 0 = until SIGINT); ``flags`` add trainer options."""
     metrics_path.unlink(missing_ok=True)
-    return group.start(name, _swarm_argv(where, "train", "--run-id", run_id, "--host", where.address,
-                                         "--initial-peers", f"@{addr_file}", "--steps", steps,
-                                         "--metrics-path", metrics_path, *flags),
-                       env=SINGLE_THREAD_ENV)
+    return group.start(
+        name,
+        _swarm_argv(
+            where,
+            "train",
+            "--run-id",
+            run_id,
+            "--host",
+            where.address,
+            "--initial-peers",
+            f"@{addr_file}",
+            "--steps",
+            steps,
+            "--metrics-path",
+            metrics_path,
+            *flags,
+        ),
+        env=SINGLE_THREAD_ENV,
+    )
 
 
 @dataclass
 class Metrics:
     """The trainer's metrics file, parsed."""
 
-    steps: list[dict] = field(default_factory=list)  # {"step", "loss", "tokens_per_s", "time_s"} per global batch
+    # {"step", "loss", "tokens_per_s", "time_s"} per global batch
+    steps: list[dict] = field(default_factory=list)
     validations: list[dict] = field(default_factory=list)  # {"step", "val_loss", "time_s"}
 
     def progress(self) -> Progress | None:
@@ -96,7 +155,9 @@ class Metrics:
         if not self.steps:
             return None
         last = self.steps[-1]
-        return Progress(step=last["step"], tokens=last["tokens_per_s"] * last["time_s"], time_s=last["time_s"])
+        return Progress(
+            step=last["step"], tokens=last["tokens_per_s"] * last["time_s"], time_s=last["time_s"]
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +169,9 @@ class Progress:
     def tokens_per_s_since(self, earlier: Progress) -> float:
         """Steady-state rate between two snapshots; ValueError if no step completed in between."""
         if self.step <= earlier.step:
-            raise ValueError(f"no step completed between snapshots (step {earlier.step} -> {self.step})")
+            raise ValueError(
+                f"no step completed between snapshots (step {earlier.step} -> {self.step})"
+            )
         return (self.tokens - earlier.tokens) / (self.time_s - earlier.time_s)
 
 
@@ -151,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="bench/swarmrun.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("publish", help="publish a RunConfig (JSON of RunConfig.to_dict()) under a run id")
+    p = sub.add_parser(
+        "publish", help="publish a RunConfig (JSON of RunConfig.to_dict()) under a run id"
+    )
     p.add_argument("--addr-file", type=Path, required=True)
     p.add_argument("--run-id", required=True)
     p.add_argument("--config-json", required=True)

@@ -1,1 +1,5 @@
-from swarm.cli import main; import sys; sys.exit(main())
+import sys
+
+from swarm.cli import main
+
+sys.exit(main())

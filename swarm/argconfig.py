@@ -4,6 +4,7 @@ Each field becomes ``--field-name`` with its default, its type and, as help, the
 (or just above) the field in the dataclass source. Nested dataclass fields are flattened: their fields
 become flags of the same command (names are unique across a command's configs by design).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,9 @@ def _base_type(annotation) -> tuple[str, bool]:
     return base, optional
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, *, skip: typing.Collection[str] = ()) -> None:
+def add_config_args(
+    parser: argparse.ArgumentParser, cls: type, *, skip: typing.Collection[str] = ()
+) -> None:
     comments = _field_comments(cls)
     group = parser.add_argument_group(cls.__name__)
     for field in dataclasses.fields(cls):
@@ -71,15 +74,32 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, *, skip: typing.
         kind, optional = _base_type(field.type)
         help_text = comments.get(field.name, "").replace("%", "%%")
         if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text,
-                               dest=field.name)
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+                dest=field.name,
+            )
         elif kind == "tuple":
-            group.add_argument(flag, nargs="+", default=default, metavar=field.name.upper(), help=help_text,
-                               dest=field.name)
+            group.add_argument(
+                flag,
+                nargs="+",
+                default=default,
+                metavar=field.name.upper(),
+                help=help_text,
+                dest=field.name,
+            )
         else:
             shown = "" if default is None else f" (default: {default})"
-            group.add_argument(flag, type=_SCALARS[kind], default=default, help=help_text + shown,
-                               required=default is None and not optional, dest=field.name)
+            group.add_argument(
+                flag,
+                type=_SCALARS[kind],
+                default=default,
+                help=help_text + shown,
+                required=default is None and not optional,
+                dest=field.name,
+            )
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any):

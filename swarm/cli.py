@@ -1,4 +1,5 @@
 """``swarm`` command line: parses flags (built from the config dataclasses), then calls in."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,20 @@ def _run_config_args(parser: argparse.ArgumentParser) -> None:
     from swarm.config import RunConfig
     from swarm.model import MODEL_PRESETS
 
-    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=None,
-                        help="start a new run with this model preset if the DHT has none for --run-id "
-                             "(the run flags below apply only then)")
-    parser.add_argument("--bottleneck-dim", type=int, default=None,
-                        help="with --preset: compress activations at stage cuts to this width (learned "
-                             "down/up projections, SWARM's bottleneck); default off")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(MODEL_PRESETS),
+        default=None,
+        help="start a new run with this model preset if the DHT has none for --run-id "
+        "(the run flags below apply only then)",
+    )
+    parser.add_argument(
+        "--bottleneck-dim",
+        type=int,
+        default=None,
+        help="with --preset: compress activations at stage cuts to this width (learned "
+        "down/up projections, SWARM's bottleneck); default off",
+    )
     add_config_args(parser, RunConfig, skip={"model"})
 
 
@@ -44,14 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.trainer.trainer import TrainerConfig
 
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__.split(":")[0])
-    parser.add_argument("--log-level", default=os.environ.get("SWARM_LOG_LEVEL", "INFO"),
-                        help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("SWARM_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("dht", help="run a DHT bootstrap node and print the address to give others")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    p.add_argument("--announce-host", default=None, help="address others should dial, if not --host")
-    p.add_argument("--address-file", default=None, help="also write the node's multiaddrs here, one per line")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)"
+    )
+    p.add_argument(
+        "--announce-host", default=None, help="address others should dial, if not --host"
+    )
+    p.add_argument(
+        "--address-file", default=None, help="also write the node's multiaddrs here, one per line"
+    )
     add_config_args(p, DHTConfig)
 
     p = sub.add_parser("peer", help="serve one stage of a run")
@@ -65,9 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", default="demo")
     add_config_args(p, DHTConfig)
 
-    p = sub.add_parser("export", help="gather the latest state of every stage from live peers into one file")
+    p = sub.add_parser(
+        "export", help="gather the latest state of every stage from live peers into one file"
+    )
     p.add_argument("--run-id", default="demo")
-    p.add_argument("--out", required=True, help="file to write (a torch.save dict; see swarm.coordinator.export)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="file to write (a torch.save dict; see swarm.coordinator.export)",
+    )
     add_config_args(p, DHTConfig)
 
     p = sub.add_parser("generate", help="sample text from an exported model, on CPU")
@@ -78,32 +102,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("demo", help="start a local swarm (bootstrap, peers, trainer) and train a small model")
+    p = sub.add_parser(
+        "demo", help="start a local swarm (bootstrap, peers, trainer) and train a small model"
+    )
     add_config_args(p, DemoConfig)
 
     from swarm.sim.main import build_parser as simulator_flags
 
-    simulator_flags(sub.add_parser("simulate", help="simulate a swarm of many peers with the real routing and "
-                                                    "rebalancing policies (no processes, no network)"))
+    simulator_flags(
+        sub.add_parser(
+            "simulate",
+            help="simulate a swarm of many peers with the real routing and "
+            "rebalancing policies (no processes, no network)",
+        )
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     # hivemind's own INFO lines (matchmaking chatter) drown ours; keep its warnings and errors.
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     logging.getLogger("hivemind").setLevel(os.environ["HIVEMIND_LOGLEVEL"])
     from swarm.errors import SwarmError, UsageError
 
     try:
-        handler = {"dht": _dht, "peer": _peer, "train": _train, "status": _status, "demo": _demo,
-                   "simulate": _simulate, "export": _export, "generate": _generate}[args.command]
+        handler = {
+            "dht": _dht,
+            "peer": _peer,
+            "train": _train,
+            "status": _status,
+            "demo": _demo,
+            "simulate": _simulate,
+            "export": _export,
+            "generate": _generate,
+        }[args.command]
         return handler(args)
-    except UsageError as e:  # the user's own input (a data path): a SwarmError, but fixed by the user
+    except (
+        UsageError
+    ) as e:  # the user's own input (a data path): a SwarmError, but fixed by the user
         return _error(args.command, e, USAGE_ERROR)
-    except (SwarmError, TimeoutError, OSError) as e:  # the swarm, the network or the machine failed the run
+    except (
+        SwarmError,
+        TimeoutError,
+        OSError,
+    ) as e:  # the swarm, the network or the machine failed the run
         return _error(args.command, e, RUNTIME_ERROR)
     except ValueError as e:  # a flag's value failed the config checks (__post_init__)
         return _error(args.command, e, USAGE_ERROR)
@@ -125,6 +173,7 @@ def _error(command: str, error: BaseException, status: int) -> int:
 def _run(coro) -> int:
     try:
         import uvloop
+
         return uvloop.run(coro)
     except ImportError:  # uvloop is a dependency, but stay usable where it cannot be installed
         return asyncio.run(coro)
@@ -150,15 +199,21 @@ def _dht(args) -> int:
     from swarm.discovery.dht import DHTConfig, start_dht, visible_addresses
 
     async def main() -> int:
-        dht = await asyncio.to_thread(start_dht, config_from_args(DHTConfig, args), host=args.host,
-                                      announce_host=args.announce_host)
+        dht = await asyncio.to_thread(
+            start_dht,
+            config_from_args(DHTConfig, args),
+            host=args.host,
+            announce_host=args.announce_host,
+        )
         try:
             addrs = visible_addresses(dht)
             if args.address_file:
                 tmp = Path(args.address_file + ".tmp")
                 tmp.write_text("\n".join(addrs) + "\n")
                 tmp.replace(args.address_file)  # atomic: readers never see a half-written file
-            print("DHT node is up. Give others one of these addresses as --initial-peers:", flush=True)
+            print(
+                "DHT node is up. Give others one of these addresses as --initial-peers:", flush=True
+            )
             for addr in addrs:
                 print(f"  {addr}", flush=True)
             await _until_signal()
@@ -179,8 +234,10 @@ def _peer(args) -> int:
     async def main() -> int:
         peer = await Peer.create(config, run=run)
         try:
-            print(f"peer {peer.peer_id} serves stage {peer.stage_index} of run '{config.run_id}' at {peer.endpoint}",
-                  flush=True)
+            print(
+                f"peer {peer.peer_id} serves stage {peer.stage_index} of run '{config.run_id}' at {peer.endpoint}",
+                flush=True,
+            )
             for addr in peer.addresses():
                 print(f"  DHT address (usable as --initial-peers): {addr}", flush=True)
             await _until_signal(on_first=peer.drain)
@@ -238,10 +295,20 @@ def _generate(args) -> int:
     from swarm.coordinator.export import generate_text
 
     if args.max_new_tokens < 1 or args.temperature < 0:
-        raise ValueError(f"need --max-new-tokens >= 1 and --temperature >= 0, got {args.max_new_tokens} and "
-                         f"{args.temperature}")
-    print(generate_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+        raise ValueError(
+            f"need --max-new-tokens >= 1 and --temperature >= 0, got {args.max_new_tokens} and "
+            f"{args.temperature}"
+        )
+    print(
+        generate_text(
+            args.checkpoint,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    )
     return 0
 
 

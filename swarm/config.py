@@ -4,6 +4,7 @@ It is published in the DHT under the run id by whoever starts the run (the first
 ``--preset``, or ``swarm demo``); everyone else reads it from there, so a newcomer needs only the run id and a
 bootstrap address.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,22 +27,30 @@ class RunConfig:
     lr: float = 1e-3  # peak AdamW learning rate
     weight_decay: float = 0.1  # AdamW weight decay on matrices (not on biases, norms or embeddings)
     warmup_steps: int = 10  # optimizer steps of linear warmup
-    total_steps: int = 0  # steps of cosine decay to 10% of lr after warmup; 0 = constant after warmup
-    max_grad_norm: float = 1.0  # bound on the global gradient norm; each stage clips to it / sqrt(stages) (0 = off)
+    # steps of cosine decay to 10% of lr after warmup; 0 = constant after warmup
+    total_steps: int = 0
+    # bound on the global gradient norm; each stage clips to it / sqrt(stages) (0 = off)
+    max_grad_norm: float = 1.0
 
     def __post_init__(self):
         if self.codec not in CODEC_NAMES:
-            raise ValueError(f"codec '{self.codec}' is unknown; choose one of {', '.join(CODEC_NAMES)}")
+            raise ValueError(
+                f"codec '{self.codec}' is unknown; choose one of {', '.join(CODEC_NAMES)}"
+            )
         if self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise ValueError(f"weight_decay ({self.weight_decay}) and max_grad_norm ({self.max_grad_norm}) "
-                             f"must be >= 0")
+            raise ValueError(
+                f"weight_decay ({self.weight_decay}) and max_grad_norm ({self.max_grad_norm}) "
+                f"must be >= 0"
+            )
         if self.warmup_steps < 0 or self.total_steps < 0:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) and total_steps ({self.total_steps}) "
-                             f"must be >= 0")
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) and total_steps ({self.total_steps}) "
+                f"must be >= 0"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -10,6 +10,7 @@ with the class's status code, the message as details, and the class name as the 
 :data:`WIRE_ERRORS` are trusted) or, for a peer that sends no name, from the code alone. The trainer then
 decides what to do (retry elsewhere, resend inputs, give up) from the type, never by parsing text.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -85,8 +86,15 @@ class UsageError(SwarmError, ValueError):
 
 # The errors that cross the wire: a peer may send any of these names, and only these are rebuilt from a name.
 WIRE_ERRORS: tuple[type[SwarmError], ...] = (
-    SwarmError, InvalidRequest, WrongPeer, NotCached, AlreadyApplied, PeerDraining, PeerOverloaded,
-    StageUnavailable, TransportError,
+    SwarmError,
+    InvalidRequest,
+    WrongPeer,
+    NotCached,
+    AlreadyApplied,
+    PeerDraining,
+    PeerOverloaded,
+    StageUnavailable,
+    TransportError,
 )
 # Trailing-metadata key whose value names the error's class (one of WIRE_ERRORS).
 ERROR_METADATA_KEY = "swarm-error"
@@ -106,12 +114,19 @@ _BY_CODE: dict[grpc.StatusCode, type[SwarmError]] = {
 def wire_name(error: SwarmError) -> str | None:
     """The name a peer sends for ``error``: its class or nearest ancestor among :data:`WIRE_ERRORS` that has
     the same code. None when there is none (e.g. a codec error): the code alone then tells the caller."""
-    return next((cls.__name__ for cls in type(error).__mro__ if cls in WIRE_ERRORS and cls.code == error.code),
-                None)
+    return next(
+        (
+            cls.__name__
+            for cls in type(error).__mro__
+            if cls in WIRE_ERRORS and cls.code == error.code
+        ),
+        None,
+    )
 
 
-def error_from_status(code: grpc.StatusCode, details: str | None, *, name: str | None = None,
-                      peer: str = "") -> SwarmError:
+def error_from_status(
+    code: grpc.StatusCode, details: str | None, *, name: str | None = None, peer: str = ""
+) -> SwarmError:
     """Rebuild the typed error a peer raised from the status its call ended with and the class ``name`` it
     sent (see :data:`ERROR_METADATA_KEY`). A name outside :data:`WIRE_ERRORS`, or none, falls back to the
     code; the details text never chooses the class."""

@@ -13,6 +13,7 @@ The rule every record follows, so a newer peer's record never breaks an older re
 
 Stdlib only: the bottom of the tree, beside ``swarm.errors``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,9 @@ _warned: set[tuple[str, frozenset[str]]] = set()
 _MAX_WARNED = 1024
 
 
-def parse_dataclass(cls: type[T], data: Any, *, what: str, finite: bool = False,
-                    required: Collection[str] = ()) -> T:
+def parse_dataclass(
+    cls: type[T], data: Any, *, what: str, finite: bool = False, required: Collection[str] = ()
+) -> T:
     """Build ``cls`` from the untrusted dict ``data`` by the module's rule.
 
     ``what`` names the record in messages ("stage record", "run config"); ``finite`` refuses NaN and
@@ -44,14 +46,24 @@ def parse_dataclass(cls: type[T], data: Any, *, what: str, finite: bool = False,
     Raises ``ValueError`` naming the field (nested ones as ``outer.inner``).
     """
     unknown: list[str] = []
-    value = _parse(cls, data, what=what, prefix="", finite=finite, required=required, unknown=unknown)
+    value = _parse(
+        cls, data, what=what, prefix="", finite=finite, required=required, unknown=unknown
+    )
     if unknown:
         _warn_unknown(what, unknown)
     return value
 
 
-def _parse(cls: type, data: Any, *, what: str, prefix: str, finite: bool, required: Collection[str],
-           unknown: list[str]):
+def _parse(
+    cls: type,
+    data: Any,
+    *,
+    what: str,
+    prefix: str,
+    finite: bool,
+    required: Collection[str],
+    unknown: list[str],
+):
     if not isinstance(data, dict):
         where = f"{what} field '{prefix[:-1]}'" if prefix else what
         raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
@@ -62,37 +74,66 @@ def _parse(cls: type, data: Any, *, what: str, prefix: str, finite: bool, requir
     for name, f in fields.items():
         label = prefix + name
         if name not in data:
-            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            has_default = (
+                f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            )
             if has_default and label not in required:
                 continue
             raise ValueError(f"{what} lacks field '{label}'")
-        kwargs[name] = _value(hints[name], data[name], what=what, label=label, finite=finite,
-                              required=required, unknown=unknown)
+        kwargs[name] = _value(
+            hints[name],
+            data[name],
+            what=what,
+            label=label,
+            finite=finite,
+            required=required,
+            unknown=unknown,
+        )
     return cls(**kwargs)
 
 
-def _value(hint, value: Any, *, what: str, label: str, finite: bool, required: Collection[str],
-           unknown: list[str]):
+def _value(
+    hint,
+    value: Any,
+    *,
+    what: str,
+    label: str,
+    finite: bool,
+    required: Collection[str],
+    unknown: list[str],
+):
     union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
     options = typing.get_args(hint) if union else (hint,)
     if value is None and type(None) in options:
         return None
     kind = next(t for t in options if t is not type(None))
     if dataclasses.is_dataclass(kind):
-        return _parse(kind, value, what=what, prefix=f"{label}.", finite=finite, required=required,
-                      unknown=unknown)
+        return _parse(
+            kind,
+            value,
+            what=what,
+            prefix=f"{label}.",
+            finite=finite,
+            required=required,
+            unknown=unknown,
+        )
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         try:
             return kind(value)
         except ValueError:
-            raise ValueError(f"{what} field '{label}' must be one of {[m.value for m in kind]}, got {value!r}") from None
+            raise ValueError(
+                f"{what} field '{label}' must be one of {[m.value for m in kind]}, got {value!r}"
+            ) from None
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-            not finite or math.isfinite(value))
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and (not finite or math.isfinite(value))
+        )
     elif kind is str:
         ok = isinstance(value, str)
     else:
@@ -115,19 +156,31 @@ def _warn_unknown(what: str, names: list[str]) -> None:
     if key in _warned or len(_warned) >= _MAX_WARNED:
         return
     _warned.add(key)
-    logger.warning("%s has fields this version does not know, left out: %s (written by a newer version?)",
-                   what, ", ".join(sorted(names)))
+    logger.warning(
+        "%s has fields this version does not know, left out: %s (written by a newer version?)",
+        what,
+        ", ".join(sorted(names)),
+    )
 
 
-def check_field_types(config: Any, *, numbers: Collection[str] = (), ints: Collection[str] = (),
-                      bools: Collection[str] = ()) -> None:
+def check_field_types(
+    config: Any,
+    *,
+    numbers: Collection[str] = (),
+    ints: Collection[str] = (),
+    bools: Collection[str] = (),
+) -> None:
     """Check that a config built in code holds what its annotations say (a dataclass constructor checks
     nothing): ``numbers`` are finite ints or floats, ``ints`` ints, ``bools`` bools; a ``bool`` is never a
     number. For ``__post_init__``, before the range checks. Raises ``ValueError`` naming ``Class.field``."""
     name = type(config).__name__
     for field in numbers:
         value = getattr(config, field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise ValueError(f"{name}.{field} must be a finite number, got {value!r}")
     for field in ints:
         value = getattr(config, field)

@@ -3,6 +3,7 @@
 The ``str`` mixin keeps each member equal to its wire string ("serving" == PeerState.SERVING), so records
 and the proto's ``state`` field carry the same values whichever side builds them.
 """
+
 from __future__ import annotations
 
 import enum
@@ -11,7 +12,9 @@ import enum
 class PeerState(str, enum.Enum):
     STARTING = "starting"  # loading a stage's state; counted as capacity, not routed to yet
     SERVING = "serving"  # takes new work
-    DRAINING = "draining"  # leaving the stage: finishes backward for its microbatches, takes no new work
+    DRAINING = (
+        "draining"  # leaving the stage: finishes backward for its microbatches, takes no new work
+    )
 
     # The value, not "PeerState.SERVING", wherever a state is printed, logged or formatted.
     __str__ = str.__str__

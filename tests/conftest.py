@@ -1,4 +1,5 @@
 """Shared fixtures: an event loop thread for in-process servers, and local multi-process swarms."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +44,9 @@ def local_executor(run, stage_index: int, **kwargs):
     from swarm.peer.executor import StageExecutor
 
     stage_module = build_stage(run.model, stage_index)
-    return StageExecutor(stage_module, run, optimizer=LocalStageOptimizer(stage_module, run), **kwargs)
+    return StageExecutor(
+        stage_module, run, optimizer=LocalStageOptimizer(stage_module, run), **kwargs
+    )
 
 
 class LoopThread:
@@ -83,8 +86,9 @@ class LocalSwarm:
         return ["--initial-peers", f"@{self.addr_file}"]
 
     def peer(self, name: str, stage: int, *args: str, run_id: str = "test", wait: bool = True):
-        proc = self.group.swarm(name, "peer", "--run-id", run_id, "--stage", str(stage), *self.initial_peers,
-                                *args)
+        proc = self.group.swarm(
+            name, "peer", "--run-id", run_id, "--stage", str(stage), *self.initial_peers, *args
+        )
         if wait:
             self.wait_ready(proc)
         return proc
@@ -92,7 +96,9 @@ class LocalSwarm:
     @staticmethod
     def wait_ready(proc, timeout_s: float = 120.0) -> str:
         """Wait for the peer's ready line; return its gRPC endpoint."""
-        return proc.wait_for(r"serves stage \d+ of run '[^']+' at (\S+)", timeout_s=timeout_s).group(1)
+        return proc.wait_for(
+            r"serves stage \d+ of run '[^']+' at (\S+)", timeout_s=timeout_s
+        ).group(1)
 
     def addresses(self) -> list[str]:
         self.group.procs["bootstrap"].wait_for("DHT node is up", timeout_s=60)
@@ -100,7 +106,9 @@ class LocalSwarm:
 
     def stop_peers(self) -> None:
         """Stop every process but the bootstrap node, together (a frozen one is resumed first so it can drain)."""
-        names = [name for name, proc in self.group.procs.items() if name != "bootstrap" and proc.alive()]
+        names = [
+            name for name, proc in self.group.procs.items() if name != "bootstrap" and proc.alive()
+        ]
         for name in names:
             self.group.procs[name].signal(signal.SIGCONT)
         self.group.stop_all(names, timeout_s=30)

@@ -1,4 +1,5 @@
 """Admission: the drain window, in-flight/idle accounting and fault injection, on a clock the test moves."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,9 @@ class Clock:
 
 
 def admission(clock: Clock, **overrides) -> Admission:
-    kwargs = dict(peer_id="p1", drain_timeout_s=30.0, drain_notice_s=3.0, drain_idle_s=5.0, clock=clock)
+    kwargs = dict(
+        peer_id="p1", drain_timeout_s=30.0, drain_notice_s=3.0, drain_idle_s=5.0, clock=clock
+    )
     return Admission(**{**kwargs, **overrides})
 
 
@@ -31,7 +34,9 @@ def test_new_work_is_refused_only_past_the_drain_notice():
         assert adm.accepts_new_work
         adm.begin_drain()
         clock.now += 2.9
-        async with adm.call(new_work=True, stage_index=1):  # trainers may not have seen the state yet
+        async with adm.call(
+            new_work=True, stage_index=1
+        ):  # trainers may not have seen the state yet
             pass
         clock.now += 0.1
         assert not adm.accepts_new_work

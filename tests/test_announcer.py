@@ -1,4 +1,5 @@
 """The heartbeat's records: the stage a peer serves, and a "starting" record where it is heading."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,15 @@ class Directory:
 
 def announcer(serving=None) -> tuple[Announcer, Directory]:
     directory = Directory()
-    return Announcer(directory, RUN, peer_id="p1", ttl_s=5.0, heartbeat_s=1.0, endpoint=lambda: "127.0.0.1:7",
-                     serving=lambda: serving), directory
+    return Announcer(
+        directory,
+        RUN,
+        peer_id="p1",
+        ttl_s=5.0,
+        heartbeat_s=1.0,
+        endpoint=lambda: "127.0.0.1:7",
+        serving=lambda: serving,
+    ), directory
 
 
 def test_an_arriving_peer_announces_starting_on_its_chosen_stage_only():
@@ -32,20 +40,42 @@ def test_an_arriving_peer_announces_starting_on_its_chosen_stage_only():
     ann.heading_to(2)
     asyncio.run(ann.announce())
     [(record, ttl_s)] = directory.announced
-    assert (record.stage, record.state, record.throughput, record.step) == (2, PeerState.STARTING, 0.0, 0)
+    assert (record.stage, record.state, record.throughput, record.step) == (
+        2,
+        PeerState.STARTING,
+        0.0,
+        0,
+    )
     assert record.config_hash == RUN.fingerprint() and ttl_s == 5.0
     StageRecord.from_wire(record.to_wire())  # valid as others will read it
 
 
 def test_a_moving_peer_announces_both_stages_and_settles_on_the_new_one():
-    now = Serving(stage_index=0, state=PeerState.DRAINING, throughput=12.5, in_flight=3, step=7, step_pause_s=0.2)
+    now = Serving(
+        stage_index=0,
+        state=PeerState.DRAINING,
+        throughput=12.5,
+        in_flight=3,
+        step=7,
+        step_pause_s=0.2,
+    )
     ann, _ = announcer(serving=now)
     ann.heading_to(1, expected_throughput=9.0)
     served, target = ann.records()
-    assert (served.stage, served.state, served.throughput, served.in_flight, served.step, served.step_pause_s) \
-        == (0, PeerState.DRAINING, 12.5, 3, 7, 0.2)
-    assert (target.stage, target.state, target.throughput, target.endpoint) == (1, PeerState.STARTING, 9.0,
-                                                                                 "127.0.0.1:7")
+    assert (
+        served.stage,
+        served.state,
+        served.throughput,
+        served.in_flight,
+        served.step,
+        served.step_pause_s,
+    ) == (0, PeerState.DRAINING, 12.5, 3, 7, 0.2)
+    assert (target.stage, target.state, target.throughput, target.endpoint) == (
+        1,
+        PeerState.STARTING,
+        9.0,
+        "127.0.0.1:7",
+    )
     assert served.last_moved_s == target.last_moved_s == 0.0
     ann.settled()
     [record] = ann.records()

@@ -1,6 +1,7 @@
 """Replicas of a stage that average (--average, hivemind) train one model: they all-reduce gradients and step
 together on exactly one global batch, and a peer that joins downloads the stage's state. (test_parity.py checks
 what they learn against one process.)"""
+
 from __future__ import annotations
 
 import signal
@@ -8,14 +9,25 @@ import time
 
 import pytest
 import torch
-
 from conftest import ask_peers
 
 pytestmark = pytest.mark.slow
 
 RUN_ID = "replicas"
-FLAGS = ["--preset", "tiny", "--target-batch-size", "64", "--average", "--matchmaking-s", "1.0", "--heartbeat-s", "0.5",
-         "--ttl-s", "3", "--no-rebalance"]
+FLAGS = [
+    "--preset",
+    "tiny",
+    "--target-batch-size",
+    "64",
+    "--average",
+    "--matchmaking-s",
+    "1.0",
+    "--heartbeat-s",
+    "0.5",
+    "--ttl-s",
+    "3",
+    "--no-rebalance",
+]
 
 
 def _wait_for_step(endpoints, step: int, timeout_s: float = 60.0) -> list[int]:
@@ -50,27 +62,52 @@ def test_replicas_agree_and_one_that_joins_mid_run_ends_in_the_same_state(local_
     replicas = [local_swarm.peer(f"s1-{i}", 1, *FLAGS, run_id=RUN_ID, wait=False) for i in range(2)]
     local_swarm.wait_ready(first)
     endpoints = [local_swarm.wait_ready(p) for p in replicas]
-    trainer = local_swarm.group.swarm("trainer", "train", "--run-id", RUN_ID, *local_swarm.initial_peers,
-                                      "--steps", str(STEPS), "--microbatch-size", "8", "--in-flight", "4",
-                                      "--max-batches-ahead", "2", "--eval-every-steps", "0", "--eval-batches", "2",
-                                      "--log-every-s", "0")
+    trainer = local_swarm.group.swarm(
+        "trainer",
+        "train",
+        "--run-id",
+        RUN_ID,
+        *local_swarm.initial_peers,
+        "--steps",
+        str(STEPS),
+        "--microbatch-size",
+        "8",
+        "--in-flight",
+        "4",
+        "--max-batches-ahead",
+        "2",
+        "--eval-every-steps",
+        "0",
+        "--eval-batches",
+        "2",
+        "--log-every-s",
+        "0",
+    )
     trainer.wait_for(r"^step 2/", timeout_s=300)
     # The trainer's step counts batches sent, not the stage's steps: on a loaded machine stage 1's first all-reduce
     # can still run, and a newcomer that attaches then has no later step to download. Start it once there is one.
     assert min(_wait_for_step(endpoints, 1, timeout_s=300)) >= 1
     newcomer = local_swarm.peer("s1-new", 1, *FLAGS, run_id=RUN_ID, wait=False)
     trainer.wait_for(r"^step 6/", timeout_s=300)
-    trainer.signal(signal.SIGSTOP)  # on a busy machine the newcomer may still be starting: hold the run until it serves
+    trainer.signal(
+        signal.SIGSTOP
+    )  # on a busy machine the newcomer may still be starting: hold the run until it serves
     try:
         endpoints.append(local_swarm.wait_ready(newcomer))
     finally:
         trainer.signal(signal.SIGCONT)
-    joined_at = int(newcomer.wait_for(r"state downloaded from its peers: now at step (\d+)", timeout_s=5).group(1))
+    joined_at = int(
+        newcomer.wait_for(r"state downloaded from its peers: now at step (\d+)", timeout_s=5).group(
+            1
+        )
+    )
     assert 0 < joined_at < STEPS - 4
     assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
     # One optimizer step per global batch the trainer sent: no batch split or merged, none lost.
     assert _wait_for_step(endpoints, STEPS) == [STEPS] * 3
     _assert_same_state(endpoints, STEPS)
     infos = ask_peers(endpoints, lambda c: c.info(RUN_ID, timeout_s=10))
-    assert all(info.microbatches_applied > 0 for info in infos), [i.microbatches_applied for i in infos]
+    assert all(info.microbatches_applied > 0 for info in infos), [
+        i.microbatches_applied for i in infos
+    ]
     assert sum(info.microbatches_applied for info in infos) == STEPS * 64 // 8

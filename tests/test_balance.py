@@ -31,7 +31,9 @@ CONFIG = RebalanceConfig(period_s=PERIOD_S, min_gain=0.1, cooldown_periods=3)
 def view_of(stages: list[dict[str, float]], **kwargs) -> SwarmView:
     """A view whose peers all serve, from per-stage dicts peer id -> samples/s."""
     return SwarmView(
-        stages=[{pid: PeerRecord(t, PeerState.SERVING) for pid, t in peers.items()} for peers in stages],
+        stages=[
+            {pid: PeerRecord(t, PeerState.SERVING) for pid, t in peers.items()} for peers in stages
+        ],
         **kwargs,
     )
 
@@ -58,7 +60,9 @@ def run_periods(view: SwarmView, periods: int, config: RebalanceConfig = CONFIG,
     for period in range(start, start + periods):
         now = period * config.period_s + 1.0
         everyone = [pid for peers in view.stages for pid in peers]
-        decided = [m for m in (decide_move(view, pid, now, config) for pid in everyone) if m is not None]
+        decided = [
+            m for m in (decide_move(view, pid, now, config) for pid in everyone) if m is not None
+        ]
         assert decided == plan_moves(view, now, config)
         per_claim = Counter(m.claim_key for m in decided)
         assert all(count == 1 for count in per_claim.values()), per_claim
@@ -86,7 +90,9 @@ def test_arrival_joins_the_weakest_stage():
 
 
 def test_arrival_ties_go_to_the_weakest_stages_at_random():
-    chosen = Counter(choose_stage_on_arrival([4.0, 0.0, 0.0], 1.0, random.Random(seed)) for seed in range(200))
+    chosen = Counter(
+        choose_stage_on_arrival([4.0, 0.0, 0.0], 1.0, random.Random(seed)) for seed in range(200)
+    )
     assert set(chosen) == {1, 2}
     assert min(chosen.values()) > 60  # both empty stages are drawn, not always the first
 
@@ -249,14 +255,19 @@ def test_draining_peers_do_not_count_and_starting_ones_do():
 
 def test_stage_costs_convert_the_movers_throughput():
     # Stage 1 costs twice as much: a peer doing 2/s in stage 0 does 1/s in stage 1.
-    view = view_of([{f"a{i}": 2.0 for i in range(4)}, {"b0": 1.0, "b1": 1.0}], stage_costs=[1.0, 2.0])
+    view = view_of(
+        [{f"a{i}": 2.0 for i in range(4)}, {"b0": 1.0, "b1": 1.0}], stage_costs=[1.0, 2.0]
+    )
     final, moves = run_periods(view, 10)
     assert [m.throughput_to for m in moves] == [1.0, 1.0]
     assert stage_capacities(final, count_starting=True) == [4.0, 4.0]
 
 
 def test_several_weak_stages_are_filled_over_periods():
-    view = view_of([{f"a{i}": 50.0 for i in range(6)}] + [{f"s{k}{i}": 50.0 for i in range(2)} for k in range(3)])
+    view = view_of(
+        [{f"a{i}": 50.0 for i in range(6)}]
+        + [{f"s{k}{i}": 50.0 for i in range(2)} for k in range(3)]
+    )
     final, moves = run_periods(view, 10)
     assert stage_capacities(final, count_starting=True) == [150.0] * 4
     assert len(moves) == 3 and {m.from_stage for m in moves} == {0}
@@ -265,7 +276,9 @@ def test_several_weak_stages_are_filled_over_periods():
 
 def test_several_sources_give_in_one_period_without_overshooting():
     # Two rich stages, one poor: both may give in one period, never more than the poor one needs.
-    view = view_of([{f"a{i}": 1.0 for i in range(4)}, {f"b{i}": 1.0 for i in range(4)}, {"c0": 1.0}])
+    view = view_of(
+        [{f"a{i}": 1.0 for i in range(4)}, {f"b{i}": 1.0 for i in range(4)}, {"c0": 1.0}]
+    )
     moves = plan_moves(view, 1.0, CONFIG)
     assert sorted((m.from_stage, m.to_stage) for m in moves) == [(0, 2), (1, 2)]
     assert all(m.planned_throughput == 3.0 for m in moves)
@@ -292,8 +305,11 @@ def test_a_claim_by_another_peer_takes_the_stage_slot():
     now = 1.0
     period = period_index(now, PERIOD_S)
     base = three_plus_one()
-    planned = decide_move(base, "a", now, CONFIG) or decide_move(base, "b", now, CONFIG) or decide_move(
-        base, "c", now, CONFIG)
+    planned = (
+        decide_move(base, "a", now, CONFIG)
+        or decide_move(base, "b", now, CONFIG)
+        or decide_move(base, "c", now, CONFIG)
+    )
     other = next(p for p in "abc" if p != planned.peer_id)
     claimed = SwarmView(stages=base.stages, claims={(0, period): {other}})
     assert decide_move(claimed, planned.peer_id, now, CONFIG) is None
@@ -312,11 +328,17 @@ def test_a_claim_by_another_peer_takes_the_stage_slot():
 def random_view(rng: random.Random) -> SwarmView:
     num_stages = rng.randint(2, 6)
     stages = [
-        {f"s{s}p{i}": rng.choice([0.5, 1.0, 1.0, 2.0, 3.0, rng.uniform(0.1, 4.0)])
-         for i in range(rng.choice([1, 2, 3, 5, 8, 20]))}
+        {
+            f"s{s}p{i}": rng.choice([0.5, 1.0, 1.0, 2.0, 3.0, rng.uniform(0.1, 4.0)])
+            for i in range(rng.choice([1, 2, 3, 5, 8, 20]))
+        }
         for s in range(num_stages)
     ]
-    costs = [rng.choice([1.0, 1.0, 1.5, 2.0]) for _ in range(num_stages)] if rng.random() < 0.5 else None
+    costs = (
+        [rng.choice([1.0, 1.0, 1.5, 2.0]) for _ in range(num_stages)]
+        if rng.random() < 0.5
+        else None
+    )
     return view_of(stages, stage_costs=costs)
 
 

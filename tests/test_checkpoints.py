@@ -1,11 +1,11 @@
 """Stop every peer, restart them from their checkpoints: training resumes from the saved step."""
+
 from __future__ import annotations
 
 import signal
 
 import pytest
 import torch
-
 from conftest import ask_peers
 
 pytestmark = pytest.mark.slow
@@ -19,14 +19,40 @@ def test_restart_from_checkpoints_resumes_the_saved_step(local_swarm, tmp_path):
     run_id = "ckpt"
 
     def start_peers(tag):
-        procs = [local_swarm.peer(f"{tag}-s{k}", k, "--preset", "tiny", "--target-batch-size", "16",
-                                  "--checkpoint-dir", str(tmp_path / f"stage{k}"), "--checkpoint-every-steps", "2",
-                                  "--no-rebalance", run_id=run_id, wait=False) for k in (0, 1)]
+        procs = [
+            local_swarm.peer(
+                f"{tag}-s{k}",
+                k,
+                "--preset",
+                "tiny",
+                "--target-batch-size",
+                "16",
+                "--checkpoint-dir",
+                str(tmp_path / f"stage{k}"),
+                "--checkpoint-every-steps",
+                "2",
+                "--no-rebalance",
+                run_id=run_id,
+                wait=False,
+            )
+            for k in (0, 1)
+        ]
         return procs, [local_swarm.wait_ready(p) for p in procs]
 
     def train(tag, steps):
-        trainer = local_swarm.group.swarm(f"{tag}-trainer", "train", "--run-id", run_id, *local_swarm.initial_peers,
-                                          "--steps", str(steps), "--eval-every-steps", "0", "--eval-batches", "1")
+        trainer = local_swarm.group.swarm(
+            f"{tag}-trainer",
+            "train",
+            "--run-id",
+            run_id,
+            *local_swarm.initial_peers,
+            "--steps",
+            str(steps),
+            "--eval-every-steps",
+            "0",
+            "--eval-batches",
+            "1",
+        )
         assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-2000:]
 
     procs, endpoints = start_peers("first")
@@ -58,34 +84,72 @@ def test_export_then_generate_matches_the_swarm(local_swarm, tmp_path):
     from swarm.data import ByteCorpus, DataConfig
 
     run_id = "export"
-    procs = [local_swarm.peer(f"exp-s{k}", k, "--preset", "tiny", "--target-batch-size", "16", "--no-rebalance",
-                              run_id=run_id, wait=False) for k in (0, 1)]
+    procs = [
+        local_swarm.peer(
+            f"exp-s{k}",
+            k,
+            "--preset",
+            "tiny",
+            "--target-batch-size",
+            "16",
+            "--no-rebalance",
+            run_id=run_id,
+            wait=False,
+        )
+        for k in (0, 1)
+    ]
     for p in procs:
         local_swarm.wait_ready(p)
-    trainer = local_swarm.group.swarm("exp-trainer", "train", "--run-id", run_id, *local_swarm.initial_peers,
-                                      "--steps", "8", "--eval-every-steps", "0", "--eval-batches", "4")
+    trainer = local_swarm.group.swarm(
+        "exp-trainer",
+        "train",
+        "--run-id",
+        run_id,
+        *local_swarm.initial_peers,
+        "--steps",
+        "8",
+        "--eval-every-steps",
+        "0",
+        "--eval-batches",
+        "4",
+    )
     assert trainer.popen.wait(timeout=300) == 0
     swarm_val = float(trainer.wait_for(r"validation loss ([\d.]+)", timeout_s=5).group(1))
 
     out = tmp_path / "model.pt"
     cli = [sys.executable, "-m", "swarm"]
     addr = f"@{local_swarm.addr_file}"
-    done = subprocess.run([*cli, "export", "--run-id", run_id, "--initial-peers", addr, "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*cli, "export", "--run-id", run_id, "--initial-peers", addr, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert re.search(r"stages at optimizer steps \[8, 8\]", done.stdout), done.stdout
 
     run, model = load_exported(str(out))
     corpus = ByteCorpus.load(DataConfig())
     with torch.no_grad():
-        losses = [float(model.loss(b[:, :-1], b[:, 1:])) for b in corpus.val_batches(8, run.model.seq_len, 4)]
+        losses = [
+            float(model.loss(b[:, :-1], b[:, 1:]))
+            for b in corpus.val_batches(8, run.model.seq_len, 4)
+        ]
     # Same parameters, same fixed validation batches, fp32 with codec none: equal up to summation order.
     assert sum(losses) / len(losses) == pytest.approx(swarm_val, rel=1e-3)
 
-    text = subprocess.run([*cli, "generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "40"],
-                          capture_output=True, text=True, timeout=120)
+    text = subprocess.run(
+        [*cli, "generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "40"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert text.returncode == 0, text.stderr
     assert text.stdout.startswith("def ") and len(text.stdout.rstrip("\n")) >= 20
-    bad = subprocess.run([*cli, "generate", "--checkpoint", str(tmp_path / "missing.pt")], capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [*cli, "generate", "--checkpoint", str(tmp_path / "missing.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "cannot read" in bad.stderr

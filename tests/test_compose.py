@@ -69,7 +69,7 @@ def test_every_service_mounts_the_shared_volume():
 
 
 def test_everyone_bootstraps_from_the_file_the_bootstrap_writes():
-    (dht_name, dht_argv), = _by_subcommand("dht").items()
+    ((dht_name, dht_argv),) = _by_subcommand("dht").items()
     address_file = _flag(dht_argv, "--address-file")
     assert address_file and address_file.startswith("/shared/"), address_file
     clients = {**_by_subcommand("peer"), **_by_subcommand("train")}
@@ -83,7 +83,9 @@ def test_everyone_bootstraps_from_the_file_the_bootstrap_writes():
     assert address_file in health, health
     # The stale file of a previous run is removed before the bootstrap starts.
     (cleaner,) = [n for n, s in SERVICES.items() if s["command"] == ["rm", "-f", address_file]]
-    assert SERVICES[dht_name]["depends_on"][cleaner]["condition"] == "service_completed_successfully"
+    assert (
+        SERVICES[dht_name]["depends_on"][cleaner]["condition"] == "service_completed_successfully"
+    )
 
 
 def test_peers_restart_on_failure_and_announce_their_own_hostname():
@@ -98,20 +100,30 @@ def test_announced_hosts_have_fixed_dht_ports():
     # libp2p cannot announce port 0: `--announce-host` without `--dht-port` fails at start.
     for name, argv in _swarm_commands().items():
         if _flag(argv, "--announce-host") is not None:
-            assert int(_flag(argv, "--dht-port") or 0) > 0, f"{name} announces a host but no --dht-port"
-            assert _flag(argv, "--announce-host") == SERVICES[name].get("hostname", name) == name, name
+            assert int(_flag(argv, "--dht-port") or 0) > 0, (
+                f"{name} announces a host but no --dht-port"
+            )
+            assert _flag(argv, "--announce-host") == SERVICES[name].get("hostname", name) == name, (
+                name
+            )
 
 
 def test_ports_do_not_collide():
-    listen = [(name, int(_flag(argv, flag))) for name, argv in _swarm_commands().items()
-              for flag in ("--port", "--dht-port") if _flag(argv, flag) is not None]
+    listen = [
+        (name, int(_flag(argv, flag)))
+        for name, argv in _swarm_commands().items()
+        for flag in ("--port", "--dht-port")
+        if _flag(argv, flag) is not None
+    ]
     assert len(listen) == 9  # bootstrap's DHT + 4 peers' gRPC and DHT
     ports = [p for _, p in listen]
     assert len(set(ports)) == len(ports), listen
     for name, port in listen:
         exposed = [str(p) for p in SERVICES[name].get("expose", [])]
         assert str(port) in exposed, f"{name} listens on {port} but exposes {exposed}"
-    published = [str(p).rsplit(":", 1)[0] for svc in SERVICES.values() for p in svc.get("ports", [])]
+    published = [
+        str(p).rsplit(":", 1)[0] for svc in SERVICES.values() for p in svc.get("ports", [])
+    ]
     assert len(set(published)) == len(published), published
 
 
@@ -151,7 +163,11 @@ def test_build_context_and_dockerfile_inputs_exist():
 
 
 def _ignore_patterns(path: Path) -> list[str]:
-    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return [
+        line.strip()
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:
@@ -160,7 +176,11 @@ def _ignored(path: str, patterns: list[str]) -> bool:
     for pattern in patterns:
         negate = pattern.startswith("!")
         pat = pattern.lstrip("!").rstrip("/")
-        if pat == "**" or fnmatch.fnmatch(path, pat) or fnmatch.fnmatch(path, pat.removeprefix("**/")):
+        if (
+            pat == "**"
+            or fnmatch.fnmatch(path, pat)
+            or fnmatch.fnmatch(path, pat.removeprefix("**/"))
+        ):
             excluded = not negate
     return excluded
 

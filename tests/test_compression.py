@@ -86,12 +86,16 @@ def test_int8_error_per_element_is_half_a_step_of_its_block(distribution: str) -
     assert bool((error <= absmax / 127 / 2 * (1 + 2**-7) * (1 + 1e-5)).all())
     # the maximum of each block is reproduced to float32 rounding: the scale never clips it
     maxima = flat.view(-1, block).abs().argmax(dim=1, keepdim=True)
-    assert torch.allclose(decoded.view(-1, block).gather(1, maxima), flat.view(-1, block).gather(1, maxima), rtol=5e-3)
+    assert torch.allclose(
+        decoded.view(-1, block).gather(1, maxima), flat.view(-1, block).gather(1, maxima), rtol=5e-3
+    )
 
 
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_every_float_dtype_round_trips_to_its_own_dtype(codec_name: str, dtype: torch.dtype) -> None:
+def test_every_float_dtype_round_trips_to_its_own_dtype(
+    codec_name: str, dtype: torch.dtype
+) -> None:
     codec = get_codec(codec_name)
     flat = _sample("normal", numel=1000).to(dtype)
     decoded = codec.decode(codec.encode(flat), flat.numel(), dtype)
@@ -101,7 +105,9 @@ def test_every_float_dtype_round_trips_to_its_own_dtype(codec_name: str, dtype: 
 
 @pytest.mark.parametrize("codec_name", ["fp16", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_sixteen_bit_inputs_travel_raw_in_sixteen_bit_codecs(codec_name: str, dtype: torch.dtype) -> None:
+def test_sixteen_bit_inputs_travel_raw_in_sixteen_bit_codecs(
+    codec_name: str, dtype: torch.dtype
+) -> None:
     codec = get_codec(codec_name)
     flat = _sample("normal", numel=1000).to(dtype)
     payload = codec.encode(flat)
@@ -124,11 +130,21 @@ def test_int8_blocks_of_any_magnitude_encode_the_same_alone_or_together() -> Non
     block = codec.segment_alignment
     # magnitudes from float32 subnormals to near the bfloat16 maximum, one block each, plus a short tail
     magnitudes = [1e-44, 1e-40, 1e-37, 1e-31, 1e-12, 1.0, 1e20, 1e38]
-    flat = torch.cat([_sample("normal", numel=block, seed=i) * m for i, m in enumerate(magnitudes)] + [torch.ones(3)])
+    flat = torch.cat(
+        [_sample("normal", numel=block, seed=i) * m for i, m in enumerate(magnitudes)]
+        + [torch.ones(3)]
+    )
     whole = codec.encode(flat)
-    assert b"".join(codec.encode(flat[start : start + block]) for start in range(0, flat.numel(), block)) == whole
+    assert (
+        b"".join(
+            codec.encode(flat[start : start + block]) for start in range(0, flat.numel(), block)
+        )
+        == whole
+    )
     decoded = codec.decode(whole, flat.numel(), torch.float32)
-    for index, magnitude in enumerate(magnitudes[2:], start=2):  # normal float32 range: relative precision holds
+    for index, magnitude in enumerate(
+        magnitudes[2:], start=2
+    ):  # normal float32 range: relative precision holds
         piece = slice(index * block, (index + 1) * block)
         assert _relative_error(flat[piece], decoded[piece]) < 1e-2, magnitude
     # subnormal blocks keep only what float32 can hold, but never blow up
@@ -137,15 +153,24 @@ def test_int8_blocks_of_any_magnitude_encode_the_same_alone_or_together() -> Non
 
 def test_int8_saturates_float16_at_its_limit_instead_of_overflowing() -> None:
     limit = torch.finfo(torch.float16).max
-    flat = torch.tensor([limit, -limit, 1.0, 0.0], dtype=torch.float16)  # bfloat16 scale rounds up to 65536
+    flat = torch.tensor(
+        [limit, -limit, 1.0, 0.0], dtype=torch.float16
+    )  # bfloat16 scale rounds up to 65536
     decoded = get_codec("int8").decode(get_codec("int8").encode(flat), 4, torch.float16)
     assert decoded[0] == limit and decoded[1] == -limit
 
 
 def test_fp16_flushes_values_below_its_range_but_bf16_keeps_them() -> None:
     flat = torch.full((8,), 1e-9)
-    assert torch.equal(get_codec("fp16").decode(get_codec("fp16").encode(flat), 8, flat.dtype), torch.zeros(8))
-    assert _relative_error(flat, get_codec("bf16").decode(get_codec("bf16").encode(flat), 8, flat.dtype)) < 4e-3
+    assert torch.equal(
+        get_codec("fp16").decode(get_codec("fp16").encode(flat), 8, flat.dtype), torch.zeros(8)
+    )
+    assert (
+        _relative_error(
+            flat, get_codec("bf16").decode(get_codec("bf16").encode(flat), 8, flat.dtype)
+        )
+        < 4e-3
+    )
 
 
 # --- exact byte counts ---------------------------------------------------------------------------------------------
@@ -154,7 +179,9 @@ def test_fp16_flushes_values_below_its_range_but_bf16_keeps_them() -> None:
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES, ids=str)
 @pytest.mark.parametrize("numel", [0, 1, 31, 32, 33, 1000])
-def test_encode_returns_exactly_encoded_size_bytes(codec_name: str, dtype: torch.dtype, numel: int) -> None:
+def test_encode_returns_exactly_encoded_size_bytes(
+    codec_name: str, dtype: torch.dtype, numel: int
+) -> None:
     codec = get_codec(codec_name)
     flat = (_sample("normal", numel=numel) * 3).to(dtype)
     payload = codec.encode(flat)
@@ -177,7 +204,9 @@ def test_encode_returns_exactly_encoded_size_bytes(codec_name: str, dtype: torch
         ("fp16", torch.bool, 5, 5),
     ],
 )
-def test_encoded_size_formula(codec_name: str, dtype: torch.dtype, numel: int, expected: int) -> None:
+def test_encoded_size_formula(
+    codec_name: str, dtype: torch.dtype, numel: int, expected: int
+) -> None:
     assert get_codec(codec_name).encoded_size(numel, dtype) == expected
 
 
@@ -202,7 +231,10 @@ def test_segmentwise_encoding_equals_whole_tensor_encoding(
     whole = codec.encode(flat)
     assert b"".join(payloads) == whole
 
-    pieces = [codec.decode(payload, stop - start, dtype) for payload, (start, stop) in zip(payloads, ranges)]
+    pieces = [
+        codec.decode(payload, stop - start, dtype)
+        for payload, (start, stop) in zip(payloads, ranges)
+    ]
     assert torch.equal(torch.cat(pieces), codec.decode(whole, flat.numel(), dtype))
 
 
@@ -221,13 +253,17 @@ def test_segment_ranges_edge_cases() -> None:
 
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)
 @pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
-def test_non_float_dtypes_pass_through_as_little_endian_bytes(codec_name: str, dtype: torch.dtype) -> None:
+def test_non_float_dtypes_pass_through_as_little_endian_bytes(
+    codec_name: str, dtype: torch.dtype
+) -> None:
     codec = get_codec(codec_name)
     if dtype == torch.bool:
         flat = torch.tensor([True, False, True, True, False])
     else:
         info = torch.iinfo(dtype)
-        flat = torch.tensor([info.min, info.max, 0, 1, 255 % info.max, 12345 % info.max], dtype=dtype)
+        flat = torch.tensor(
+            [info.min, info.max, 0, 1, 255 % info.max, 12345 % info.max], dtype=dtype
+        )
     payload = codec.encode(flat)
     numpy_dtype = flat.numpy().dtype.newbyteorder("<")
     assert payload == np.asarray(flat.numpy(), dtype=numpy_dtype).tobytes()
@@ -246,8 +282,12 @@ def test_token_ids_survive_int8_codec_exactly() -> None:
 
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
-def test_encode_rejects_non_finite_values(codec_name: str, dtype: torch.dtype, bad_value: float) -> None:
+@pytest.mark.parametrize(
+    "bad_value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"]
+)
+def test_encode_rejects_non_finite_values(
+    codec_name: str, dtype: torch.dtype, bad_value: float
+) -> None:
     flat = _sample("normal", numel=100).to(dtype)
     flat[77] = bad_value
     with pytest.raises(NonFiniteTensorError, match="first at element 77"):
@@ -256,10 +296,14 @@ def test_encode_rejects_non_finite_values(codec_name: str, dtype: torch.dtype, b
 
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)
 @pytest.mark.parametrize("position", [0, 50_001, 100_002])
-def test_encode_finds_a_single_nan_anywhere_in_a_large_tensor(codec_name: str, position: int) -> None:
+def test_encode_finds_a_single_nan_anywhere_in_a_large_tensor(
+    codec_name: str, position: int
+) -> None:
     flat = _sample("normal", numel=100_003)
     flat[position] = float("nan")
-    with pytest.raises(NonFiniteTensorError, match=f"1 non-finite values .* first at element {position}:"):
+    with pytest.raises(
+        NonFiniteTensorError, match=f"1 non-finite values .* first at element {position}:"
+    ):
         get_codec(codec_name).encode(flat)
 
 
@@ -269,7 +313,9 @@ def test_opposite_infinities_are_caught_and_huge_finite_values_are_not() -> None
     with pytest.raises(NonFiniteTensorError, match="2 non-finite values"):
         get_codec("none").encode(flat)
     huge = torch.full((1000,), 3e38)  # finite values whose float32 sum overflows
-    assert torch.equal(get_codec("none").decode(get_codec("none").encode(huge), 1000, torch.float32), huge)
+    assert torch.equal(
+        get_codec("none").decode(get_codec("none").encode(huge), 1000, torch.float32), huge
+    )
     decoded = get_codec("int8").decode(get_codec("int8").encode(huge), 1000, torch.float32)
     assert _relative_error(huge, decoded) < 1e-2
 
@@ -296,12 +342,20 @@ def test_int8_overflow_of_float64_beyond_scale_range() -> None:
         ("fp16", torch.float32, bytes.fromhex("007c0000")),  # +Inf, 0 in float16
         ("bf16", torch.float32, bytes.fromhex("c07f0000")),  # NaN, 0 in bfloat16
         ("int8", torch.float32, bytes.fromhex("c07f") + bytes([1, 2])),  # NaN scale
-        ("int8", torch.float32, bytes.fromhex("807f") + bytes([1, 0])),  # +Inf scale, 0 * Inf is NaN too
+        (
+            "int8",
+            torch.float32,
+            bytes.fromhex("807f") + bytes([1, 0]),
+        ),  # +Inf scale, 0 * Inf is NaN too
         ("int8", torch.bfloat16, bytes.fromhex("807f") + bytes([0, 1])),  # +Inf scale into bfloat16
     ],
 )
-def test_decode_rejects_payloads_that_decode_to_non_finite(codec_name: str, dtype: torch.dtype, payload: bytes) -> None:
-    with pytest.raises(NonFiniteTensorError, match="payload is corrupt or the sender shipped NaN/Inf"):
+def test_decode_rejects_payloads_that_decode_to_non_finite(
+    codec_name: str, dtype: torch.dtype, payload: bytes
+) -> None:
+    with pytest.raises(
+        NonFiniteTensorError, match="payload is corrupt or the sender shipped NaN/Inf"
+    ):
         get_codec(codec_name).decode(payload, 2, dtype)
 
 
@@ -385,7 +439,9 @@ def test_decode_returns_a_tensor_that_owns_its_memory(codec_name: str) -> None:
 
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64], ids=str)
-def test_decode_into_fills_a_slice_of_a_larger_tensor_like_decode(codec_name: str, dtype: torch.dtype) -> None:
+def test_decode_into_fills_a_slice_of_a_larger_tensor_like_decode(
+    codec_name: str, dtype: torch.dtype
+) -> None:
     codec = get_codec(codec_name)
     flat = (_sample("normal", numel=1000) * 100).to(dtype)
     ranges = segment_ranges(codec, flat.numel(), dtype, 700)

@@ -1,4 +1,5 @@
 """Configs, records and flags: bad values fail early with a sentence that has the numbers in it."""
+
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,9 @@ from swarm.states import PeerState
 
 
 def test_run_config_validation_names_the_numbers():
-    with pytest.raises(ValueError, match="codec 'gzip' is unknown; choose one of none, fp16, bf16, int8"):
+    with pytest.raises(
+        ValueError, match="codec 'gzip' is unknown; choose one of none, fp16, bf16, int8"
+    ):
         RunConfig(codec="gzip")
     with pytest.raises(ValueError, match="target_batch_size must be >= 1, got 0"):
         RunConfig(target_batch_size=0)
@@ -34,7 +37,9 @@ def test_run_config_round_trips_and_reads_remote_dicts_carefully():
         RunConfig.from_dict({**run.to_dict(), "target_batch_size": "64"})
     with pytest.raises(ValueError, match="run config must be a dict, got list"):
         RunConfig.from_dict([1, 2])
-    with pytest.raises(ValueError, match="run config lacks field 'model'"):  # required although it has a default
+    with pytest.raises(
+        ValueError, match="run config lacks field 'model'"
+    ):  # required although it has a default
         RunConfig.from_dict({k: v for k, v in run.to_dict().items() if k != "model"})
     assert run.fingerprint() == RunConfig.from_dict(run.to_dict()).fingerprint()
     assert run.fingerprint() != RunConfig(model=MODEL_PRESETS["w1"]).fingerprint()
@@ -55,44 +60,69 @@ def test_peer_and_trainer_configs_reject_bad_values():
 
 
 def _record(**overrides):
-    base = dict(peer_id="p", endpoint="127.0.0.1:1", stage=0, state="serving", throughput=10.0, in_flight=0,
-                step=3, config_hash="abc")
+    base = dict(
+        peer_id="p",
+        endpoint="127.0.0.1:1",
+        stage=0,
+        state="serving",
+        throughput=10.0,
+        in_flight=0,
+        step=3,
+        config_hash="abc",
+    )
     return {**base, **overrides}
 
 
 def test_stage_records_are_validated_and_forward_compatible():
     record = StageRecord.from_wire(_record())
     assert record.throughput == 10.0 and record.state is PeerState.SERVING
-    wire = record.to_wire()  # what the DHT stores: the state as its plain string, back to the same record
-    assert type(wire["state"]) is str and wire["state"] == "serving" and StageRecord.from_wire(wire) == record
+    wire = (
+        record.to_wire()
+    )  # what the DHT stores: the state as its plain string, back to the same record
+    assert (
+        type(wire["state"]) is str
+        and wire["state"] == "serving"
+        and StageRecord.from_wire(wire) == record
+    )
     assert StageRecord.from_wire(_record(extra="from a newer peer")).step == 3
     assert StageRecord.from_wire(_record(throughput=7)).throughput == 7.0  # ints are fine
-    for bad, needle in [(_record(throughput=math.nan), "'throughput' must be a finite float, got nan"),
-                        (_record(throughput=-1.0), "out-of-range"), (_record(state="dancing"), "state"),
-                        (_record(step="3"), "'step' must be int"), (_record(endpoint="nowhere"), "endpoint"),
-                        ({k: v for k, v in _record().items() if k != "endpoint"}, "lacks field 'endpoint'"),
-                        ("not a dict", "must be a dict")]:
+    for bad, needle in [
+        (_record(throughput=math.nan), "'throughput' must be a finite float, got nan"),
+        (_record(throughput=-1.0), "out-of-range"),
+        (_record(state="dancing"), "state"),
+        (_record(step="3"), "'step' must be int"),
+        (_record(endpoint="nowhere"), "endpoint"),
+        ({k: v for k, v in _record().items() if k != "endpoint"}, "lacks field 'endpoint'"),
+        ("not a dict", "must be a dict"),
+    ]:
         with pytest.raises(RecordError, match=needle):
             StageRecord.from_wire(bad)
 
 
 def test_model_presets_are_the_standard_workloads():
-    assert MODEL_PRESETS["w1"] == ModelConfig(d_model=256, n_heads=4, n_layers=4, seq_len=128, num_stages=2)
+    assert MODEL_PRESETS["w1"] == ModelConfig(
+        d_model=256, n_heads=4, n_layers=4, seq_len=128, num_stages=2
+    )
     assert MODEL_PRESETS["w2"].d_model == 512 and MODEL_PRESETS["w2"].seq_len == 256
     assert MODEL_PRESETS["w3"].num_stages == 3 and len(MODEL_PRESETS["w3"].stage_layers(0)) == 4
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["peer", "--stage", "-2"], "stage must be >= 0, got -2"),
-    (["train", "--microbatch-size", "0"], "microbatch_size (0)"),
-    (["peer", "--preset", "huge"], "invalid choice: 'huge'"),
-    (["train", "--steps", "many"], "invalid int value: 'many'"),
-    (["peer", "--announce-host", "10.0.0.1"], "--announce-host needs an explicit --dht-port"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["peer", "--stage", "-2"], "stage must be >= 0, got -2"),
+        (["train", "--microbatch-size", "0"], "microbatch_size (0)"),
+        (["peer", "--preset", "huge"], "invalid choice: 'huge'"),
+        (["train", "--steps", "many"], "invalid int value: 'many'"),
+        (["peer", "--announce-host", "10.0.0.1"], "--announce-host needs an explicit --dht-port"),
+    ],
+)
 def test_bad_flags_exit_2_with_a_clear_message(args, needle):
     result = _cli(*args)
     assert result.returncode == 2, result
@@ -110,7 +140,9 @@ def test_a_trainer_with_no_run_to_join_exits_1_with_one_line_saying_what_to_do()
     assert result.returncode == 1, result
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr, result.stderr
-    assert lines[-1].startswith("swarm train: error: no run 'nobody-here' was published"), result.stderr
+    assert lines[-1].startswith("swarm train: error: no run 'nobody-here' was published"), (
+        result.stderr
+    )
     assert "swarm peer --run-id nobody-here --stage 0 --preset" in lines[-1]
 
 
@@ -128,8 +160,10 @@ def test_retries_running_out_reach_the_user_as_one_line_and_exit_1(monkeypatch, 
     assert cli.main(["train"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("swarm train: error: stage 1 request failed after 2 attempt(s) (last error: "
-                          "TransportError: peer 10.0.0.2:7000: deadline exceeded)")
+    assert err.startswith(
+        "swarm train: error: stage 1 request failed after 2 attempt(s) (last error: "
+        "TransportError: peer 10.0.0.2:7000: deadline exceeded)"
+    )
     assert "add peers, or raise RoutingConfig.max_attempts (`swarm train --max-attempts`)" in err
 
 
@@ -152,13 +186,17 @@ def test_a_run_record_from_a_newer_peer_parses_with_one_warning(fresh_warnings):
         assert RunConfig.from_dict(newer) == run
     warnings = [r.getMessage() for r in fresh_warnings.records]
     assert len(warnings) == 1, warnings
-    assert "run config has fields this version does not know, left out: averaging, model.norm, " \
-           "model.rope_theta" in warnings[0]
+    assert (
+        "run config has fields this version does not know, left out: averaging, model.norm, "
+        "model.rope_theta" in warnings[0]
+    )
     # A different set of unknown names is news: it warns again.
     RunConfig.from_dict({**newer, "sharding": "none"})
     assert len(fresh_warnings.records) == 2
     # Unknown fields excuse nothing: ill-typed known ones still raise, nested ones named by their path.
-    with pytest.raises(ValueError, match=r"run config field 'model\.d_model' must be int, got 256\.0"):
+    with pytest.raises(
+        ValueError, match=r"run config field 'model\.d_model' must be int, got 256\.0"
+    ):
         RunConfig.from_dict({**newer, "model": {**newer["model"], "d_model": 256.0}})
     with pytest.raises(ValueError, match="run config field 'lr' must be float, got True"):
         RunConfig.from_dict({**newer, "lr": True})
@@ -167,8 +205,12 @@ def test_a_run_record_from_a_newer_peer_parses_with_one_warning(fresh_warnings):
 
 
 def test_model_and_stage_records_follow_the_same_rule(fresh_warnings):
-    assert ModelConfig.from_dict({"d_model": 64, "colour": "red", "depth": 2}) == ModelConfig(d_model=64)
+    assert ModelConfig.from_dict({"d_model": 64, "colour": "red", "depth": 2}) == ModelConfig(
+        d_model=64
+    )
     for _ in range(5):  # heartbeats: the same record every few seconds
         assert StageRecord.from_wire(_record(load_avg=0.5)).step == 3
     warnings = [r.getMessage() for r in fresh_warnings.records]
-    assert len(warnings) == 2 and "colour, depth" in warnings[0] and "stage record" in warnings[1], warnings
+    assert (
+        len(warnings) == 2 and "colour, depth" in warnings[0] and "stage record" in warnings[1]
+    ), warnings

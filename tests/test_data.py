@@ -57,17 +57,23 @@ def test_split_is_deterministic_disjoint_and_independent_of_order(tmp_path):
     shuffled = list(files)
     random.Random(1).shuffle(shuffled)
     train2, val2 = split_files(shuffled, 0.2)
-    assert {f.key for f in train} == {f.key for f in train2} and {f.key for f in val} == {f.key for f in val2}
+    assert {f.key for f in train} == {f.key for f in train2} and {f.key for f in val} == {
+        f.key for f in val2
+    }
     assert not {f.key for f in train} & {f.key for f in val}
     assert len(train) + len(val) == 60 and 1 <= len(val) < 30
-    assert all(split_hash(f.key) < 0.2 for f in val) and all(split_hash(f.key) >= 0.2 for f in train)
+    assert all(split_hash(f.key) < 0.2 for f in val) and all(
+        split_hash(f.key) >= 0.2 for f in train
+    )
 
 
 def test_split_keys_are_relative_so_the_folder_location_does_not_matter(tmp_path):
     _write_tree(tmp_path / "a")
     _write_tree(tmp_path / "elsewhere" / "b")
     val_a = {f.key for f in split_files(find_source_files([str(tmp_path / "a")]), 0.2)[1]}
-    val_b = {f.key for f in split_files(find_source_files([str(tmp_path / "elsewhere" / "b")]), 0.2)[1]}
+    val_b = {
+        f.key for f in split_files(find_source_files([str(tmp_path / "elsewhere" / "b")]), 0.2)[1]
+    }
     assert val_a == val_b
 
 
@@ -209,7 +215,9 @@ def test_sample_errors(corpus):
     g = torch.Generator()
     with pytest.raises(ValueError, match=r"split must be one of \('train', 'val'\), got 'test'"):
         corpus.sample("test", 2, 8, g)
-    with pytest.raises(CorpusError, match=r"val split has 3000 bytes, fewer than one window of seq_len \+ 1 = 3001"):
+    with pytest.raises(
+        CorpusError, match=r"val split has 3000 bytes, fewer than one window of seq_len \+ 1 = 3001"
+    ):
         corpus.sample("val", 2, 3000, g)
     assert corpus.sample("val", 2, 2999, g).shape == (2, 3000)  # exactly one window fits
 
@@ -217,7 +225,9 @@ def test_sample_errors(corpus):
 def test_val_batches_are_deterministic_and_evenly_spaced(corpus):
     batches = corpus.val_batches(4, 16, 3)
     assert len(batches) == 3 and all(b.shape == (4, 17) and b.dtype == torch.int64 for b in batches)
-    assert all(torch.equal(a, b) for a, b in zip(batches, corpus.val_batches(4, 16, 3), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(batches, corpus.val_batches(4, 16, 3), strict=True)
+    )
     val = corpus.split("val").long()
     windows = torch.cat(batches)  # (12, 17)
     assert torch.equal(windows[0], val[:17]) and torch.equal(windows[-1], val[-17:])

@@ -1,4 +1,5 @@
 """`swarm demo` (what `make demo` runs): trains, reports, and leaves no process behind, also on Ctrl-C."""
+
 from __future__ import annotations
 
 import os
@@ -23,21 +24,39 @@ def _sessions_alive(sessions: set[int]) -> list[str]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[3]) in sessions and fields[0] != "Z":  # fields[3] = session id, fields[0] = state
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if (
+            int(fields[3]) in sessions and fields[0] != "Z"
+        ):  # fields[3] = session id, fields[0] = state
             alive.append(f"{entry.name}: {stat[:80]}")
     return alive
 
 
 def _children(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
     return {int(p) for p in out.split()}
 
 
 def _start_demo(tmp_path, *args):
-    return subprocess.Popen([sys.executable, "-m", "swarm", "demo", "--peers-per-stage", "1", "--workdir",
-                             str(tmp_path), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarm",
+            "demo",
+            "--peers-per-stage",
+            "1",
+            "--workdir",
+            str(tmp_path),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def _read_until(proc, pattern: str) -> list[str]:
@@ -50,7 +69,9 @@ def _read_until(proc, pattern: str) -> list[str]:
 
 
 def test_demo_trains_reports_and_cleans_up(tmp_path):
-    demo = _start_demo(tmp_path, "--steps", "12", "--eval-every-steps", "6", "--target-batch-size", "16")
+    demo = _start_demo(
+        tmp_path, "--steps", "12", "--eval-every-steps", "6", "--target-batch-size", "16"
+    )
     try:
         lines = _read_until(demo, r"^step \d+/12")
         sessions = _children(demo.pid)
@@ -60,7 +81,9 @@ def test_demo_trains_reports_and_cleans_up(tmp_path):
     finally:
         demo.kill()
     text = "".join(lines)
-    m = re.search(r"training loss ([\d.]+) -> ([\d.]+) \(\d+% of initial\), validation loss ([\d.]+)", text)
+    m = re.search(
+        r"training loss ([\d.]+) -> ([\d.]+) \(\d+% of initial\), validation loss ([\d.]+)", text
+    )
     assert m, text
     initial, final, val = map(float, m.groups())
     assert final < initial and val > 0

@@ -1,13 +1,14 @@
 """The stage executor's speed bookkeeping (calibration, the emulated slow device used for fault injection) and
 its bound on gradients waiting for their commit."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
 import torch
-
 from conftest import local_executor
+
 from swarm.config import RunConfig
 from swarm.errors import PeerOverloaded
 from swarm.model import ModelConfig
@@ -41,7 +42,9 @@ def test_emulated_slow_device_is_slower_by_its_factor_and_measures_it():
     slow.backward("mb", grad, None, 8)
     slow.commit("mb")
     # What it measures includes the emulated time, so it stays near a fifth of the full speed.
-    assert slow.throughput < 0.5 * fast.throughput and slow.throughput == pytest.approx(before, rel=0.5)
+    assert slow.throughput < 0.5 * fast.throughput and slow.throughput == pytest.approx(
+        before, rel=0.5
+    )
     assert slow.samples_applied == 8 and slow.busy_s >= took
 
 

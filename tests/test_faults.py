@@ -1,4 +1,5 @@
 """Faults on purpose: killed, frozen, slow and draining peers cost throughput, never data."""
+
 from __future__ import annotations
 
 import json
@@ -7,19 +8,33 @@ import signal
 import time
 
 import pytest
-
 from conftest import ask_peers
 
 pytestmark = pytest.mark.slow
 
-SUMMARY = re.compile(r"trained (\d+) steps \((\d+) samples, (\d+)/(\d+) microbatches completed\) in \d+s \| "
-                     r"initial loss ([\d.]+) -> final loss ([\d.]+) \| validation loss ([\d.]+) \| [\d,]+ tokens/s"
-                     r" \| (\d+) calls retried elsewhere, (\d+) unconfirmed commits")
+SUMMARY = re.compile(
+    r"trained (\d+) steps \((\d+) samples, (\d+)/(\d+) microbatches completed\) in \d+s \| "
+    r"initial loss ([\d.]+) -> final loss ([\d.]+) \| validation loss ([\d.]+) \| [\d,]+ tokens/s"
+    r" \| (\d+) calls retried elsewhere, (\d+) unconfirmed commits"
+)
 # Fast failure detection for tests: announce often, expire quickly. These tests measure routing around
 # faults, so replicas step on their own (--no-average): an all-reduce every 16 samples would dominate the
 # time; tests/test_averaging.py covers faults of averaging replicas.
-PEER_FLAGS = ["--preset", "tiny", "--target-batch-size", "16", "--lr", "3e-3", "--warmup-steps", "5",
-              "--heartbeat-s", "0.5", "--ttl-s", "3", "--no-average"]
+PEER_FLAGS = [
+    "--preset",
+    "tiny",
+    "--target-batch-size",
+    "16",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "5",
+    "--heartbeat-s",
+    "0.5",
+    "--ttl-s",
+    "3",
+    "--no-average",
+]
 
 
 @pytest.fixture
@@ -29,28 +44,63 @@ def swarm(measuring_swarm):
 
 def start_peers(swarm, run_id, layout: dict[str, list[str]]) -> dict[str, str]:
     """layout: name -> extra flags (name 'sK-...' serves stage K). Returns name -> endpoint."""
-    procs = {name: swarm.peer(f"{run_id}-{name}", int(name[1]), *PEER_FLAGS, *flags, run_id=run_id, wait=False)
-             for name, flags in layout.items()}
+    procs = {
+        name: swarm.peer(
+            f"{run_id}-{name}", int(name[1]), *PEER_FLAGS, *flags, run_id=run_id, wait=False
+        )
+        for name, flags in layout.items()
+    }
     return {name: swarm.wait_ready(proc) for name, proc in procs.items()}
 
 
 def start_trainer(swarm, run_id, tmp_path, *, steps, in_flight=4, extra=()):
-    return swarm.group.swarm(f"{run_id}-trainer", "train", "--run-id", run_id, *swarm.initial_peers,
-                             "--steps", str(steps), "--microbatch-size", "8", "--in-flight", str(in_flight),
-                             "--eval-every-steps", "0", "--eval-batches", "2", "--log-every-s", "0",
-                             "--metrics-path", str(tmp_path / "metrics.jsonl"), *extra)
+    return swarm.group.swarm(
+        f"{run_id}-trainer",
+        "train",
+        "--run-id",
+        run_id,
+        *swarm.initial_peers,
+        "--steps",
+        str(steps),
+        "--microbatch-size",
+        "8",
+        "--in-flight",
+        str(in_flight),
+        "--eval-every-steps",
+        "0",
+        "--eval-batches",
+        "2",
+        "--log-every-s",
+        "0",
+        "--metrics-path",
+        str(tmp_path / "metrics.jsonl"),
+        *extra,
+    )
 
 
 def summary_of(trainer):
     assert trainer.popen.wait(timeout=600) == 0, trainer.log_path.read_text()[-3000:]
     m = trainer.wait_for(SUMMARY.pattern, timeout_s=5)
     steps, samples, done, started, initial, final, val, retried, unconfirmed = m.groups()
-    return dict(steps=int(steps), done=int(done), started=int(started), initial=float(initial), final=float(final),
-                val=float(val), retried=int(retried), unconfirmed=int(unconfirmed))
+    return dict(
+        steps=int(steps),
+        done=int(done),
+        started=int(started),
+        initial=float(initial),
+        final=float(final),
+        val=float(val),
+        retried=int(retried),
+        unconfirmed=int(unconfirmed),
+    )
 
 
 def infos(endpoints, run_id):
-    return dict(zip(endpoints, ask_peers(endpoints.values(), lambda client: client.info(run_id, timeout_s=10))))
+    return dict(
+        zip(
+            endpoints,
+            ask_peers(endpoints.values(), lambda client: client.info(run_id, timeout_s=10)),
+        )
+    )
 
 
 def test_kill_and_freeze_mid_run(swarm, tmp_path):
@@ -66,7 +116,9 @@ def test_kill_and_freeze_mid_run(swarm, tmp_path):
         result = summary_of(trainer)
     finally:
         frozen.signal(signal.SIGCONT)
-    assert result["done"] == result["started"] == 80  # 40 steps x 2 microbatches, every one completed
+    assert (
+        result["done"] == result["started"] == 80
+    )  # 40 steps x 2 microbatches, every one completed
     assert result["retried"] > 0  # the faults really hit calls in flight
     assert result["final"] < 0.85 * result["initial"]
 
@@ -90,8 +142,9 @@ def test_slow_peer_gets_its_share_and_swarm_keeps_throughput(swarm, tmp_path):
     # Stage 0 is the bottleneck: a peer at a quarter speed and one 4x slower than it. Slowdown sleeps, so
     # the two peers do not compete for this machine's 2 cores, their capacities add up, and the per-call
     # costs the peers do not count as compute (decode, gRPC) stay small beside the emulated compute.
-    endpoints = start_peers(swarm, run_id, {"s0-fast": ["--slowdown", "4"], "s0-slow": ["--slowdown", "16"],
-                                            "s1-a": []})
+    endpoints = start_peers(
+        swarm, run_id, {"s0-fast": ["--slowdown", "4"], "s0-slow": ["--slowdown", "16"], "s1-a": []}
+    )
     # Enough microbatches in flight that both stage-0 peers always have work queued.
     trainer = start_trainer(swarm, run_id, tmp_path, steps=60, in_flight=16)
     # Steady state: from step 10 (after the routing's warm-up) to step 50 (before the trainer stops starting
@@ -114,7 +167,11 @@ def test_slow_peer_gets_its_share_and_swarm_keeps_throughput(swarm, tmp_path):
     assert expected < 0.35 and abs(share - expected) <= 0.08, (applied, capacity)
     # Throughput over the same steps against the capacity of the healthy peers: the slow one costs only
     # its own share.
-    steps = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    steps = {
+        r["step"]: r
+        for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
     samples_per_s = 40 * 16 / (steps[50]["time_s"] - steps[10]["time_s"])
     healthy = min(capacity["s0-fast"] + capacity["s0-slow"], capacity["s1-a"])
     assert samples_per_s >= 0.85 * healthy, (samples_per_s, healthy, capacity)

@@ -36,7 +36,10 @@ def _tokens(config: ModelConfig, B: int = 3, T: int | None = None, seed: int = 0
     ("kwargs", "message"),
     [
         (dict(d_model=30, n_heads=4), r"d_model \(30\) must be divisible by n_heads \(4\)"),
-        (dict(n_layers=2, num_stages=3), r"Number of stages \(3\) cannot be greater than the number of layers \(2\)"),
+        (
+            dict(n_layers=2, num_stages=3),
+            r"Number of stages \(3\) cannot be greater than the number of layers \(2\)",
+        ),
         (dict(d_model=0), r"d_model must be a positive int, got 0"),
         (dict(seq_len=-5), r"seq_len must be a positive int, got -5"),
         (dict(n_layers=True), r"n_layers must be a positive int, got True"),
@@ -51,7 +54,14 @@ def test_config_rejects_bad_values_with_numbers(kwargs, message):
 
 @pytest.mark.parametrize(
     ("n_layers", "num_stages", "sizes"),
-    [(4, 2, [2, 2]), (5, 2, [3, 2]), (7, 3, [3, 2, 2]), (12, 3, [4, 4, 4]), (3, 3, [1, 1, 1]), (4, 1, [4])],
+    [
+        (4, 2, [2, 2]),
+        (5, 2, [3, 2]),
+        (7, 3, [3, 2, 2]),
+        (12, 3, [4, 4, 4]),
+        (3, 3, [1, 1, 1]),
+        (4, 1, [4]),
+    ],
 )
 def test_stage_layers_split_evenly_earlier_stages_get_extra(n_layers, num_stages, sizes):
     config = ModelConfig(d_model=16, n_heads=2, n_layers=n_layers, num_stages=num_stages)
@@ -92,13 +102,18 @@ def test_num_parameters_counts_bottlenecks():
 def test_dict_round_trip():
     config = ModelConfig(d_model=64, n_heads=2, n_layers=5, num_stages=3, bottleneck_dim=16, seed=3)
     assert ModelConfig.from_dict(config.to_dict()) == config
-    assert ModelConfig.from_dict({"d_model": 64}) == ModelConfig(d_model=64)  # missing fields: defaults
+    assert ModelConfig.from_dict({"d_model": 64}) == ModelConfig(
+        d_model=64
+    )  # missing fields: defaults
 
 
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"d_model": "64", "colour": "red"}, r"field 'd_model' must be int, got '64'"),  # unknown: no excuse
+        (
+            {"d_model": "64", "colour": "red"},
+            r"field 'd_model' must be int, got '64'",
+        ),  # unknown: no excuse
         ({"d_model": "64"}, r"model config field 'd_model' must be int, got '64'"),
         ({"n_layers": 4.0}, r"field 'n_layers' must be int, got 4.0"),
         ({"seq_len": False}, r"field 'seq_len' must be int, got False"),
@@ -162,7 +177,9 @@ def test_forward_accepts_shorter_sequences_and_is_causal():
     logits = full(tokens)
     assert logits.shape == (2, SMALL.seq_len, 256)
     short = full(tokens[:, :5])
-    torch.testing.assert_close(short, logits[:, :5], atol=1e-5, rtol=1e-5)  # the future never leaks back
+    torch.testing.assert_close(
+        short, logits[:, :5], atol=1e-5, rtol=1e-5
+    )  # the future never leaks back
 
 
 # ---------------------------------------------------------------- init
@@ -176,7 +193,9 @@ def test_replicas_initialise_identically_regardless_of_global_rng():
     assert torch.equal(torch.get_rng_state(), state), "build_stage must not consume the global RNG"
     torch.manual_seed(999)
     c = build_stage(SMALL, 1)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+    for (name, pa), pb, pc in zip(
+        a.named_parameters(), b.parameters(), c.parameters(), strict=True
+    ):
         assert torch.equal(pa, pb) and torch.equal(pa, pc), name
 
 
@@ -220,15 +239,31 @@ def test_init_follows_gpt2_scheme():
             lambda: torch.zeros(2, 8, dtype=torch.int32),
             r"stage 0 input must have dtype torch.int64, got torch.int32",
         ),
-        (0, lambda: torch.zeros(2, 8, 1, dtype=torch.int64), r"must be 2-D \(batch, seq_len\), got shape \(2, 8, 1\)"),
+        (
+            0,
+            lambda: torch.zeros(2, 8, 1, dtype=torch.int64),
+            r"must be 2-D \(batch, seq_len\), got shape \(2, 8, 1\)",
+        ),
         (0, lambda: torch.zeros(2, 17, dtype=torch.int64), r"sequence length 17; allowed is 1..16"),
         (0, lambda: torch.zeros(2, 0, dtype=torch.int64), r"sequence length 0; allowed is 1..16"),
         (0, lambda: torch.zeros(0, 8, dtype=torch.int64), r"batch size 0"),
-        (0, lambda: torch.full((2, 8), 256), r"token ids in \[256, 256\]; they must lie in \[0, 256\)"),
+        (
+            0,
+            lambda: torch.full((2, 8), 256),
+            r"token ids in \[256, 256\]; they must lie in \[0, 256\)",
+        ),
         (0, lambda: torch.full((2, 8), -1), r"token ids in \[-1, -1\]"),
         (0, lambda: [[1, 2]], r"must be a torch.Tensor, got list"),
-        (1, lambda: torch.zeros(2, 8, 32, dtype=torch.float64), r"stage 1 input must have dtype torch.float32"),
-        (1, lambda: torch.zeros(2, 8), r"must be 3-D \(batch, seq_len, width\), got shape \(2, 8\)"),
+        (
+            1,
+            lambda: torch.zeros(2, 8, 32, dtype=torch.float64),
+            r"stage 1 input must have dtype torch.float32",
+        ),
+        (
+            1,
+            lambda: torch.zeros(2, 8),
+            r"must be 3-D \(batch, seq_len, width\), got shape \(2, 8\)",
+        ),
         (1, lambda: torch.zeros(2, 8, 31), r"width 31, expected 32 \(d_model\)"),
         (1, lambda: torch.full((2, 8, 32), float("nan")), r"NaN or infinite"),
     ],
@@ -240,7 +275,9 @@ def test_check_input_rejects_bad_tensors(stage_index, make, message):
 
 
 def test_check_input_accepts_what_input_spec_describes():
-    config = ModelConfig(d_model=32, n_heads=4, n_layers=3, seq_len=16, num_stages=3, bottleneck_dim=8)
+    config = ModelConfig(
+        d_model=32, n_heads=4, n_layers=3, seq_len=16, num_stages=3, bottleneck_dim=8
+    )
     stages = [build_stage(config, k) for k in range(3)]
     assert stages[0].input_spec(4) == ((4, 16), torch.int64)
     assert stages[1].input_spec(4, seq_len=5) == ((4, 5, 8), torch.float32)
@@ -287,9 +324,23 @@ def test_stage_state_dicts_round_trip_and_mismatch_is_rejected():
 
 def test_generate_returns_requested_number_of_bytes():
     model = build_full_model(SMALL)
-    out = generate(model, b"def f(x):", 20, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(0))
+    out = generate(
+        model,
+        b"def f(x):",
+        20,
+        temperature=1.0,
+        top_k=10,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert isinstance(out, bytes) and len(out) == 20  # prompt + 20 > seq_len: context is cropped
-    again = generate(model, b"def f(x):", 20, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(0))
+    again = generate(
+        model,
+        b"def f(x):",
+        20,
+        temperature=1.0,
+        top_k=10,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out == again
     greedy = generate(model, b"x", 5, temperature=0)
     assert greedy == generate(model, b"x", 5, temperature=0) and len(greedy) == 5

@@ -36,7 +36,9 @@ def _netns_names() -> set[str]:
 
 
 def _link_names() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True, check=True
+    ).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
 
 
@@ -54,15 +56,19 @@ def _assert_dead(proc: subprocess.Popen) -> None:
 
 # --- config checks: no root needed -----------------------------------------------------------
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(num_hosts=0), "num_hosts must be in"),
-    (dict(num_hosts=2, rate_mbit=-1), "got -1"),
-    (dict(num_hosts=2, rate_mbit=(10, 20, 30)), "3 entries for 2 hosts"),
-    (dict(num_hosts=2, subnet="8.8.8.0/24"), "private"),
-    (dict(num_hosts=300, subnet="10.9.0.0/24"), "254 host addresses for 300 hosts"),
-    (dict(num_hosts=2, name_prefix="Swarm!"), "lowercase letters"),
-    (dict(num_hosts=2, burst_bytes=100), "below one frame"),
-])
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_hosts=0), "num_hosts must be in"),
+        (dict(num_hosts=2, rate_mbit=-1), "got -1"),
+        (dict(num_hosts=2, rate_mbit=(10, 20, 30)), "3 entries for 2 hosts"),
+        (dict(num_hosts=2, subnet="8.8.8.0/24"), "private"),
+        (dict(num_hosts=300, subnet="10.9.0.0/24"), "254 host addresses for 300 hosts"),
+        (dict(num_hosts=2, name_prefix="Swarm!"), "lowercase letters"),
+        (dict(num_hosts=2, burst_bytes=100), "below one frame"),
+    ],
+)
 def test_config_rejects_bad_values(fields, message):
     with pytest.raises(ValueError, match=message):
         netns.NetworkConfig(**fields)
@@ -75,6 +81,7 @@ def test_config_per_host_rates():
 
 
 # --- namespaces: root only -------------------------------------------------------------------
+
 
 @needs_netns
 @pytest.mark.netns
@@ -92,8 +99,9 @@ def test_limited_pair_measures_the_rate_in_both_directions():
 @pytest.mark.netns
 def test_unlimited_pair_is_far_faster():
     with netns.EmulatedNetwork(num_hosts=2, rate_mbit=None) as net:
-        res = netns.measure_tcp_throughput(net.hosts[0], net.hosts[1], duration_s=MEASURE_S,
-                                           max_bytes=128 * 1024 * 1024)
+        res = netns.measure_tcp_throughput(
+            net.hosts[0], net.hosts[1], duration_s=MEASURE_S, max_bytes=128 * 1024 * 1024
+        )
         assert res.mbit_per_s >= UNLIMITED_FLOOR_MBIT, res
 
 
@@ -112,8 +120,10 @@ def test_set_rate_changes_each_direction_at_run_time():
         assert res.mbit_per_s >= UNLIMITED_FLOOR_MBIT, res
 
 
-_IGNORE_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                   "print('up', flush=True); time.sleep(600)")
+_IGNORE_SIGTERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('up', flush=True); time.sleep(600)"
+)
 
 
 @needs_netns
@@ -124,7 +134,9 @@ def test_exit_removes_everything_and_stops_processes():
         assert set(names) <= _netns_names() | _link_names()
         polite = net.hosts[0].popen(["sleep", "600"])
         # Ignores SIGTERM: must be SIGKILLed once terminate_timeout_s has passed.
-        stubborn = net.hosts[1].popen([sys.executable, "-c", _IGNORE_SIGTERM], stdout=subprocess.PIPE, text=True)
+        stubborn = net.hosts[1].popen(
+            [sys.executable, "-c", _IGNORE_SIGTERM], stdout=subprocess.PIPE, text=True
+        )
         assert stubborn.stdout.readline() == "up\n"  # handler installed before teardown starts
         # Not started via popen and detached: the namespace sweep must still kill it.
         stray = net.hosts[2].run(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"])
@@ -165,8 +177,22 @@ def test_cleanup_stale_removes_only_dead_runs():
     tag = f"swt{dead.pid:x}-0"
     subprocess.run(["ip", "link", "add", f"{tag}b", "type", "bridge"], check=True)
     subprocess.run(["ip", "netns", "add", f"{tag}n0"], check=True)
-    subprocess.run(["ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", "eth0",
-                    "netns", f"{tag}n0"], check=True)
+    subprocess.run(
+        [
+            "ip",
+            "link",
+            "add",
+            f"{tag}v0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            f"{tag}n0",
+        ],
+        check=True,
+    )
     try:
         with netns.EmulatedNetwork(num_hosts=1, name_prefix="swt") as live:
             removed = netns.cleanup_stale("swt")
@@ -183,11 +209,20 @@ def test_cleanup_stale_removes_only_dead_runs():
 @needs_netns
 @pytest.mark.netns
 def test_selftest_cli():
-    out = subprocess.run([sys.executable, "-m", "deploy.netns", "selftest", "--rate-mbit", "20", "--seconds", "1"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.netns", "selftest", "--rate-mbit", "20", "--seconds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
-    rates = [float(line.split(": ")[1].split()[0]) for line in out.stdout.splitlines() if "->" in line]
-    assert len(rates) == 2 and all(LIMITED_BAND_MBIT[0] <= r <= LIMITED_BAND_MBIT[1] for r in rates), out.stdout
+    rates = [
+        float(line.split(": ")[1].split()[0]) for line in out.stdout.splitlines() if "->" in line
+    ]
+    assert len(rates) == 2 and all(
+        LIMITED_BAND_MBIT[0] <= r <= LIMITED_BAND_MBIT[1] for r in rates
+    ), out.stdout
 
 
 def _is_zombie(pid: int) -> bool:

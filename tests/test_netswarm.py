@@ -4,6 +4,7 @@ Every process (bootstrap, 2 peers, trainer) runs in its own network namespace (d
 limit. The trainer relays every activation and gradient, so its uplink qdisc must have carried the int8
 encoding of them: at least 1 byte per element, well under the 4 of fp32. Needs root; skips otherwise.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,11 @@ from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
 from swarm.model import MODEL_PRESETS  # noqa: E402
 
 _AVAILABLE, _WHY = have_netns() if sys.platform == "linux" else (False, "needs Linux")
-pytestmark = [pytest.mark.slow, pytest.mark.netns,
-              pytest.mark.skipif(not _AVAILABLE, reason=f"network namespaces unavailable: {_WHY}")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.skipif(not _AVAILABLE, reason=f"network namespaces unavailable: {_WHY}"),
+]
 
 RATE_MBIT = 20
 MICROBATCH, TARGET_BATCH, STEPS = 8, 16, 3
@@ -40,8 +44,12 @@ def _tbf_sent_bytes(host: EmulatedHost) -> tuple[str, int]:
 
 
 def _names_left(names: list[str]) -> set[str]:
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    netns = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    links = subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True, check=True
+    ).stdout
     present = {line.split()[0] for line in netns.splitlines() if line.strip()}
     present |= {line.split(":")[1].strip().split("@")[0] for line in links.splitlines()}
     return set(names) & present
@@ -54,16 +62,50 @@ def test_int8_swarm_trains_through_20_mbit_links(tmp_path):
         boot, host0, host1, trainer_host = net.hosts
         addr_file = tmp_path / "bootstrap.addr"
         start_bootstrap(group, addr_file, where=Where.on(boot))
-        run_flags = ["--preset", "tiny", "--codec", "int8", "--target-batch-size", str(TARGET_BATCH)]
-        peers = [start_peer(group, f"peer-s{k}", stage=k, run_id="net", addr_file=addr_file, where=Where.on(host),
-                            run_flags=run_flags) for k, host in enumerate((host0, host1))]
+        run_flags = [
+            "--preset",
+            "tiny",
+            "--codec",
+            "int8",
+            "--target-batch-size",
+            str(TARGET_BATCH),
+        ]
+        peers = [
+            start_peer(
+                group,
+                f"peer-s{k}",
+                stage=k,
+                run_id="net",
+                addr_file=addr_file,
+                where=Where.on(host),
+                run_flags=run_flags,
+            )
+            for k, host in enumerate((host0, host1))
+        ]
         for proc in peers:
-            assert wait_ready(proc, timeout_s=90).startswith(f"{(host0, host1)[peers.index(proc)].address}:")
+            assert wait_ready(proc, timeout_s=90).startswith(
+                f"{(host0, host1)[peers.index(proc)].address}:"
+            )
         rate, sent_before = _tbf_sent_bytes(trainer_host)
-        trainer = start_trainer(group, "trainer", run_id="net", addr_file=addr_file, steps=STEPS,
-                                metrics_path=tmp_path / "metrics.jsonl", where=Where.on(trainer_host),
-                                flags=["--microbatch-size", str(MICROBATCH), "--eval-every-steps", "0",
-                                       "--eval-batches", "1", "--max-bytes", "2000000"])
+        trainer = start_trainer(
+            group,
+            "trainer",
+            run_id="net",
+            addr_file=addr_file,
+            steps=STEPS,
+            metrics_path=tmp_path / "metrics.jsonl",
+            where=Where.on(trainer_host),
+            flags=[
+                "--microbatch-size",
+                str(MICROBATCH),
+                "--eval-every-steps",
+                "0",
+                "--eval-batches",
+                "1",
+                "--max-bytes",
+                "2000000",
+            ],
+        )
         assert trainer.popen.wait(timeout=90) == 0, trainer.log_path.read_text()[-3000:]
         trainer.wait_for(rf"trained {STEPS} steps \({STEPS * TARGET_BATCH} samples", timeout_s=5)
         _, sent_after = _tbf_sent_bytes(trainer_host)
@@ -73,4 +115,6 @@ def test_int8_swarm_trains_through_20_mbit_links(tmp_path):
     # two (B, T, D) tensors. int8 carries 1 byte per element plus block scales; fp32 would carry 4.
     elements = MICROBATCHES * 2 * MICROBATCH * model.seq_len * model.d_model
     sent = sent_after - sent_before
-    assert elements <= sent <= 2 * elements, f"{sent} bytes through the trainer's tbf for {elements} elements"
+    assert elements <= sent <= 2 * elements, (
+        f"{sent} bytes through the trainer's tbf for {elements} elements"
+    )

@@ -1,5 +1,6 @@
 """Stage optimizers without networking (schedule, AdamW groups, the single-process reference), and the fence
 around hivemind's private API: swarm.optim imports no hivemind; the fence refuses any other hivemind version."""
+
 from __future__ import annotations
 
 import subprocess
@@ -21,7 +22,9 @@ def test_learning_rate_schedule_warms_up_then_decays_to_a_tenth():
     assert learning_rate(run, 0) == pytest.approx(1e-4)
     assert learning_rate(run, 9) == pytest.approx(1e-3)
     assert learning_rate(run, 60) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
-    assert learning_rate(run, 110) == pytest.approx(1e-4) and learning_rate(run, 500) == pytest.approx(1e-4)
+    assert learning_rate(run, 110) == pytest.approx(1e-4) and learning_rate(
+        run, 500
+    ) == pytest.approx(1e-4)
     assert learning_rate(RunConfig(lr=1e-3, warmup_steps=0), 1000) == 1e-3
 
 
@@ -36,8 +39,15 @@ def test_train_reference_reports_losses_and_throughput():
     corpus = ByteCorpus.from_bytes(text[:3000], text[3000:])
     run = RunConfig(model=SMALL, target_batch_size=8, lr=3e-3, warmup_steps=0)
     seen = []
-    result = train_reference(run, corpus, steps=6, microbatch_size=4, eval_every_steps=3, eval_batches=2,
-                             on_step=lambda step, loss: seen.append(step))
+    result = train_reference(
+        run,
+        corpus,
+        steps=6,
+        microbatch_size=4,
+        eval_every_steps=3,
+        eval_batches=2,
+        on_step=lambda step, loss: seen.append(step),
+    )
     assert len(result.losses) == 6 and seen == [1, 2, 3, 4, 5, 6]
     assert [step for step, _ in result.val_losses] == [3, 6]
     assert result.losses[-1] < result.losses[0]
@@ -45,19 +55,25 @@ def test_train_reference_reports_losses_and_throughput():
     assert result.tokens_per_s > 0 and result.train_time_s > 0
     again = train_reference(run, corpus, steps=6, microbatch_size=4, eval_batches=0)
     assert again.losses == pytest.approx(result.losses, rel=1e-5) and again.val_losses == []
-    stopped = train_reference(run, corpus, steps=6, microbatch_size=4, eval_batches=2, on_step=lambda s, _: s == 2)
+    stopped = train_reference(
+        run, corpus, steps=6, microbatch_size=4, eval_batches=2, on_step=lambda s, _: s == 2
+    )
     assert stopped.losses == pytest.approx(result.losses[:2], rel=1e-5)
     assert [step for step, _ in stopped.val_losses] == [2]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_optim_imports_no_hivemind():
-    done = _python("import swarm.optim, sys; "
-                   "assert not any(m.startswith('hivemind') for m in sys.modules), "
-                   "sorted(m for m in sys.modules if m.startswith('hivemind'))")
+    done = _python(
+        "import swarm.optim, sys; "
+        "assert not any(m.startswith('hivemind') for m in sys.modules), "
+        "sorted(m for m in sys.modules if m.startswith('hivemind'))"
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -68,13 +84,17 @@ def test_hivemind_fence_accepts_only_the_pinned_version(monkeypatch):
 
     hivemind_private.check_hivemind_version()  # the installed one is the pinned one
     monkeypatch.setattr(hivemind, "__version__", "1.2.0")
-    with pytest.raises(hivemind_private.UnsupportedHivemind,
-                       match=r"needs hivemind 1\.1\.12 .* hivemind 1\.2\.0 is installed; "
-                             r"run: pip install hivemind==1\.1\.12"):
+    with pytest.raises(
+        hivemind_private.UnsupportedHivemind,
+        match=r"needs hivemind 1\.1\.12 .* hivemind 1\.2\.0 is installed; "
+        r"run: pip install hivemind==1\.1\.12",
+    ):
         hivemind_private.check_hivemind_version()
 
 
 def test_averaging_refuses_another_hivemind_on_import():
     done = _python("import hivemind; hivemind.__version__ = '1.2.0'; import swarm.averaging")
     assert done.returncode != 0
-    assert "UnsupportedHivemind" in done.stderr and "pip install hivemind==1.1.12" in done.stderr, done.stderr
+    assert "UnsupportedHivemind" in done.stderr and "pip install hivemind==1.1.12" in done.stderr, (
+        done.stderr
+    )

@@ -1,4 +1,5 @@
 """A real peer (real DHT, real gRPC server) answers bad input with a clear status and loses nothing."""
+
 from __future__ import annotations
 
 import grpc
@@ -8,7 +9,7 @@ import torch
 from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig
-from swarm.errors import AlreadyApplied, InvalidRequest, NotCached, WrongPeer
+from swarm.errors import InvalidRequest, NotCached, WrongPeer
 from swarm.model import ModelConfig
 from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
@@ -30,7 +31,9 @@ NONE = get_codec("none")
 def peers(loop_thread):
     async def start():
         last = await Peer.create(PeerConfig(run_id="t", stage=1), run=RUN)
-        first = await Peer.create(PeerConfig(run_id="t", stage=0, dht=DHTConfig(initial_peers=tuple(last.addresses()))))
+        first = await Peer.create(
+            PeerConfig(run_id="t", stage=0, dht=DHTConfig(initial_peers=tuple(last.addresses())))
+        )
         return first, last
 
     first, last = loop_thread.run(start())
@@ -41,8 +44,13 @@ def peers(loop_thread):
 
 def meta(stage=1, **kw) -> pb.RequestMeta:
     kw.setdefault("microbatch_id", "mb")
-    return pb.RequestMeta(protocol_version=kw.pop("protocol_version", PROTOCOL_VERSION), run_id=kw.pop("run_id", "t"),
-                          stage=stage, codec=kw.pop("codec", "none"), **kw)
+    return pb.RequestMeta(
+        protocol_version=kw.pop("protocol_version", PROTOCOL_VERSION),
+        run_id=kw.pop("run_id", "t"),
+        stage=stage,
+        codec=kw.pop("codec", "none"),
+        **kw,
+    )
 
 
 def hidden(seed=0):
@@ -55,7 +63,9 @@ def targets():
 
 async def state(peer: Peer):
     reply = await PeerClient(peer.endpoint).get_state("t", include_grads=True, timeout_s=10)
-    return reply.meta.samples_accumulated, {k: v for k, v in reply.tensors.items() if k.startswith("grad/")}
+    return reply.meta.samples_accumulated, {
+        k: v for k, v in reply.tensors.items() if k.startswith("grad/")
+    }
 
 
 async def raw_call(endpoint: str, frames: list[pb.Frame], method="Forward"):
@@ -87,9 +97,12 @@ async def frames_of(m: pb.RequestMeta, *tensors) -> list[pb.Frame]:
 async def loss_call(peer, mb_id, x=None):
     """A well-formed last-stage call, committed: its gradients count once this returns."""
     client = PeerClient(peer.endpoint)
-    reply = await client.forward(meta(microbatch_id=mb_id, compute_loss=True, num_samples=B),
-                                 [("input", hidden() if x is None else x), ("targets", targets())], NONE,
-                                 timeout_s=30)
+    reply = await client.forward(
+        meta(microbatch_id=mb_id, compute_loss=True, num_samples=B),
+        [("input", hidden() if x is None else x), ("targets", targets())],
+        NONE,
+        timeout_s=30,
+    )
     await reply.committed
     return reply
 
@@ -116,35 +129,90 @@ def _bad_cases():
     nan_x = hidden().clone()
     nan_x[0, 0, 0] = float("nan")
     return {
-        "wrong run": (lambda: frames_of(meta(run_id="other", compute_loss=True), ("input", x), ("targets", targets())),
-                      grpc.StatusCode.NOT_FOUND, "serves run 't'"),
-        "wrong stage": (lambda: frames_of(meta(stage=0, compute_loss=True), ("input", x), ("targets", targets())),
-                        grpc.StatusCode.NOT_FOUND, "serves stage 1"),
-        "old protocol": (lambda: frames_of(meta(protocol_version=999, compute_loss=True), ("input", x)),
-                         grpc.StatusCode.INVALID_ARGUMENT, "protocol version 999"),
-        "wrong width": (lambda: frames_of(meta(compute_loss=True), ("input", bad_width), ("targets", targets())),
-                        grpc.StatusCode.INVALID_ARGUMENT, "width 31"),
-        "wrong dtype": (lambda: frames_of(meta(compute_loss=True), ("input", x.double()), ("targets", targets())),
-                        grpc.StatusCode.INVALID_ARGUMENT, "float64"),
-        "wrong rank": (lambda: frames_of(meta(compute_loss=True), ("input", x[0]), ("targets", targets())),
-                       grpc.StatusCode.INVALID_ARGUMENT, "3 dims"),
-        "unknown codec": (lambda: frames_of(meta(codec="zstd9", compute_loss=True), ("input", x)),
-                          grpc.StatusCode.INVALID_ARGUMENT, "zstd9"),
-        "NaN input": (lambda: _raw_tensor(meta(compute_loss=True), "input", nan_x),
-                      grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
-        "targets out of range": (lambda: frames_of(meta(compute_loss=True), ("input", x), ("targets", targets() + 300)),
-                                 grpc.StatusCode.INVALID_ARGUMENT, "[0, 256)"),
-        "missing targets": (lambda: frames_of(meta(compute_loss=True), ("input", x)),
-                            grpc.StatusCode.INVALID_ARGUMENT, "targets"),
-        "too many tensors": (lambda: frames_of(meta(compute_loss=True, num_tensors=9), ("input", x)),
-                             grpc.StatusCode.INVALID_ARGUMENT, "announces 9 tensors"),
-        "no commit": (lambda: frames_of(meta(compute_loss=True), ("input", x), ("targets", targets())),
-                      grpc.StatusCode.INVALID_ARGUMENT, "commit"),
-        "no request frame": (lambda: _async([pb.Frame(chunk=b"xx")]), grpc.StatusCode.INVALID_ARGUMENT, "request"),
-        "truncated stream": (lambda: _truncated(x), grpc.StatusCode.INVALID_ARGUMENT, "ended early"),
+        "wrong run": (
+            lambda: frames_of(
+                meta(run_id="other", compute_loss=True), ("input", x), ("targets", targets())
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "serves run 't'",
+        ),
+        "wrong stage": (
+            lambda: frames_of(
+                meta(stage=0, compute_loss=True), ("input", x), ("targets", targets())
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "serves stage 1",
+        ),
+        "old protocol": (
+            lambda: frames_of(meta(protocol_version=999, compute_loss=True), ("input", x)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "protocol version 999",
+        ),
+        "wrong width": (
+            lambda: frames_of(
+                meta(compute_loss=True), ("input", bad_width), ("targets", targets())
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "width 31",
+        ),
+        "wrong dtype": (
+            lambda: frames_of(
+                meta(compute_loss=True), ("input", x.double()), ("targets", targets())
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "float64",
+        ),
+        "wrong rank": (
+            lambda: frames_of(meta(compute_loss=True), ("input", x[0]), ("targets", targets())),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "3 dims",
+        ),
+        "unknown codec": (
+            lambda: frames_of(meta(codec="zstd9", compute_loss=True), ("input", x)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "zstd9",
+        ),
+        "NaN input": (
+            lambda: _raw_tensor(meta(compute_loss=True), "input", nan_x),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "NaN",
+        ),
+        "targets out of range": (
+            lambda: frames_of(meta(compute_loss=True), ("input", x), ("targets", targets() + 300)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "[0, 256)",
+        ),
+        "missing targets": (
+            lambda: frames_of(meta(compute_loss=True), ("input", x)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "targets",
+        ),
+        "too many tensors": (
+            lambda: frames_of(meta(compute_loss=True, num_tensors=9), ("input", x)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "announces 9 tensors",
+        ),
+        "no commit": (
+            lambda: frames_of(meta(compute_loss=True), ("input", x), ("targets", targets())),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "commit",
+        ),
+        "no request frame": (
+            lambda: _async([pb.Frame(chunk=b"xx")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request",
+        ),
+        "truncated stream": (
+            lambda: _truncated(x),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "ended early",
+        ),
         "garbage payload": (lambda: _garbage(x), grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
-        "oversized batch": (lambda: frames_of(meta(compute_loss=True), ("input", torch.zeros(1000, T, D))),
-                            grpc.StatusCode.INVALID_ARGUMENT, "more than the 256"),
+        "oversized batch": (
+            lambda: frames_of(meta(compute_loss=True), ("input", torch.zeros(1000, T, D))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "more than the 256",
+        ),
     }
 
 
@@ -154,7 +222,9 @@ async def _async(value):
 
 async def _raw_tensor(m, name, t):
     """Frames carrying ``t`` as raw bytes, bypassing the sender-side checks a well-behaved client runs."""
-    header = pb.TensorHeader(name=name, dtype="float32", shape=list(t.shape), codec="none", segment_numel=t.numel())
+    header = pb.TensorHeader(
+        name=name, dtype="float32", shape=list(t.shape), codec="none", segment_numel=t.numel()
+    )
     m.num_tensors = 1
     return [pb.Frame(request=m), pb.Frame(tensor=header), pb.Frame(chunk=t.numpy().tobytes())]
 
@@ -196,7 +266,9 @@ def test_stage0_rejects_bad_token_ids(peers, loop_thread):
     tokens = torch.full((B, T), 256, dtype=torch.int64)
 
     async def body():
-        await PeerClient(first.endpoint).forward(meta(stage=0), [("input", tokens)], NONE, timeout_s=10)
+        await PeerClient(first.endpoint).forward(
+            meta(stage=0), [("input", tokens)], NONE, timeout_s=10
+        )
 
     with pytest.raises(InvalidRequest, match=r"token ids in \[256, 256\]"):
         loop_thread.run(body())
@@ -210,12 +282,18 @@ def test_backward_without_cache_asks_for_inputs_and_counts_once(peers, loop_thre
     async def body():
         client = PeerClient(first.endpoint)
         with pytest.raises(NotCached, match="resend it with its inputs"):
-            await client.backward(meta(stage=0, microbatch_id="nc"), [("grad_output", grad)], NONE, timeout_s=10)
+            await client.backward(
+                meta(stage=0, microbatch_id="nc"), [("grad_output", grad)], NONE, timeout_s=10
+            )
         before, _ = await state(first)
         m = meta(stage=0, microbatch_id="nc", include_inputs=True)
-        await (await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)).committed
+        await (
+            await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)
+        ).committed
         once, grads_once = await state(first)
-        retry = await client.backward(m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10)
+        retry = await client.backward(
+            m, [("grad_output", grad), ("input", tokens)], NONE, timeout_s=10
+        )
         await retry.committed
         twice, grads_twice = await state(first)
         return before, once, twice, grads_once, grads_twice
@@ -231,10 +309,16 @@ def test_forward_then_backward_uses_cache(peers, loop_thread):
 
     async def body():
         client = PeerClient(first.endpoint)
-        out = await client.forward(meta(stage=0, microbatch_id="fb"), [("input", tokens)], NONE, timeout_s=10)
+        out = await client.forward(
+            meta(stage=0, microbatch_id="fb"), [("input", tokens)], NONE, timeout_s=10
+        )
         h = out.tensors["output"]
-        reply = await client.backward(meta(stage=0, microbatch_id="fb"), [("grad_output", torch.ones_like(h))],
-                                      NONE, timeout_s=10)
+        reply = await client.backward(
+            meta(stage=0, microbatch_id="fb"),
+            [("grad_output", torch.ones_like(h))],
+            NONE,
+            timeout_s=10,
+        )
         await reply.committed
         return h, reply
 
@@ -245,6 +329,7 @@ def test_forward_then_backward_uses_cache(peers, loop_thread):
 
 def test_info_and_wrong_run(peers, loop_thread):
     first, last = peers
+
     async def info(run_id):
         return await PeerClient(last.endpoint).info(run_id, timeout_s=10)
 

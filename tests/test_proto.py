@@ -1,4 +1,5 @@
 """The committed generated code is exactly what the pinned grpcio-tools makes from proto/swarm.proto."""
+
 from pathlib import Path
 
 from swarm.proto import generate
@@ -8,4 +9,5 @@ def test_regeneration_changes_nothing(tmp_path: Path):
     for fresh in generate.generate(tmp_path):
         committed = generate.OUT_DIR / fresh.name
         assert fresh.read_text() == committed.read_text(), (
-            f"{committed} is stale: run `make proto` and commit the result")
+            f"{committed} is stale: run `make proto` and commit the result"
+        )

@@ -4,6 +4,7 @@ A tiny model (d_model 32) trains on a real loopback swarm (bootstrap, 2 peer pro
 hundred samples, once with codec none and once with int8, from the same init and data order. With one
 microbatch in flight the two runs differ only by the codec, so the validation-loss gap is the codec's.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,19 +28,39 @@ STEPS = 25  # x 16 samples = 400 samples per run
 
 
 def test_int8_validation_loss_within_2_percent_of_none(tmp_path):
-    cfg = QualityConfig(codecs=("none", "int8"), preset=None, steps=STEPS, microbatch_size=8, in_flight=1,
-                        target_batch_size=16, eval_every_steps=0, eval_batches=4, max_data_bytes=2_000_000,
-                        run_timeout_s=180)
+    cfg = QualityConfig(
+        codecs=("none", "int8"),
+        preset=None,
+        steps=STEPS,
+        microbatch_size=8,
+        in_flight=1,
+        target_batch_size=16,
+        eval_every_steps=0,
+        eval_batches=4,
+        max_data_bytes=2_000_000,
+        run_timeout_s=180,
+    )
     results = {}
     with ProcessGroup(tmp_path) as group:
         addr_file = tmp_path / "bootstrap.addr"
         start_bootstrap(group, addr_file)
         for codec in cfg.codecs:
             run_id = f"q-{codec}"
-            publish_run(addr_file, run_id, RunConfig(model=MODEL, codec=codec, target_batch_size=16, lr=3e-3,
-                                                     warmup_steps=5, total_steps=STEPS))
-            results[codec] = run_codec(group, cfg, codec=codec, run_id=run_id, addr_file=addr_file,
-                                       workdir=tmp_path)
+            publish_run(
+                addr_file,
+                run_id,
+                RunConfig(
+                    model=MODEL,
+                    codec=codec,
+                    target_batch_size=16,
+                    lr=3e-3,
+                    warmup_steps=5,
+                    total_steps=STEPS,
+                ),
+            )
+            results[codec] = run_codec(
+                group, cfg, codec=codec, run_id=run_id, addr_file=addr_file, workdir=tmp_path
+            )
     none, int8 = results["none"], results["int8"]
     # Both runs learned (otherwise equal losses would prove nothing): well below ln(256) of an untrained model.
     assert none.final_val < 0.8 * math.log(256), none.val_curve

@@ -1,4 +1,5 @@
 """Peers find the stage where they help most: on arrival, and by moving to the bottleneck over time."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,14 +8,23 @@ import time
 from datetime import datetime
 
 import pytest
-
 from conftest import ask_peers
 
 pytestmark = pytest.mark.slow
 
 # Replicas step on their own (--no-average): these tests measure where peers go and the throughput that
 # follows, which an all-reduce every 16 samples would drown.
-COMMON = ["--preset", "tiny", "--target-batch-size", "16", "--heartbeat-s", "0.5", "--ttl-s", "3", "--no-average"]
+COMMON = [
+    "--preset",
+    "tiny",
+    "--target-batch-size",
+    "16",
+    "--heartbeat-s",
+    "0.5",
+    "--ttl-s",
+    "3",
+    "--no-average",
+]
 
 
 @pytest.fixture
@@ -31,12 +41,18 @@ def test_arrivals_fill_the_empty_then_the_weakest_stage(swarm):
     # The two stages differ in cost (the last one holds the head and the loss), so the margins below are
     # wide: at least 40% between the capacities a newcomer compares.
     run = ["--no-rebalance", "--arrival-max-delay-s", "0.5"]
-    a = swarm.peer("arr-a", 0, *COMMON, *run, "--slowdown", "3", run_id="arrive")  # a weak peer: a third of the speed
+    a = swarm.peer(
+        "arr-a", 0, *COMMON, *run, "--slowdown", "3", run_id="arrive"
+    )  # a weak peer: a third of the speed
     assert served_stage(swarm, a) == 0
 
     def newcomer(name):
-        proc = swarm.group.swarm(name, "peer", "--run-id", "arrive", *swarm.initial_peers, *COMMON, *run)
-        return served_stage(swarm, proc), proc.wait_for(r"stage capacities \[.*\]", timeout_s=5).group(0)
+        proc = swarm.group.swarm(
+            name, "peer", "--run-id", "arrive", *swarm.initial_peers, *COMMON, *run
+        )
+        return served_stage(swarm, proc), proc.wait_for(
+            r"stage capacities \[.*\]", timeout_s=5
+        ).group(0)
 
     # Stage 1 is empty: the first newcomer must take it.
     stage, seen = newcomer("arr-b")
@@ -60,8 +76,17 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm):
     # Global batches of 256: each optimizer step makes a peer drop the autograd graphs it holds (their backward
     # then recomputes the forward); with small batches that extra work would make stage 0 the bottleneck
     # after the move.
-    flags = [*COMMON, "--target-batch-size", "256", "--slowdown", "10", "--period-s", str(period),
-             "--cooldown-periods", "3"]
+    flags = [
+        *COMMON,
+        "--target-batch-size",
+        "256",
+        "--slowdown",
+        "10",
+        "--period-s",
+        str(period),
+        "--cooldown-periods",
+        "3",
+    ]
 
     def peer(name, stage):
         return swarm.peer(f"reb-{name}", stage, *flags, run_id="rebal", wait=False)
@@ -70,11 +95,27 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm):
     # bottleneck (no gain), so nobody moves; this measures the 1-peer bottleneck's throughput.
     peers = [peer("a", 0), peer("b", 0), peer("d", 1)]
     endpoints = [swarm.wait_ready(p) for p in peers]
-    trainer = swarm.group.swarm("reb-trainer", "train", "--run-id", "rebal", *swarm.initial_peers, "--steps", "10000",
-                                "--microbatch-size", "8", "--in-flight", "16", "--eval-every-steps", "0",
-                                "--log-every-s", "0")
+    trainer = swarm.group.swarm(
+        "reb-trainer",
+        "train",
+        "--run-id",
+        "rebal",
+        *swarm.initial_peers,
+        "--steps",
+        "10000",
+        "--microbatch-size",
+        "8",
+        "--in-flight",
+        "16",
+        "--eval-every-steps",
+        "0",
+        "--log-every-s",
+        "0",
+    )
     deadline = time.monotonic() + 120
-    while _last_stage_samples(endpoints) == 0:  # polling a remote counter: there is no event to wait on
+    while (
+        _last_stage_samples(endpoints) == 0
+    ):  # polling a remote counter: there is no event to wait on
         assert trainer.alive() and time.monotonic() < deadline, trainer.lines[-20:]
         time.sleep(0.5)
     time.sleep(period)  # routing warm-up: the trainer measures its peers
@@ -89,8 +130,10 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm):
     deadline = joined_at + 3 * period + 15  # 3 periods, plus the drain and state load of the move
     mover = None
     while mover is None:
-        assert time.time() < deadline, ("no peer moved to the bottleneck stage within 3 periods",
-                                        [line for p in peers for line in p.lines if "stage" in line])
+        assert time.time() < deadline, (
+            "no peer moved to the bottleneck stage within 3 periods",
+            [line for p in peers for line in p.lines if "stage" in line],
+        )
         for p in (peers[0], peers[1], peers[3]):
             with contextlib.suppress(TimeoutError):
                 p.wait_for(moved, timeout_s=0.3)

@@ -1,4 +1,5 @@
 """A stage replica's optimizer: schedule and clipping, and checkpoints that resume the exact state."""
+
 from __future__ import annotations
 
 import logging
@@ -6,18 +7,20 @@ import multiprocessing
 
 import pytest
 import torch
-
 from conftest import local_executor
+
 from swarm.averaging import step_group_bits
 from swarm.averaging.hivemind_private import PartialResults
 from swarm.config import RunConfig
-from swarm.model import ModelConfig, build_stage
+from swarm.model import ModelConfig
 from swarm.optim import LocalStageOptimizer, learning_rate, stage_clip_norm
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.executor import StageExecutor
 
 MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=8, num_stages=2, seed=5)
-RUN = RunConfig(model=MODEL, target_batch_size=16, lr=3e-3, warmup_steps=2, total_steps=10, max_grad_norm=0.5)
+RUN = RunConfig(
+    model=MODEL, target_batch_size=16, lr=3e-3, warmup_steps=2, total_steps=10, max_grad_norm=0.5
+)
 
 
 def _batch(seed: int, n: int = 4):
@@ -50,7 +53,7 @@ def test_local_optimizer_applies_schedule_and_clipping():
     assert ex.step == 1 and ex.samples_accumulated == 0
     assert ex.optimizer.optimizer.last_grad_norm > 0
     assert ex.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate(RUN, 0))
-    assert stage_clip_norm(RUN) == pytest.approx(0.5 / 2 ** 0.5)
+    assert stage_clip_norm(RUN) == pytest.approx(0.5 / 2**0.5)
 
 
 def test_checkpoint_round_trip_resumes_step_and_state(tmp_path):
@@ -63,7 +66,9 @@ def test_checkpoint_round_trip_resumes_step_and_state(tmp_path):
     assert fresh.step == ex.step == 2
     _assert_same(_params(fresh), _params(ex), atol=0)
     _feed(ex, [9, 10, 11, 12])
-    _feed(fresh, [9, 10, 11, 12])  # same data after the restart: same parameters (optimizer state restored)
+    _feed(
+        fresh, [9, 10, 11, 12]
+    )  # same data after the restart: same parameters (optimizer state restored)
     _assert_same(_params(fresh), _params(ex), atol=0)
     with pytest.raises(ValueError, match="another run config"):
         store.load(1, run=RunConfig(model=MODEL, lr=1e-2))
@@ -74,11 +79,15 @@ def test_partial_all_reduce_results_are_counted_across_the_averager_fork():
     """hivemind reports an all-reduce that came back partial only as a log warning in its averager's (forked)
     process; the compute thread must learn of it to reload its peers' state."""
     partial = PartialResults.install()
-    assert PartialResults.install() is partial  # one counter per process, whatever the number of optimizers
+    assert (
+        PartialResults.install() is partial
+    )  # one counter per process, whatever the number of optimizers
     before = partial.count.value
 
     def averager_process():
-        logging.getLogger("hivemind.averaging.partition").warning("Averaging: received 61.0% results")
+        logging.getLogger("hivemind.averaging.partition").warning(
+            "Averaging: received 61.0% results"
+        )
         logging.getLogger("hivemind.averaging.partition").warning("something else")
 
     child = multiprocessing.get_context("fork").Process(target=averager_process)

@@ -266,8 +266,11 @@ def test_error_hierarchy():
 
 def test_deadlines_follow_measured_latency_within_bounds():
     config = dict(
-        min_timeout_s=0.5, max_timeout_s=30.0, initial_timeout_s=20.0,
-        timeout_factor=3.0, timeout_slack_s=0.25,
+        min_timeout_s=0.5,
+        max_timeout_s=30.0,
+        initial_timeout_s=20.0,
+        timeout_factor=3.0,
+        timeout_slack_s=0.25,
     )
     router = measured_router({"fast": 8.0, "slow": 2.0}, **config)
     router.update_peers(STAGE, {"fast": 1.0, "slow": 1.0, "new": 1.0}, now=1.0)
@@ -336,10 +339,14 @@ def test_default_retry_budget_is_finite():
         (dict(ema_alpha=0.0), r"ema_alpha must be in \(0, 1\], got 0.0"),
         (dict(ema_alpha=1.5), r"ema_alpha must be in \(0, 1\], got 1.5"),
         (dict(min_timeout_s=0.0), r"min_timeout_s must be > 0 seconds, got 0.0"),
-        (dict(min_timeout_s=5.0, max_timeout_s=2.0, initial_timeout_s=3.0),
-         r"max_timeout_s \(2.0\) must be >= min_timeout_s \(5.0\)"),
-        (dict(initial_timeout_s=500.0),
-         r"initial_timeout_s \(500.0\) must lie in .* \[1.0, 120.0\]"),
+        (
+            dict(min_timeout_s=5.0, max_timeout_s=2.0, initial_timeout_s=3.0),
+            r"max_timeout_s \(2.0\) must be >= min_timeout_s \(5.0\)",
+        ),
+        (
+            dict(initial_timeout_s=500.0),
+            r"initial_timeout_s \(500.0\) must lie in .* \[1.0, 120.0\]",
+        ),
         (dict(timeout_factor=0.5), r"timeout_factor must be >= 1 .* got 0.5"),
         (dict(timeout_slack_s=-1.0), r"timeout_slack_s must be >= 0 seconds, got -1.0"),
         (dict(ban_base_s=0.0), r"ban_base_s must be > 0 seconds, got 0.0"),
@@ -453,7 +460,9 @@ def test_backward_prefers_the_forward_peer_while_it_may_be_tried():
     router = measured_router({"fwd": 1.0, "other": 100.0})
     rng = random.Random(0)
     request = StageRequest(router, STAGE, preferred="fwd")
-    assert [request.choose(1.0, rng) for _ in range(20)] == ["fwd"] * 20  # despite a 100x faster peer
+    assert [request.choose(1.0, rng) for _ in range(20)] == [
+        "fwd"
+    ] * 20  # despite a 100x faster peer
     # The caller no longer lists it (gone from discovery): routing chooses.
     assert request.choose(1.0, rng, preferred_known=False) == "other"
     # Banned by another request's failure: not preferred until the ban ends.
@@ -512,6 +521,8 @@ def test_wake_at_the_first_ban_end_or_after_the_wait():
     banned = NoPeersAvailable(STAGE, num_known=2, num_banned=2, retry_at_s=12.0)
     assert wake_at(banned, 10.0, wait_s=5.0) == 12.0
     assert wake_at(banned, 10.0, wait_s=1.0) == 11.0  # peers may appear meanwhile
-    assert wake_at(banned, 12.0, wait_s=5.0, min_wait_s=0.05) == pytest.approx(12.05)  # never a busy loop
+    assert wake_at(banned, 12.0, wait_s=5.0, min_wait_s=0.05) == pytest.approx(
+        12.05
+    )  # never a busy loop
     empty = NoPeersAvailable(STAGE, num_known=0)
     assert wake_at(empty, 10.0, wait_s=5.0) == 15.0

@@ -11,8 +11,16 @@ from swarm.sim import Preemption, SimConfig, format_table, main, simulate
 
 
 def test_a_peer_four_times_slower_gets_a_fifth_of_the_work():
-    config = SimConfig(num_stages=1, peer_speeds=(4.0, 1.0), num_peers=2, num_trainers=2,
-                       microbatches_in_flight=2, microbatch_size=4, duration_s=600.0, rebalance=False)
+    config = SimConfig(
+        num_stages=1,
+        peer_speeds=(4.0, 1.0),
+        num_peers=2,
+        num_trainers=2,
+        microbatches_in_flight=2,
+        microbatch_size=4,
+        duration_s=600.0,
+        rebalance=False,
+    )
     result = simulate(config)
     total = sum(result.requests_by_peer.values())
     assert total > 500
@@ -20,23 +28,43 @@ def test_a_peer_four_times_slower_gets_a_fifth_of_the_work():
 
 
 def test_killing_peers_loses_no_microbatch():
-    config = SimConfig(num_stages=3, initial_peers_per_stage=(4, 4, 4), num_trainers=2,
-                       microbatches_in_flight=4, microbatch_size=8, duration_s=240.0, rebalance=False,
-                       preemptions=(Preemption(time_s=60.0, stage=1, fraction=0.5),
-                                    Preemption(time_s=90.0, stage=0, fraction=0.5)))
+    config = SimConfig(
+        num_stages=3,
+        initial_peers_per_stage=(4, 4, 4),
+        num_trainers=2,
+        microbatches_in_flight=4,
+        microbatch_size=8,
+        duration_s=240.0,
+        rebalance=False,
+        preemptions=(
+            Preemption(time_s=60.0, stage=1, fraction=0.5),
+            Preemption(time_s=90.0, stage=0, fraction=0.5),
+        ),
+    )
     result = simulate(config)
     assert result.peers_died == 2 + 2
     assert result.hop_failures > 0 and result.recomputes > 0  # the kills did hit requests in flight
-    assert result.microbatches_started == result.microbatches_completed + result.microbatches_in_flight
+    assert (
+        result.microbatches_started == result.microbatches_completed + result.microbatches_in_flight
+    )
     # Every microbatch started before the kills (and their retries) has finished since.
     assert result.oldest_in_flight_started_s > 150.0
     assert result.mean_throughput(180.0) > 0.0
 
 
 def imbalanced(rebalance: bool) -> SimConfig:
-    return SimConfig(num_stages=2, initial_peers_per_stage=(6, 2), peer_speeds=(4.0,) * 8, num_trainers=4,
-                     microbatches_in_flight=4, microbatch_size=8, duration_s=300.0, sample_period_s=20.0,
-                     rebalance=rebalance, balance=RebalanceConfig(period_s=10.0, cooldown_periods=3))
+    return SimConfig(
+        num_stages=2,
+        initial_peers_per_stage=(6, 2),
+        peer_speeds=(4.0,) * 8,
+        num_trainers=4,
+        microbatches_in_flight=4,
+        microbatch_size=8,
+        duration_s=300.0,
+        sample_period_s=20.0,
+        rebalance=rebalance,
+        balance=RebalanceConfig(period_s=10.0, cooldown_periods=3),
+    )
 
 
 def test_rebalancing_fixes_an_imbalance_and_then_stays_put():
@@ -52,9 +80,18 @@ def test_rebalancing_fixes_an_imbalance_and_then_stays_put():
 
 
 def test_rebalancing_under_churn_does_not_oscillate():
-    config = SimConfig(num_stages=3, initial_peers_per_stage=(14, 4, 6), peer_speed_min=1.0, peer_speed_max=6.0,
-                       num_trainers=4, microbatches_in_flight=8, microbatch_size=8, duration_s=900.0,
-                       balance=RebalanceConfig(period_s=15.0, cooldown_periods=2, min_gain=0.1), seed=5)
+    config = SimConfig(
+        num_stages=3,
+        initial_peers_per_stage=(14, 4, 6),
+        peer_speed_min=1.0,
+        peer_speed_max=6.0,
+        num_trainers=4,
+        microbatches_in_flight=8,
+        microbatch_size=8,
+        duration_s=900.0,
+        balance=RebalanceConfig(period_s=15.0, cooldown_periods=2, min_gain=0.1),
+        seed=5,
+    )
     result = simulate(config)
     assert result.num_moves >= 3
     visited: dict[str, list[int]] = {}
@@ -69,13 +106,24 @@ def test_rebalancing_under_churn_does_not_oscillate():
 
 
 def test_arrivals_and_deaths_keep_every_stage_served():
-    config = SimConfig(num_stages=3, num_peers=30, num_trainers=2, microbatches_in_flight=8,
-                       microbatch_size=8, duration_s=600.0, arrival_rate_per_s=0.05,
-                       mean_lifetime_s=600.0, seed=2, balance=RebalanceConfig(period_s=30.0))
+    config = SimConfig(
+        num_stages=3,
+        num_peers=30,
+        num_trainers=2,
+        microbatches_in_flight=8,
+        microbatch_size=8,
+        duration_s=600.0,
+        arrival_rate_per_s=0.05,
+        mean_lifetime_s=600.0,
+        seed=2,
+        balance=RebalanceConfig(period_s=30.0),
+    )
     result = simulate(config)
     assert result.peers_arrived > 10 and result.peers_died > 10
     assert all(min(counts) >= 1 for counts in result.peers_per_stage)
-    assert result.microbatches_started == result.microbatches_completed + result.microbatches_in_flight
+    assert (
+        result.microbatches_started == result.microbatches_completed + result.microbatches_in_flight
+    )
 
 
 def test_same_seed_same_run():
@@ -87,7 +135,9 @@ def test_same_seed_same_run():
 def test_config_validation():
     with pytest.raises(ValueError, match="num_stages must be an int >= 1, got 0"):
         SimConfig(num_stages=0)
-    with pytest.raises(ValueError, match=r"peer_speed_max \(1.0\) must be >= peer_speed_min \(2.0\)"):
+    with pytest.raises(
+        ValueError, match=r"peer_speed_max \(1.0\) must be >= peer_speed_min \(2.0\)"
+    ):
         SimConfig(peer_speed_min=2.0, peer_speed_max=1.0)
     with pytest.raises(ValueError, match="initial_peers_per_stage has 3 entries for num_stages=2"):
         SimConfig(num_stages=2, initial_peers_per_stage=(1, 1, 1))
@@ -102,9 +152,32 @@ def test_config_validation():
 
 
 def test_main_prints_a_table(capsys):
-    status = main(["--num-stages", "2", "--num-peers", "6", "--duration-s", "120", "--num-trainers", "2",
-                   "--microbatches-in-flight", "4", "--microbatch-size", "8", "--preempt", "30:1:0.5",
-                   "--stage-costs", "1", "2", "--compare", "--table-every-s", "60", "--period-s", "20"])
+    status = main(
+        [
+            "--num-stages",
+            "2",
+            "--num-peers",
+            "6",
+            "--duration-s",
+            "120",
+            "--num-trainers",
+            "2",
+            "--microbatches-in-flight",
+            "4",
+            "--microbatch-size",
+            "8",
+            "--preempt",
+            "30:1:0.5",
+            "--stage-costs",
+            "1",
+            "2",
+            "--compare",
+            "--table-every-s",
+            "60",
+            "--period-s",
+            "20",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0
     assert "| 60 |" in out and "| 120 |" in out

@@ -1,4 +1,5 @@
 """Multi-process swarms: separate peer processes found through a real DHT, talking real gRPC."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,14 +37,20 @@ def dht(swarm):
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_split_across_peer_processes_matches_one_process(swarm, dht, num_stages):
     """Loss and every parameter gradient of the split model equal the unsplit model's (codec none)."""
-    model = ModelConfig(d_model=32, n_heads=2, n_layers=3, seq_len=16, num_stages=num_stages, seed=7)
-    run = RunConfig(model=model, target_batch_size=10**6)  # no optimizer step: compare raw gradients
+    model = ModelConfig(
+        d_model=32, n_heads=2, n_layers=3, seq_len=16, num_stages=num_stages, seed=7
+    )
+    run = RunConfig(
+        model=model, target_batch_size=10**6
+    )  # no optimizer step: compare raw gradients
     run_id = f"equiv{num_stages}"
     directory = RunDirectory(dht, run_id)
     asyncio.run(directory.publish_run(run, ttl_s=600))
     procs = [swarm.peer(f"{run_id}-s{k}", k, run_id=run_id, wait=False) for k in range(num_stages)]
     endpoints = [swarm.wait_ready(p) for p in procs]
-    tokens = torch.randint(0, 256, (4, model.seq_len + 1), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(
+        0, 256, (4, model.seq_len + 1), generator=torch.Generator().manual_seed(3)
+    )
 
     async def remote():
         pipeline = Pipeline(directory, run)
@@ -70,8 +77,12 @@ def test_split_across_peer_processes_matches_one_process(swarm, dht, num_stages)
         samples = state.meta.samples_accumulated
         assert samples == tokens.shape[0]
         for name, p in full.stages[k].named_parameters():
-            remote_grad = state.tensors[f"grad/{name}"] / samples  # peers keep sums weighted by samples
-            torch.testing.assert_close(remote_grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"stage {k} {name}")
+            remote_grad = (
+                state.tensors[f"grad/{name}"] / samples
+            )  # peers keep sums weighted by samples
+            torch.testing.assert_close(
+                remote_grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"stage {k} {name}"
+            )
             torch.testing.assert_close(state.tensors[f"param/{name}"], p.detach(), rtol=0, atol=0)
     swarm.group.stop_all([proc.name for proc in procs])
 
@@ -81,16 +92,47 @@ def test_two_stages_two_peers_each_train_and_loss_falls(swarm, tmp_path):
     The replicas step on their own here (--no-average): batches of 16 samples are too small to pay for an
     all-reduce each; tests/test_averaging.py covers the replicas that average."""
     run_id = "train"
-    flags = ["--preset", "tiny", "--target-batch-size", "16", "--lr", "3e-3", "--warmup-steps", "5", "--no-average"]
-    procs = [swarm.peer(f"train-s{k}-{r}", k, *flags, run_id=run_id, wait=False) for k in (0, 1) for r in (0, 1)]
+    flags = [
+        "--preset",
+        "tiny",
+        "--target-batch-size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "5",
+        "--no-average",
+    ]
+    procs = [
+        swarm.peer(f"train-s{k}-{r}", k, *flags, run_id=run_id, wait=False)
+        for k in (0, 1)
+        for r in (0, 1)
+    ]
     endpoints = [swarm.wait_ready(p) for p in procs]
     metrics = tmp_path / "metrics.jsonl"
-    trainer = swarm.group.swarm("trainer", "train", "--run-id", run_id, *swarm.initial_peers, "--steps", "30",
-                                "--microbatch-size", "8", "--in-flight", "4", "--eval-every-steps", "0",
-                                "--eval-batches", "2", "--metrics-path", str(metrics))
+    trainer = swarm.group.swarm(
+        "trainer",
+        "train",
+        "--run-id",
+        run_id,
+        *swarm.initial_peers,
+        "--steps",
+        "30",
+        "--microbatch-size",
+        "8",
+        "--in-flight",
+        "4",
+        "--eval-every-steps",
+        "0",
+        "--eval-batches",
+        "2",
+        "--metrics-path",
+        str(metrics),
+    )
     assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
-    summary = trainer.wait_for(r"initial loss ([\d.]+) -> final loss ([\d.]+) \| validation loss ([\d.]+)",
-                               timeout_s=5)
+    summary = trainer.wait_for(
+        r"initial loss ([\d.]+) -> final loss ([\d.]+) \| validation loss ([\d.]+)", timeout_s=5
+    )
     initial, final, val = map(float, summary.groups())
     assert 5.0 < initial < 6.0  # ~ln(256) for an untrained byte model
     assert final < 0.8 * initial and val < 0.85 * initial

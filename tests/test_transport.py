@@ -1,5 +1,6 @@
 """Chunked tensor streams: framing, reassembly, limits, a 64 MiB tensor and typed errors through a real gRPC
 server."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,8 @@ from swarm.errors import (
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
-from swarm.transport.client import PeerClient
 from swarm.routing import NoPeersAvailable, RetriesExhausted, RoutingError
+from swarm.transport.client import PeerClient
 from swarm.transport.server import start_server, stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
 
@@ -34,7 +35,9 @@ MiB = 1 << 20
 
 
 async def _frames(tensor, codec="none", segment_bytes=MiB):
-    return [f async for f in tensor_frames("x", tensor, get_codec(codec), segment_bytes=segment_bytes)]
+    return [
+        f async for f in tensor_frames("x", tensor, get_codec(codec), segment_bytes=segment_bytes)
+    ]
 
 
 async def _aiter(frames):
@@ -56,7 +59,9 @@ def test_64mib_tensor_is_chunked_and_reassembled_exactly():
     frames = asyncio.run(_frames(big))
     assert frames[0].WhichOneof("kind") == "tensor"
     chunks = frames[1:]
-    assert len(chunks) == 64 and all(len(f.chunk) == MiB for f in chunks)  # 1 MiB each: under gRPC's cap
+    assert len(chunks) == 64 and all(
+        len(f.chunk) == MiB for f in chunks
+    )  # 1 MiB each: under gRPC's cap
     out = _read(frames)["x"]
     assert out.shape == big.shape and torch.equal(out, big)
 
@@ -82,7 +87,9 @@ def test_truncated_stream_is_rejected():
 
 
 def test_limits_reject_before_allocation():
-    header = pb.TensorHeader(name="x", dtype="float32", shape=[1 << 20, 1 << 20], codec="none", segment_numel=1024)
+    header = pb.TensorHeader(
+        name="x", dtype="float32", shape=[1 << 20, 1 << 20], codec="none", segment_numel=1024
+    )
     with pytest.raises(InvalidRequest, match="more than the"):
         _read([pb.Frame(tensor=header)])
     header = pb.TensorHeader(name="x", dtype="float32", shape=[10], codec="int8", segment_numel=3)
@@ -121,7 +128,9 @@ def test_64mib_round_trip_over_grpc():
         server, port = await start_server(Echo(), host="127.0.0.1", port=0)
         client = PeerClient(f"127.0.0.1:{port}")
         try:
-            meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, codec="none", microbatch_id="m")
+            meta = pb.RequestMeta(
+                protocol_version=PROTOCOL_VERSION, codec="none", microbatch_id="m"
+            )
             return await client.forward(meta, [("big", big)], get_codec("none"), timeout_s=120)
         finally:
             await client.close()
@@ -148,7 +157,9 @@ class Refuser(pb_grpc.StagePeerServicer):
 
     def __init__(self):
         self.error: Exception | None = None
-        self.raw: tuple[grpc.StatusCode, str, tuple] | None = None  # a peer that names no class (or a bogus one)
+        self.raw: tuple[grpc.StatusCode, str, tuple] | None = (
+            None  # a peer that names no class (or a bogus one)
+        )
 
     @stream_handler
     async def Forward(self, request_iterator, context):
@@ -172,7 +183,9 @@ async def _refused(servicer: Refuser, *, unary: bool = False) -> Exception:
         if unary:
             await client.info(timeout_s=10)
         else:
-            meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, codec="none", microbatch_id="m")
+            meta = pb.RequestMeta(
+                protocol_version=PROTOCOL_VERSION, codec="none", microbatch_id="m"
+            )
             await client.forward(meta, [], get_codec("none"), timeout_s=10)
     except SwarmError as e:
         return e
@@ -225,8 +238,17 @@ def test_a_codec_error_in_a_handler_reaches_the_caller_as_invalid_request():
 
 
 def test_error_family_has_one_root():
-    for cls in (*WIRE_ERRORS, UsageError, CodecError, NonFiniteTensorError, RoutingError, NoPeersAvailable,
-                RetriesExhausted, RecordError, CorpusError):
+    for cls in (
+        *WIRE_ERRORS,
+        UsageError,
+        CodecError,
+        NonFiniteTensorError,
+        RoutingError,
+        NoPeersAvailable,
+        RetriesExhausted,
+        RecordError,
+        CorpusError,
+    ):
         assert issubclass(cls, SwarmError), cls
     # Callers that catch the builtin kinds keep working.
     assert issubclass(CodecError, ValueError) and issubclass(RecordError, ValueError)

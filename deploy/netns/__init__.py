@@ -31,9 +31,15 @@ Modules: :mod:`.commands` (ip/tc calls, names, probes, cleanup), :mod:`.network`
 network), :mod:`.measure` and ``tcpprobe.py`` (TCP throughput between two hosts), ``__main__`` (the CLI).
 """
 
-from deploy.netns.commands import MAX_IFNAME_CHARS, NAMESPACE_IFNAME, NetnsError, cleanup_stale, have_netns
-from deploy.netns.network import Direction, EmulatedHost, EmulatedNetwork, NetworkConfig
+from deploy.netns.commands import (
+    MAX_IFNAME_CHARS,
+    NAMESPACE_IFNAME,
+    NetnsError,
+    cleanup_stale,
+    have_netns,
+)
 from deploy.netns.measure import ThroughputResult, measure_tcp_throughput
+from deploy.netns.network import Direction, EmulatedHost, EmulatedNetwork, NetworkConfig
 
 __all__ = [
     "MAX_IFNAME_CHARS",

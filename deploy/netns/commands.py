@@ -22,7 +22,6 @@ class NetnsError(RuntimeError):
     """An ``ip``/``tc`` command failed; the message holds the command and its stderr."""
 
 
-
 def run_cmd(argv: Sequence[str], *, timeout_s: float = 30.0) -> str:
     """Runs one ip/tc command; raises NetnsError with its stderr when it fails."""
     try:
@@ -30,7 +29,9 @@ def run_cmd(argv: Sequence[str], *, timeout_s: float = 30.0) -> str:
     except subprocess.TimeoutExpired as e:
         raise NetnsError(f"`{' '.join(argv)}` did not finish in {timeout_s} s") from e
     if done.returncode != 0:
-        raise NetnsError(f"`{' '.join(argv)}` failed (exit {done.returncode}): {done.stderr.strip()}")
+        raise NetnsError(
+            f"`{' '.join(argv)}` failed (exit {done.returncode}): {done.stderr.strip()}"
+        )
     return done.stdout
 
 
@@ -53,7 +54,9 @@ def delete_link(name: str) -> None:
 
 
 def namespace_pids(namespace: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30
+    ).stdout
     return [int(p) for p in out.split()]
 
 
@@ -67,7 +70,9 @@ def delete_namespace(namespace: str, *, wait_s: float = 5.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if time.monotonic() > deadline:
-            raise NetnsError(f"processes {pids} in namespace {namespace} survived SIGKILL for {wait_s} s")
+            raise NetnsError(
+                f"processes {pids} in namespace {namespace} survived SIGKILL for {wait_s} s"
+            )
         time.sleep(0.01)  # SIGKILL is delivered asynchronously; poll until the namespace is empty
     try:
         run_cmd(["ip", "netns", "del", namespace])
@@ -92,7 +97,10 @@ def have_netns() -> tuple[bool, str]:
     holds a bridge, a veth pair and a tbf qdisc; the scratch namespace is deleted again.
     """
     if os.geteuid() != 0:
-        return False, f"needs root for network namespaces and qdiscs (running as uid {os.geteuid()})"
+        return (
+            False,
+            f"needs root for network namespaces and qdiscs (running as uid {os.geteuid()})",
+        )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"`{tool}` (iproute2) is not on PATH"
@@ -104,9 +112,28 @@ def have_netns() -> tuple[bool, str]:
     try:
         # Everything below lives inside the scratch namespace: the host is not touched.
         run_cmd(["ip", "-n", scratch, "link", "add", "probebr", "type", "bridge"])
-        run_cmd(["ip", "-n", scratch, "link", "add", "probea", "type", "veth", "peer", "name", "probeb"])
-        run_cmd(["tc", "-n", scratch, "qdisc", "add", "dev", "probea", "root", "tbf",
-              "rate", "1mbit", "burst", "32kb", "latency", "50ms"])
+        run_cmd(
+            ["ip", "-n", scratch, "link", "add", "probea", "type", "veth", "peer", "name", "probeb"]
+        )
+        run_cmd(
+            [
+                "tc",
+                "-n",
+                scratch,
+                "qdisc",
+                "add",
+                "dev",
+                "probea",
+                "root",
+                "tbf",
+                "rate",
+                "1mbit",
+                "burst",
+                "32kb",
+                "latency",
+                "50ms",
+            ]
+        )
     except NetnsError as e:
         return False, f"bridge/veth/tbf unavailable: {e}"
     finally:
@@ -134,8 +161,13 @@ def cleanup_stale(prefix: str = "sw") -> list[str]:
             pass  # exists, owned by someone else: alive
         return None
 
-    links = [line.split(":")[1].strip().split("@")[0] for line in run_cmd(["ip", "-o", "link", "show"]).splitlines()]
-    namespaces = [line.split()[0] for line in run_cmd(["ip", "netns", "list"]).splitlines() if line.strip()]
+    links = [
+        line.split(":")[1].strip().split("@")[0]
+        for line in run_cmd(["ip", "-o", "link", "show"]).splitlines()
+    ]
+    namespaces = [
+        line.split()[0] for line in run_cmd(["ip", "netns", "list"]).splitlines() if line.strip()
+    ]
     removed = []
     # veths first (synchronous removal of both ends), then namespaces, then bridges.
     for name in [n for n in links if stale(n) == "v"]:

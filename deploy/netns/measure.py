@@ -25,8 +25,14 @@ class ThroughputResult:
         return self.bytes_received * 8 / self.duration_s / 1e6
 
 
-def measure_tcp_throughput(sender: EmulatedHost, receiver: EmulatedHost, *, duration_s: float = 2.0,
-                           max_bytes: int = 256 * 1024 * 1024, timeout_s: float = 30.0) -> ThroughputResult:
+def measure_tcp_throughput(
+    sender: EmulatedHost,
+    receiver: EmulatedHost,
+    *,
+    duration_s: float = 2.0,
+    max_bytes: int = 256 * 1024 * 1024,
+    timeout_s: float = 30.0,
+) -> ThroughputResult:
     """Streams TCP payload from ``sender`` to ``receiver`` for ``duration_s`` or ``max_bytes``.
 
     Bounded: the sender stops at whichever limit comes first and both sides are killed
@@ -35,12 +41,29 @@ def measure_tcp_throughput(sender: EmulatedHost, receiver: EmulatedHost, *, dura
     if duration_s <= 0 or max_bytes <= 0:
         raise ValueError(f"duration_s ({duration_s}) and max_bytes ({max_bytes}) must be > 0")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcpprobe.py")
-    recv = receiver.popen([sys.executable, script, "recv", "--host", receiver.address,
-                           "--timeout-s", str(timeout_s)], stdout=subprocess.PIPE, text=True)
+    recv = receiver.popen(
+        [sys.executable, script, "recv", "--host", receiver.address, "--timeout-s", str(timeout_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(_read_line(recv, timeout_s).split()[1])  # "listening <port>"
-        sender.run([sys.executable, script, "send", "--host", receiver.address, "--port", str(port),
-                    "--duration-s", str(duration_s), "--max-bytes", str(max_bytes)], timeout_s=timeout_s)
+        sender.run(
+            [
+                sys.executable,
+                script,
+                "send",
+                "--host",
+                receiver.address,
+                "--port",
+                str(port),
+                "--duration-s",
+                str(duration_s),
+                "--max-bytes",
+                str(max_bytes),
+            ],
+            timeout_s=timeout_s,
+        )
         out, _ = recv.communicate(timeout=timeout_s)
     except (subprocess.SubprocessError, ValueError, IndexError) as e:
         raise NetnsError(f"throughput {sender.address} -> {receiver.address} failed: {e}") from e

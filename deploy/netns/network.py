@@ -36,7 +36,8 @@ class NetworkConfig:
     name_prefix: str = "sw"  # start of every name made; cleanup_stale(prefix) finds leftovers by it
     subnet: str = "10.213.0.0/24"  # host i gets address i+1; exists only inside the namespaces
     burst_bytes: int | None = None  # tbf bucket size; None = max(32 KiB, 4 ms at the rate)
-    queue_latency_ms: float = 50.0  # tbf queue bound: the longest a packet waits before it is dropped
+    # tbf queue bound: the longest a packet waits before it is dropped
+    queue_latency_ms: float = 50.0
     mtu_bytes: int = 1500  # MTU of the veths and the bridge
     terminate_timeout_s: float = 5.0  # how long popen'ed processes get after SIGTERM before SIGKILL
 
@@ -46,19 +47,27 @@ class NetworkConfig:
         if isinstance(self.rate_mbit, Sequence):
             object.__setattr__(self, "rate_mbit", tuple(self.rate_mbit))
             if len(self.rate_mbit) != self.num_hosts:
-                raise ValueError(f"rate_mbit has {len(self.rate_mbit)} entries for {self.num_hosts} hosts")
+                raise ValueError(
+                    f"rate_mbit has {len(self.rate_mbit)} entries for {self.num_hosts} hosts"
+                )
         for rate in self.host_rates_mbit():
             check_rate(rate)
         if not re.fullmatch(r"[a-z]{1,8}", self.name_prefix):
             raise ValueError(f"name_prefix must be 1-8 lowercase letters, got {self.name_prefix!r}")
         net = ipaddress.ip_network(self.subnet)
         if net.version != 4 or not net.is_private or net.is_loopback:
-            raise ValueError(f"subnet must be a private, non-loopback IPv4 network, got {self.subnet}")
+            raise ValueError(
+                f"subnet must be a private, non-loopback IPv4 network, got {self.subnet}"
+            )
         if net.num_addresses - 2 < self.num_hosts:
-            raise ValueError(f"subnet {self.subnet} has {net.num_addresses - 2} host addresses "
-                             f"for {self.num_hosts} hosts")
+            raise ValueError(
+                f"subnet {self.subnet} has {net.num_addresses - 2} host addresses "
+                f"for {self.num_hosts} hosts"
+            )
         if self.burst_bytes is not None and self.burst_bytes < self.mtu_bytes + 14:
-            raise ValueError(f"burst_bytes={self.burst_bytes} is below one frame ({self.mtu_bytes + 14} bytes)")
+            raise ValueError(
+                f"burst_bytes={self.burst_bytes} is below one frame ({self.mtu_bytes + 14} bytes)"
+            )
         if self.queue_latency_ms <= 0:
             raise ValueError(f"queue_latency_ms must be > 0, got {self.queue_latency_ms}")
         if not 576 <= self.mtu_bytes <= 65535:
@@ -75,18 +84,22 @@ class NetworkConfig:
 
 def check_rate(rate_mbit: float | None) -> None:
     if rate_mbit is not None and not 0.01 <= rate_mbit <= 100_000:
-        raise ValueError(f"rate must be None (unlimited) or in [0.01, 100000] Mbit/s, got {rate_mbit}")
-
+        raise ValueError(
+            f"rate must be None (unlimited) or in [0.01, 100000] Mbit/s, got {rate_mbit}"
+        )
 
 
 class EmulatedHost:
     """One host: a namespace, its address, its two rate limits and the processes it runs."""
 
-    def __init__(self, *, index: int, namespace: str, bridge_veth: str, address: str,
-                 config: NetworkConfig) -> None:
+    def __init__(
+        self, *, index: int, namespace: str, bridge_veth: str, address: str, config: NetworkConfig
+    ) -> None:
         self.index = index
         self.namespace = namespace  # name for `ip netns exec`
-        self.bridge_veth = bridge_veth  # veth end on the bridge side; its egress is this host's downlink
+        self.bridge_veth = (
+            bridge_veth  # veth end on the bridge side; its egress is this host's downlink
+        )
         self.address = address  # IPv4 address of NAMESPACE_IFNAME inside the namespace
         self.send_rate_mbit: float | None = None
         self.receive_rate_mbit: float | None = None
@@ -94,8 +107,10 @@ class EmulatedHost:
         self._processes: list[subprocess.Popen] = []
 
     def __repr__(self) -> str:
-        return (f"EmulatedHost({self.index}, {self.address}, ns={self.namespace}, "
-                f"send={self.send_rate_mbit} Mbit/s, receive={self.receive_rate_mbit} Mbit/s)")
+        return (
+            f"EmulatedHost({self.index}, {self.address}, ns={self.namespace}, "
+            f"send={self.send_rate_mbit} Mbit/s, receive={self.receive_rate_mbit} Mbit/s)"
+        )
 
     def exec_argv(self, argv: Sequence[str]) -> list[str]:
         """``argv`` prefixed so that it runs inside this host's namespace."""
@@ -112,8 +127,9 @@ class EmulatedHost:
         self._processes.append(proc)
         return proc
 
-    def run(self, argv: Sequence[str], *, timeout_s: float = 60.0, check: bool = True,
-            **kwargs) -> subprocess.CompletedProcess:
+    def run(
+        self, argv: Sequence[str], *, timeout_s: float = 60.0, check: bool = True, **kwargs
+    ) -> subprocess.CompletedProcess:
         """Runs ``argv`` in this namespace to completion (text output captured by default).
 
         Raises ``subprocess.TimeoutExpired`` after ``timeout_s`` (the child is killed) and
@@ -138,7 +154,9 @@ class EmulatedHost:
             self._apply([], self.bridge_veth, rate_mbit, self.receive_rate_mbit)
             self.receive_rate_mbit = rate_mbit
 
-    def _apply(self, netns_args: list[str], dev: str, rate_mbit: float | None, current: float | None) -> None:
+    def _apply(
+        self, netns_args: list[str], dev: str, rate_mbit: float | None, current: float | None
+    ) -> None:
         if rate_mbit is None:
             if current is not None:
                 run_cmd(["tc", *netns_args, "qdisc", "del", "dev", dev, "root"])
@@ -147,8 +165,24 @@ class EmulatedHost:
         # A bucket below a few frames stalls TCP; 32 KiB is ~13 ms at 20 Mbit/s. At high rates
         # the kernel tick and GSO super-frames need more, so it grows to 4 ms of traffic.
         burst = self._config.burst_bytes or max(32 * 1024, rate_bit // 8 * 4 // 1000)
-        run_cmd(["tc", *netns_args, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bit}bit",
-              "burst", str(burst), "latency", f"{self._config.queue_latency_ms}ms"])
+        run_cmd(
+            [
+                "tc",
+                *netns_args,
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{rate_bit}bit",
+                "burst",
+                str(burst),
+                "latency",
+                f"{self._config.queue_latency_ms}ms",
+            ]
+        )
 
     def stop_processes(self) -> None:
         """SIGTERM every process group started by popen, SIGKILL what is left after the bound."""
@@ -219,8 +253,10 @@ class EmulatedNetwork:
         self.tag = allocate_tag(cfg.name_prefix)
         longest = f"{self.tag}v{cfg.num_hosts - 1}"
         if len(longest) > MAX_IFNAME_CHARS:
-            raise ValueError(f"interface name {longest!r} has {len(longest)} chars, Linux allows "
-                             f"{MAX_IFNAME_CHARS}: shorten name_prefix {cfg.name_prefix!r}")
+            raise ValueError(
+                f"interface name {longest!r} has {len(longest)} chars, Linux allows "
+                f"{MAX_IFNAME_CHARS}: shorten name_prefix {cfg.name_prefix!r}"
+            )
         subnet = ipaddress.ip_network(cfg.subnet)
         has_ipv6 = os.path.exists("/proc/sys/net/ipv6")
         mtu = str(cfg.mtu_bytes)
@@ -228,27 +264,75 @@ class EmulatedNetwork:
         self.bridge = f"{self.tag}b"
         # nf_call_* 0: bridged frames skip the host's iptables even if br_netfilter is loaded,
         # so host firewall rules neither drop nor see this traffic.
-        run_cmd(["ip", "link", "add", self.bridge, "mtu", mtu, "type", "bridge",
-              "nf_call_iptables", "0", "nf_call_ip6tables", "0", "nf_call_arptables", "0"])
+        run_cmd(
+            [
+                "ip",
+                "link",
+                "add",
+                self.bridge,
+                "mtu",
+                mtu,
+                "type",
+                "bridge",
+                "nf_call_iptables",
+                "0",
+                "nf_call_ip6tables",
+                "0",
+                "nf_call_arptables",
+                "0",
+            ]
+        )
         self._stack.callback(delete_link, self.bridge)
         if has_ipv6:  # no IPv6 link-local address (and route) on the host side
             run_cmd(["ip", "link", "set", self.bridge, "addrgenmode", "none"])
         run_cmd(["ip", "link", "set", self.bridge, "up"])
 
         for i, rate in enumerate(cfg.host_rates_mbit()):
-            host = EmulatedHost(index=i, namespace=f"{self.tag}n{i}", bridge_veth=f"{self.tag}v{i}",
-                                address=str(subnet[i + 1]), config=cfg)
+            host = EmulatedHost(
+                index=i,
+                namespace=f"{self.tag}n{i}",
+                bridge_veth=f"{self.tag}v{i}",
+                address=str(subnet[i + 1]),
+                config=cfg,
+            )
             run_cmd(["ip", "netns", "add", host.namespace])
             self._stack.callback(delete_namespace, host.namespace)
             self.hosts.append(host)
             run_cmd(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
-            run_cmd(["ip", "link", "add", host.bridge_veth, "mtu", mtu, "type", "veth",
-                  "peer", "name", NAMESPACE_IFNAME, "mtu", mtu, "netns", host.namespace])
+            run_cmd(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    host.bridge_veth,
+                    "mtu",
+                    mtu,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    NAMESPACE_IFNAME,
+                    "mtu",
+                    mtu,
+                    "netns",
+                    host.namespace,
+                ]
+            )
             self._stack.callback(delete_link, host.bridge_veth)
             if has_ipv6:
                 run_cmd(["ip", "link", "set", host.bridge_veth, "addrgenmode", "none"])
             run_cmd(["ip", "link", "set", host.bridge_veth, "master", self.bridge, "up"])
-            run_cmd(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/{subnet.prefixlen}",
-                  "dev", NAMESPACE_IFNAME])
+            run_cmd(
+                [
+                    "ip",
+                    "-n",
+                    host.namespace,
+                    "addr",
+                    "add",
+                    f"{host.address}/{subnet.prefixlen}",
+                    "dev",
+                    NAMESPACE_IFNAME,
+                ]
+            )
             run_cmd(["ip", "-n", host.namespace, "link", "set", NAMESPACE_IFNAME, "up"])
             host.set_rate(rate)

@@ -46,11 +46,12 @@ def _tcp_send(host: str, port: int, duration_s: float, max_bytes: int) -> None:
             sent += sock.send(payload[: max_bytes - sent])
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tcpprobe.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("recv", help="listen, print the port, count bytes to EOF, print a JSON result")
+    p = sub.add_parser(
+        "recv", help="listen, print the port, count bytes to EOF, print a JSON result"
+    )
     p.add_argument("--host", required=True)
     p.add_argument("--timeout-s", type=float, default=30.0)
     p = sub.add_parser("send", help="send zeros to HOST:PORT for a time or a byte count")

@@ -1,4 +1,5 @@
 """How the peers of a stage average: the ``--average`` flag and its timeouts (flags of ``swarm peer``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,10 @@ GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
 class AveragingConfig:
     # experimental: all-reduce gradients with this stage's other peers and step together (hivemind)
     average: bool = False
-    matchmaking_s: float = 2.0  # seconds peers of a stage spend forming an all-reduce group before a step
-    averaging_timeout_s: float = 30.0  # an all-reduce that takes longer is abandoned (the step uses local grads)
+    # seconds peers of a stage spend forming an all-reduce group before a step
+    matchmaking_s: float = 2.0
+    # an all-reduce that takes longer is abandoned (the step uses local grads)
+    averaging_timeout_s: float = 30.0
     # A groupmate silent this long mid all-reduce is dropped from it (the replicas that miss its part reload: see
     # HivemindStageOptimizer._global_step). Long enough for a groupmate whose view of the stage lags (its DHT reads
     # stall for seconds on a loaded machine).
@@ -22,11 +25,23 @@ class AveragingConfig:
 
     def __post_init__(self):
         if self.grad_compression not in GRAD_COMPRESSIONS:
-            raise ValueError(f"grad_compression '{self.grad_compression}' is unknown; choose one of "
-                             f"{', '.join(GRAD_COMPRESSIONS)} (hivemind's 8-bit codecs fail under numpy 2)")
-        if min(self.matchmaking_s, self.averaging_timeout_s, self.chunk_timeout_s, self.load_state_timeout_s,
-               self.step_check_s) <= 0:
-            raise ValueError(f"matchmaking_s ({self.matchmaking_s}), "
-                             f"averaging_timeout_s ({self.averaging_timeout_s}), "
-                             f"chunk_timeout_s ({self.chunk_timeout_s}), load_state_timeout_s "
-                             f"({self.load_state_timeout_s}) and step_check_s ({self.step_check_s}) must be > 0")
+            raise ValueError(
+                f"grad_compression '{self.grad_compression}' is unknown; choose one of "
+                f"{', '.join(GRAD_COMPRESSIONS)} (hivemind's 8-bit codecs fail under numpy 2)"
+            )
+        if (
+            min(
+                self.matchmaking_s,
+                self.averaging_timeout_s,
+                self.chunk_timeout_s,
+                self.load_state_timeout_s,
+                self.step_check_s,
+            )
+            <= 0
+        ):
+            raise ValueError(
+                f"matchmaking_s ({self.matchmaking_s}), "
+                f"averaging_timeout_s ({self.averaging_timeout_s}), "
+                f"chunk_timeout_s ({self.chunk_timeout_s}), load_state_timeout_s "
+                f"({self.load_state_timeout_s}) and step_check_s ({self.step_check_s}) must be > 0"
+            )

@@ -11,6 +11,7 @@ Private names change between hivemind releases without notice, so importing this
 version first and refuses any other than :data:`PINNED_HIVEMIND` with a sentence, instead of failing
 mid-run on a missing method.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,8 @@ def check_hivemind_version() -> None:
     if installed != PINNED_HIVEMIND:
         raise UnsupportedHivemind(
             f"swarm's gradient averaging needs hivemind {PINNED_HIVEMIND} (it uses private parts of it that other "
-            f"versions change), but hivemind {installed} is installed; run: pip install hivemind=={PINNED_HIVEMIND}")
+            f"versions change), but hivemind {installed} is installed; run: pip install hivemind=={PINNED_HIVEMIND}"
+        )
 
 
 check_hivemind_version()  # before the imports below, which may already fail on another version
@@ -56,7 +58,8 @@ class SampleSumGradientAverager(GradientAverager):
     size and arrive as sums, so we accumulate sums and divide by the samples: the exact local mean,
     which the all-reduce then weights by samples into the exact global mean."""
 
-    step_key: Callable[[], str] | None = None  # group key bits of the next all-reduce (see keys.step_group_bits)
+    # group key bits of the next all-reduce (see keys.step_group_bits)
+    step_key: Callable[[], str] | None = None
 
     def schedule_step(self, *args, **kwargs):
         # Every new all-reduce starts here (step() without a pre-scheduled group comes here too). hivemind
@@ -92,9 +95,11 @@ class BatchTracker(ProgressTracker):
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        return (self.global_epoch > self.local_progress.epoch
-                or self.global_progress.samples_accumulated >= self.target_batch_size
-                or self.batch_closed)
+        return (
+            self.global_epoch > self.local_progress.epoch
+            or self.global_progress.samples_accumulated >= self.target_batch_size
+            or self.batch_closed
+        )
 
 
 class ConsistentStateAverager(TrainingStateAverager):
@@ -106,7 +111,9 @@ class ConsistentStateAverager(TrainingStateAverager):
     _loaded_step: int | None = None
 
     def __init__(self, **kwargs):
-        self.state_lock = threading.Lock()  # before the base class starts the thread that serves the state
+        self.state_lock = (
+            threading.Lock()
+        )  # before the base class starts the thread that serves the state
         super().__init__(**kwargs)
 
     def get_current_state(self):
@@ -146,19 +153,34 @@ class GlobalBatchOptimizer(hivemind.Optimizer):
 
     # Private override: the only way to give hivemind.Optimizer another progress tracker class.
     def _make_progress_tracker(self, target_batch_size: int, **kwargs):
-        return BatchTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                            client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                            **kwargs)
+        return BatchTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
 
     # Private override: the only way to give hivemind.Optimizer another state averager class (its arguments
     # copied from hivemind.Optimizer._make_state_averager).
     def _make_state_averager(self, **kwargs):
         return ConsistentStateAverager(
-            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     # Private override: hivemind falls back to local gradients silently (a log line); the stage must know.
     def _load_local_gradients_into_optimizer(self):
@@ -244,6 +266,8 @@ class PartialResults(logging.Filter):
             cls._installed = cls()
             source = logging.getLogger(cls.SOURCE)
             source.addFilter(cls._installed)
-            if not source.isEnabledFor(logging.WARNING):  # filters only see records the logger lets through
+            if not source.isEnabledFor(
+                logging.WARNING
+            ):  # filters only see records the logger lets through
                 source.setLevel(logging.WARNING)
         return cls._installed

@@ -26,6 +26,7 @@ How the replicas of a stage stay equal (each rule closes a way they drifted apar
   update and reads parameters without the update's lock), and a loaded state keeps its own step: hivemind's
   "catching up" would label a state one step old with the stage's step.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,11 +44,21 @@ from swarm.averaging.config import AveragingConfig
 from swarm.averaging.keys import stage_run_id, step_group_bits
 from swarm.config import RunConfig
 from swarm.model import Stage
-from swarm.optim import LaterBatches, adamw_param_groups, build_stage_optimizer, set_learning_rate
+from swarm.optim import (
+    LaterBatches,
+    adamw_param_groups,
+    build_stage_optimizer,
+    saved_step,
+    set_learning_rate,
+)
 
 logger = logging.getLogger(__name__)
 
-COMPRESSIONS = {"none": NoCompression, "fp16": Float16Compression, "scaled-fp16": ScaledFloat16Compression}
+COMPRESSIONS = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "scaled-fp16": ScaledFloat16Compression,
+}
 
 
 class HivemindStageOptimizer:
@@ -55,13 +66,23 @@ class HivemindStageOptimizer:
     (``maybe_step`` may hold it for the all-reduce; never the event loop). It splits accumulation from the
     global step through :mod:`swarm.averaging.hivemind_private`."""
 
-    def __init__(self, stage_module: Stage, run: RunConfig, *, dht, run_id: str, config: AveragingConfig,
-                 private_key=None):
+    def __init__(
+        self,
+        stage_module: Stage,
+        run: RunConfig,
+        *,
+        dht,
+        run_id: str,
+        config: AveragingConfig,
+        private_key=None,
+    ):
         self.stage_module, self.run, self.config = stage_module, run, config
         self.stage_index = stage_module.index
         self.params = list(stage_module.parameters())
         self._later = LaterBatches()
-        self.step_pause_s = 0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
+        self.step_pause_s = (
+            0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
+        )
         groups = adamw_param_groups(stage_module, run.weight_decay)
         # adamw_param_groups keeps parameters in stage order within each group; hivemind averages in the
         # optimizer's order, so map stage order -> position for gradient reads.
@@ -82,21 +103,35 @@ class HivemindStageOptimizer:
         # hivemind advises a request timeout below the matchmaking time (else matchmaking can deadlock).
         request_timeout = min(5.0, config.matchmaking_s / 2)
         return hp.GlobalBatchOptimizer(
-            dht=dht, run_id=stage_run_id(run_id, self.stage_index), target_batch_size=run.target_batch_size,
-            params=groups, optimizer=lambda params: build_stage_optimizer(params, run, lr=0.0),
-            matchmaking_time=config.matchmaking_s, averaging_timeout=config.averaging_timeout_s,
+            dht=dht,
+            run_id=stage_run_id(run_id, self.stage_index),
+            target_batch_size=run.target_batch_size,
+            params=groups,
+            optimizer=lambda params: build_stage_optimizer(params, run, lr=0.0),
+            matchmaking_time=config.matchmaking_s,
+            averaging_timeout=config.averaging_timeout_s,
             # hivemind's default waits one matchmaking time for each chunk: a groupmate busy computing for longer
             # would be dropped and the replicas would average different partial results.
             next_chunk_timeout=config.chunk_timeout_s,
-            load_state_timeout=config.load_state_timeout_s, offload_optimizer=False, delay_optimizer_step=False,
-            delay_grad_averaging=False, use_local_updates=False,
+            load_state_timeout=config.load_state_timeout_s,
+            offload_optimizer=False,
+            delay_optimizer_step=False,
+            delay_grad_averaging=False,
+            use_local_updates=False,
             # Replicas start equal (same seed or a downloaded state) and apply the same averaged gradients, so
             # they stay equal without averaging parameters; newcomers download the state instead.
-            average_state_every=2 ** 31, grad_compression=COMPRESSIONS[config.grad_compression](),
-            grad_averager_factory=functools.partial(hp.SampleSumGradientAverager, request_timeout=request_timeout),
-            tracker_opts=dict(private_key=private_key or RSAPrivateKey(), min_refresh_period=0.2,
-                              default_refresh_period=0.5),
-            averager_opts=dict(request_timeout=request_timeout), verbose=False,
+            average_state_every=2**31,
+            grad_compression=COMPRESSIONS[config.grad_compression](),
+            grad_averager_factory=functools.partial(
+                hp.SampleSumGradientAverager, request_timeout=request_timeout
+            ),
+            tracker_opts=dict(
+                private_key=private_key or RSAPrivateKey(),
+                min_refresh_period=0.2,
+                default_refresh_period=0.5,
+            ),
+            averager_opts=dict(request_timeout=request_timeout),
+            verbose=False,
         )
 
     @property
@@ -118,8 +153,10 @@ class HivemindStageOptimizer:
         commit stays cheap. Returns True if the parameters changed (a replica that fell behind reloads)."""
         if batch_step is not None and batch_step > self.step:
             self._later.add(batch_step, self.step, grads, num_samples)
-            if (batch_step >= self.step + self._later.max_ahead
-                    and self.opt.tracker.global_progress.samples_accumulated):
+            if (
+                batch_step >= self.step + self._later.max_ahead
+                and self.opt.tracker.global_progress.samples_accumulated
+            ):
                 # The trainer is that many batches further: whatever of this one is still missing is not coming
                 # (its trainer restarted, a replica holding part of it died). Step on what the stage has.
                 self.opt.tracker.batch_closed = True
@@ -161,10 +198,14 @@ class HivemindStageOptimizer:
         alone = tracker.global_progress.num_peers <= 1
         if not alone and (control is None or control.done()):
             # The batch filled before any group was scheduled.
-            opt.scheduled_grads = control = opt.grad_averager.schedule_step(timeout=opt.averaging_timeout)
+            opt.scheduled_grads = control = opt.grad_averager.schedule_step(
+                timeout=opt.averaging_timeout
+            )
         live = control is not None and not control.done()
         forming = live and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
-        if alone and forming:  # its last peer left: step alone rather than wait averaging_timeout_s for a group
+        if (
+            alone and forming
+        ):  # its last peer left: step alone rather than wait averaging_timeout_s for a group
             control.cancel()
             opt.scheduled_grads, live, forming = None, False, False
         grouped = live and not forming
@@ -173,8 +214,12 @@ class HivemindStageOptimizer:
             # replicas at the same step, and that step's group could not complete without this replica's part, so
             # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
             # Take their state now, in time to look for the next step's group.
-            logger.warning("stage %d replica is behind its peers (step %d < %d): loading their state",
-                           self.stage_index, self.step, tracker.global_epoch)
+            logger.warning(
+                "stage %d replica is behind its peers (step %d < %d): loading their state",
+                self.stage_index,
+                self.step,
+                tracker.global_epoch,
+            )
             self._load_from_peers(tracker.global_epoch)
             self._catch_up()
             return True
@@ -199,16 +244,26 @@ class HivemindStageOptimizer:
         self.opt.tracker.batch_closed = False
         took = time.perf_counter() - t0
         self.step_pause_s = max(took, 0.8 * self.step_pause_s + 0.2 * took)
-        why = ("skipped its step" if opt_inner.skipped_steps > skipped
-               else "stepped without its peers' gradients" if self.opt.used_local_gradients
-               else "received part of the all-reduce only" if self._partial.count.value > partial else None)
+        why = (
+            "skipped its step"
+            if opt_inner.skipped_steps > skipped
+            else "stepped without its peers' gradients"
+            if self.opt.used_local_gradients
+            else "received part of the all-reduce only"
+            if self._partial.count.value > partial
+            else None
+        )
         if why and self.opt.tracker.global_progress.num_peers > 1:
             # This replica missed the stage's all-reduce and stepped on its own gradients, got only part of the
             # averaged gradient (a groupmate's part timed out: it used its own values there), or skipped the step
             # (a non-finite average): its parameters now differ from its peers'. Take theirs rather than carry (and
             # later average) a private state.
-            logger.warning("stage %d %s at step %d: reloading the stage's state from its peers", self.stage_index,
-                           why, before)
+            logger.warning(
+                "stage %d %s at step %d: reloading the stage's state from its peers",
+                self.stage_index,
+                why,
+                before,
+            )
             self._load_from_peers(self.step, doubtful=True)
         set_learning_rate(opt_inner, self.run, self.step)
 
@@ -224,12 +279,16 @@ class HivemindStageOptimizer:
         # The tracker reads the stage's progress from the DHT in the background: wait for its first reading.
         tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.load_state_timeout_s)
         while tracker.global_epoch < peers_step and time.monotonic() < deadline:
-            time.sleep(0.2)  # the tracker refreshes every default_refresh_period; there is no event per refresh
+            time.sleep(
+                0.2
+            )  # the tracker refreshes every default_refresh_period; there is no event per refresh
         if tracker.global_progress.num_peers == 0 or tracker.global_epoch <= self.step:
             if peers_step > self.step:
-                raise RuntimeError(f"stage {self.stage_index}'s peers announce step {peers_step} but their "
-                                   f"averaging state was not visible within {self.config.load_state_timeout_s:.0f}s; "
-                                   f"check that they run with --average and this peer can reach them, then restart")
+                raise RuntimeError(
+                    f"stage {self.stage_index}'s peers announce step {peers_step} but their "
+                    f"averaging state was not visible within {self.config.load_state_timeout_s:.0f}s; "
+                    f"check that they run with --average and this peer can reach them, then restart"
+                )
             return False
         self._load_from_peers(max(peers_step, tracker.global_epoch))
         return True
@@ -249,14 +308,18 @@ class HivemindStageOptimizer:
             if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
                 control.cancel()  # no group counts on us yet (waiting for one could take averaging_timeout_s)
             else:
-                hp.tag_along_with_zero_weight(opt, control)  # a group counts on us: take part with weight 0
+                hp.tag_along_with_zero_weight(
+                    opt, control
+                )  # a group counts on us: take part with weight 0
             opt.scheduled_grads = None
         if doubtful:
             averager.state_sharing_priority = self.step - 0.5
         deadline = time.monotonic() + self.config.load_state_timeout_s
         with opt.tracker.pause_updates():
             while True:
-                loaded = averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+                loaded = averager.load_state_from_peers(
+                    timeout=max(1.0, deadline - time.monotonic())
+                )
                 if (loaded is not None and loaded >= want_step) or time.monotonic() >= deadline:
                     break
                 # The peer we reached is at an older step (it steps next, or the one ahead is busy), or none answered
@@ -266,8 +329,12 @@ class HivemindStageOptimizer:
             self._announce_step()
             opt.grad_averager.reset_accumulated_grads_()
         if self.step < want_step:
-            logger.warning("stage %d: downloaded the state of step %d, its peers are at step %d", self.stage_index,
-                           self.step, want_step)
+            logger.warning(
+                "stage %d: downloaded the state of step %d, its peers are at step %d",
+                self.stage_index,
+                self.step,
+                want_step,
+            )
 
     def grad_sums(self):
         by_param = {id(p): acc for p, acc in zip(self._order, hp.gradient_accumulators(self.opt))}
@@ -284,7 +351,9 @@ class HivemindStageOptimizer:
 
     def _announce_step(self) -> None:
         """Peers downloading the stage's state prefer the replica with the highest priority: its step."""
-        self.opt.state_averager.state_sharing_priority = self.opt.grad_averager.state_sharing_priority = self.step
+        self.opt.state_averager.state_sharing_priority = (
+            self.opt.grad_averager.state_sharing_priority
+        ) = self.step
 
     def shutdown(self) -> None:
         self.opt.shutdown()

@@ -31,7 +31,9 @@ def choose_stage_on_arrival(
         raise ValueError("stage_throughputs is empty; the run must have at least one stage")
     for stage, value in enumerate(capacities):
         if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"stage_throughputs[{stage}] must be finite and >= 0 samples/s, got {value}")
+            raise ValueError(
+                f"stage_throughputs[{stage}] must be finite and >= 0 samples/s, got {value}"
+            )
     if isinstance(my_throughput_by_stage, (int, float)):
         mine = [float(my_throughput_by_stage)] * num_stages
     else:
@@ -43,7 +45,9 @@ def choose_stage_on_arrival(
             )
     for stage, value in enumerate(mine):
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"my throughput for stage {stage} must be finite and > 0 samples/s, got {value}")
+            raise ValueError(
+                f"my throughput for stage {stage} must be finite and > 0 samples/s, got {value}"
+            )
 
     # The min over the other stages is the smallest capacity, except for the weakest stage itself,
     # where it is the second smallest: two numbers make the whole scan O(stages).

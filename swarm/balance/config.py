@@ -30,15 +30,23 @@ class RebalanceConfig:
     arrival_max_delay_s: float = 5.0
 
     def __post_init__(self) -> None:
-        check_field_types(self, numbers=("period_s", "min_gain", "min_move_fraction", "arrival_max_delay_s"),
-                          ints=("cooldown_periods",), bools=("count_starting",))
+        check_field_types(
+            self,
+            numbers=("period_s", "min_gain", "min_move_fraction", "arrival_max_delay_s"),
+            ints=("cooldown_periods",),
+            bools=("count_starting",),
+        )
         if self.period_s <= 0:
             raise ValueError(f"period_s must be > 0 seconds, got {self.period_s}")
         if self.min_gain < 0:
-            raise ValueError(f"min_gain must be >= 0 (a relative gain, 0.1 = 10%), got {self.min_gain}")
+            raise ValueError(
+                f"min_gain must be >= 0 (a relative gain, 0.1 = 10%), got {self.min_gain}"
+            )
         if not 0.0 < self.min_move_fraction <= 1.0:
             raise ValueError(f"min_move_fraction must be in (0, 1], got {self.min_move_fraction}")
         if self.cooldown_periods < 0:
             raise ValueError(f"cooldown_periods must be >= 0, got {self.cooldown_periods}")
         if self.arrival_max_delay_s < 0:
-            raise ValueError(f"arrival_max_delay_s must be >= 0 seconds, got {self.arrival_max_delay_s}")
+            raise ValueError(
+                f"arrival_max_delay_s must be >= 0 seconds, got {self.arrival_max_delay_s}"
+            )

@@ -87,7 +87,9 @@ class MoveDecision:
         return claim_key(self.from_stage, self.period_index)
 
 
-def decide_move(view: SwarmView, me: str, now: float, config: RebalanceConfig) -> MoveDecision | None:
+def decide_move(
+    view: SwarmView, me: str, now: float, config: RebalanceConfig
+) -> MoveDecision | None:
     """Should peer ``me`` move now? Its move from this period's plan, or ``None`` (stay).
 
     ``now`` is on the clock of ``view.last_moved_s`` and shared by all peers (the DHT time). The
@@ -119,10 +121,15 @@ def plan_moves(view: SwarmView, now: float, config: RebalanceConfig) -> list[Mov
     received: set[int] = set()
     steps: list[tuple[str, int, int, float, float]] = []
     while True:
-        to_stage = min((s for s in range(num_stages) if s not in gave), key=lambda s: (planned[s], s))
+        to_stage = min(
+            (s for s in range(num_stages) if s not in gave), key=lambda s: (planned[s], s)
+        )
         sources = sorted(
-            (s for s in range(num_stages)
-             if s != to_stage and s not in gave and s not in received and movers[s] is not None),
+            (
+                s
+                for s in range(num_stages)
+                if s != to_stage and s not in gave and s not in received and movers[s] is not None
+            ),
             key=lambda s: (-planned[s], s),
         )
         step = None

@@ -65,7 +65,9 @@ class SwarmView:
                 )
             for stage, cost in enumerate(self.stage_costs):
                 if not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0):
-                    raise ValueError(f"SwarmView.stage_costs[{stage}] must be finite and > 0, got {cost!r}")
+                    raise ValueError(
+                        f"SwarmView.stage_costs[{stage}] must be finite and > 0, got {cost!r}"
+                    )
 
     @property
     def num_stages(self) -> int:

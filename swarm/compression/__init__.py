@@ -15,7 +15,12 @@ dtypes always travel losslessly as raw little-endian bytes. Contracts in detail:
 from swarm.compression.base import Codec
 from swarm.compression.cast import BFloat16Codec, Float16Codec, NoneCodec
 from swarm.compression.dtypes import WIRE_DTYPE_NAMES, dtype_from_name, wire_dtype_name
-from swarm.compression.errors import CodecError, CodecOverflowError, NonFiniteTensorError, UnknownCodecError
+from swarm.compression.errors import (
+    CodecError,
+    CodecOverflowError,
+    NonFiniteTensorError,
+    UnknownCodecError,
+)
 from swarm.compression.int8 import BlockwiseInt8Codec
 from swarm.compression.registry import CODEC_NAMES, get_codec
 from swarm.compression.segments import segment_ranges

@@ -28,7 +28,9 @@ from swarm.compression.dtypes import wire_dtype_name
 from swarm.compression.errors import CodecError, NonFiniteTensorError
 
 if sys.byteorder != "little":  # raw tensor bytes are the host's; the wire format is little-endian
-    raise ImportError("swarm.compression supports little-endian hosts only; this host is big-endian")
+    raise ImportError(
+        "swarm.compression supports little-endian hosts only; this host is big-endian"
+    )
 
 Payload = bytes | bytearray | memoryview
 
@@ -37,7 +39,8 @@ class Codec(abc.ABC):
     """Stateless, thread-safe encoder/decoder for one flat tensor segment (see the module docstring)."""
 
     name: ClassVar[str]  # the name that requests carry on the wire
-    segment_alignment: ClassVar[int]  # elements; every segment but the last must be a multiple of this
+    # elements; every segment but the last must be a multiple of this
+    segment_alignment: ClassVar[int]
 
     def encode(self, flat: torch.Tensor) -> bytes:
         """Encode a 1-D contiguous CPU tensor; returns ``encoded_size(flat.numel(), flat.dtype)`` bytes.
@@ -70,8 +73,15 @@ class Codec(abc.ABC):
         Raises like ``decode``; after an error ``out`` holds unspecified values. Never keeps a reference to
         ``payload``.
         """
-        if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError("decode_into writes into a 1-D contiguous CPU tensor: pass a slice of a flat buffer")
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dim() != 1
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                "decode_into writes into a 1-D contiguous CPU tensor: pass a slice of a flat buffer"
+            )
         numel, dtype = out.numel(), out.dtype
         view = payload if isinstance(payload, bytes) else memoryview(payload).cast("B")
         expected = self.encoded_size(numel, dtype)
@@ -86,7 +96,11 @@ class Codec(abc.ABC):
             copy_raw_into(view, out)
             return
         self._decode_float_into(view, out)
-        require_finite(out, f"decoded {self.name} payload", "the payload is corrupt or the sender shipped NaN/Inf")
+        require_finite(
+            out,
+            f"decoded {self.name} payload",
+            "the payload is corrupt or the sender shipped NaN/Inf",
+        )
 
     def encoded_size(self, numel: int, dtype: torch.dtype) -> int:
         """Exact number of bytes ``encode`` returns for ``numel`` elements of ``dtype``."""
@@ -122,11 +136,15 @@ def _check_flat(flat: torch.Tensor) -> None:
     if not isinstance(flat, torch.Tensor):
         raise ValueError(f"codecs encode torch tensors, got {type(flat).__name__}")
     if flat.dim() != 1:
-        raise ValueError(f"codecs encode flat tensors, got shape {tuple(flat.shape)}: pass tensor.reshape(-1)")
+        raise ValueError(
+            f"codecs encode flat tensors, got shape {tuple(flat.shape)}: pass tensor.reshape(-1)"
+        )
     if flat.device.type != "cpu":
         raise ValueError(f"codecs encode CPU tensors, got one on {flat.device}: pass tensor.cpu()")
     if not flat.is_contiguous():
-        raise ValueError("codecs encode contiguous tensors, got a strided view: pass tensor.contiguous()")
+        raise ValueError(
+            "codecs encode contiguous tensors, got a strided view: pass tensor.contiguous()"
+        )
     wire_dtype_name(flat.dtype)
 
 

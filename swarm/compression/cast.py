@@ -12,10 +12,19 @@ from typing import ClassVar
 
 import torch
 
-from swarm.compression.base import Codec, all_finite, copy_raw_into, raw_bytes, require_finite, tensor_from_raw
+from swarm.compression.base import (
+    Codec,
+    all_finite,
+    copy_raw_into,
+    raw_bytes,
+    require_finite,
+    tensor_from_raw,
+)
 from swarm.compression.errors import CodecOverflowError
 
-_ENCODE_HINT = "find where the NaN/Inf appeared (loss scale, learning rate, bad batch) instead of shipping it"
+_ENCODE_HINT = (
+    "find where the NaN/Inf appeared (loss scale, learning rate, bad batch) instead of shipping it"
+)
 
 
 class NoneCodec(Codec):

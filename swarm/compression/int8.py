@@ -30,7 +30,9 @@ from swarm.compression.errors import CodecError, CodecOverflowError
 
 _SCALE_BYTES = 2  # one bfloat16 per block
 _QMAX = 127  # symmetric range: -128 is never produced, so 0 is exact and the sign is symmetric
-_TINY_SCALE = 2.0**-100  # scales below this are lifted by _LIFT before taking 127 / scale (see _quantize_into)
+_TINY_SCALE = (
+    2.0**-100
+)  # scales below this are lifted by _LIFT before taking 127 / scale (see _quantize_into)
 _LIFT = 2.0**100
 
 
@@ -69,17 +71,25 @@ class BlockwiseInt8Codec(Codec):
             work.clamp_(-limit, limit)
         out.copy_(work)
 
-    def _block_views(self, values: torch.Tensor, payload: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _block_views(
+        self, values: torch.Tensor, payload: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield matching ``(blocks (nb, b), rows (nb, 2 + b))`` views for the full blocks, then the tail."""
         block = self.BLOCK_SIZE
         num_full = values.numel() // block
         full_values = num_full * block
         full_bytes = num_full * (block + _SCALE_BYTES)
         if num_full:
-            yield values[:full_values].view(num_full, block), payload[:full_bytes].view(num_full, block + _SCALE_BYTES)
+            yield (
+                values[:full_values].view(num_full, block),
+                payload[:full_bytes].view(num_full, block + _SCALE_BYTES),
+            )
         tail = values.numel() - full_values
         if tail:
-            yield values[full_values:].view(1, tail), payload[full_bytes:].view(1, tail + _SCALE_BYTES)
+            yield (
+                values[full_values:].view(1, tail),
+                payload[full_bytes:].view(1, tail + _SCALE_BYTES),
+            )
 
 
 def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Tensor) -> None:
@@ -88,7 +98,9 @@ def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Ten
     absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).to(torch.float32)  # (nb,)
     # check before rounding up: the bit trick below would turn some NaN bit patterns into finite numbers
     if not bool(torch.isfinite(absmax).all()):
-        require_finite(original, "tensor to encode", "find where the NaN/Inf appeared instead of shipping it")
+        require_finite(
+            original, "tensor to encode", "find where the NaN/Inf appeared instead of shipping it"
+        )
         _raise_scale_overflow(original)  # finite float64 values beyond the float32 range
     scale = _bfloat16_at_least(absmax)  # (nb,); Inf where absmax exceeds the bfloat16 range
     if not bool(torch.isfinite(scale).all()):
@@ -131,8 +143,12 @@ def _dequantize_into(rows: torch.Tensor, blocks: torch.Tensor) -> None:
     """Decode payload ``rows`` (nb, 2 + b) uint8 into ``blocks`` (nb, b), in place."""
     # clone: a private, densely packed copy (a single-row view keeps its odd row stride, which view() rejects)
     scale = rows[:, :_SCALE_BYTES].reshape(-1).clone().view(torch.bfloat16)[:, None]  # (nb, 1)
-    if bool((scale < 0).any()):  # an absmax is never negative; NaN scales are caught by the finite check later
-        raise CodecError("int8 payload holds a negative block scale: the payload is corrupt or not int8-encoded")
+    if bool(
+        (scale < 0).any()
+    ):  # an absmax is never negative; NaN scales are caught by the finite check later
+        raise CodecError(
+            "int8 payload holds a negative block scale: the payload is corrupt or not int8-encoded"
+        )
     q = rows[:, _SCALE_BYTES:].view(torch.int8)  # (nb, b)
     # scale / 127 first, so that even the largest scale cannot overflow (|q| <= 127 for every encoded payload)
     blocks.copy_(q).mul_(scale.to(blocks.dtype) / _QMAX)

@@ -8,8 +8,10 @@ from swarm.compression.errors import UnknownCodecError
 from swarm.compression.int8 import BlockwiseInt8Codec
 
 # codecs are stateless and thread-safe, so one shared instance each is enough
-_CODECS: dict[str, Codec] = {codec.name: codec for codec in (NoneCodec(), Float16Codec(), BFloat16Codec(),
-                                                             BlockwiseInt8Codec())}
+_CODECS: dict[str, Codec] = {
+    codec.name: codec
+    for codec in (NoneCodec(), Float16Codec(), BFloat16Codec(), BlockwiseInt8Codec())
+}
 
 CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
 

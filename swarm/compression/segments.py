@@ -8,7 +8,9 @@ from swarm.compression.base import Codec
 from swarm.compression.dtypes import wire_dtype_name
 
 
-def segment_ranges(codec: Codec, numel: int, dtype: torch.dtype, max_segment_bytes: int) -> list[tuple[int, int]]:
+def segment_ranges(
+    codec: Codec, numel: int, dtype: torch.dtype, max_segment_bytes: int
+) -> list[tuple[int, int]]:
     """Consecutive ``(start, stop)`` element ranges covering ``[0, numel)``, largest first-fit.
 
     Every range except the last spans a multiple of ``codec.alignment(dtype)`` elements, and every range encodes

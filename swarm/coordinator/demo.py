@@ -4,6 +4,7 @@ A bootstrap DHT node, ``peers_per_stage`` peers for each stage and one trainer s
 the trainer trains the demo model and prints its falling loss and a summary; then everything stops.
 Logs of every process land in ``workdir``. Ctrl-C stops everything too.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,11 +33,15 @@ class DemoConfig:
 
     def __post_init__(self):
         if self.peers_per_stage < 1 or self.steps < 1:
-            raise ValueError(f"peers_per_stage ({self.peers_per_stage}) and steps ({self.steps}) must be >= 1")
+            raise ValueError(
+                f"peers_per_stage ({self.peers_per_stage}) and steps ({self.steps}) must be >= 1"
+            )
 
 
-SUMMARY = re.compile(r"initial loss (?P<initial>[\d.]+) -> final loss (?P<final>[\d.]+) \| validation loss "
-                     r"(?P<val>[\d.]+) \| (?P<tps>[\d,]+) tokens/s")
+SUMMARY = re.compile(
+    r"initial loss (?P<initial>[\d.]+) -> final loss (?P<final>[\d.]+) \| validation loss "
+    r"(?P<val>[\d.]+) \| (?P<tps>[\d,]+) tokens/s"
+)
 
 
 def run_demo(config: DemoConfig) -> int:
@@ -48,29 +53,62 @@ def run_demo(config: DemoConfig) -> int:
     workdir = Path(config.workdir or tempfile.mkdtemp(prefix="swarm-demo-"))
     addr_file = workdir / "bootstrap.addr"
     addr_file.unlink(missing_ok=True)
-    print(f"swarm demo: 1 bootstrap node, {num_stages} stages x {config.peers_per_stage} peers, 1 trainer "
-          f"(logs in {workdir})", flush=True)
+    print(
+        f"swarm demo: 1 bootstrap node, {num_stages} stages x {config.peers_per_stage} peers, 1 trainer "
+        f"(logs in {workdir})",
+        flush=True,
+    )
     started = time.monotonic()
     with ProcessGroup(workdir) as group:
         try:
             group.swarm("bootstrap", "dht", "--address-file", str(addr_file))
             common = ["--run-id", config.run_id, "--initial-peers", f"@{addr_file}"]
-            run_flags = ["--preset", config.preset, "--codec", config.codec, "--target-batch-size",
-                         str(config.target_batch_size), "--lr", str(config.lr), "--total-steps",
-                         str(config.steps)]
+            run_flags = [
+                "--preset",
+                config.preset,
+                "--codec",
+                config.codec,
+                "--target-batch-size",
+                str(config.target_batch_size),
+                "--lr",
+                str(config.lr),
+                "--total-steps",
+                str(config.steps),
+            ]
             peers = []
             for stage in range(num_stages):
                 for replica in range(config.peers_per_stage):
                     name = f"peer-s{stage}-{replica}"
-                    peers.append(group.swarm(name, "peer", "--stage", str(stage), "--threads", "1",
-                                             *common, *run_flags))
+                    peers.append(
+                        group.swarm(
+                            name,
+                            "peer",
+                            "--stage",
+                            str(stage),
+                            "--threads",
+                            "1",
+                            *common,
+                            *run_flags,
+                        )
+                    )
             for proc in peers:
                 proc.wait_for(r"serves stage \d+", timeout_s=120)
                 print(f"  {proc.name} is up (pid {proc.pid})", flush=True)
-            trainer = group.swarm("trainer", "train", *common, "--steps", str(config.steps),
-                                  "--microbatch-size", str(config.microbatch_size), "--in-flight",
-                                  str(config.in_flight), "--eval-every-steps", str(config.eval_every_steps),
-                                  echo=True, env={"OMP_NUM_THREADS": "1"})
+            trainer = group.swarm(
+                "trainer",
+                "train",
+                *common,
+                "--steps",
+                str(config.steps),
+                "--microbatch-size",
+                str(config.microbatch_size),
+                "--in-flight",
+                str(config.in_flight),
+                "--eval-every-steps",
+                str(config.eval_every_steps),
+                echo=True,
+                env={"OMP_NUM_THREADS": "1"},
+            )
             code = trainer.popen.wait()
             trainer.reader.join(timeout=10)
         except KeyboardInterrupt:
@@ -79,11 +117,17 @@ def run_demo(config: DemoConfig) -> int:
     elapsed = time.monotonic() - started
     match = next((m for line in reversed(trainer.lines) if (m := SUMMARY.search(line))), None)
     if code != 0 or match is None:
-        print(f"swarm demo: the trainer failed (exit code {code}); see {workdir}/trainer.log and the peer "
-              f"logs next to it", file=sys.stderr)
+        print(
+            f"swarm demo: the trainer failed (exit code {code}); see {workdir}/trainer.log and the peer "
+            f"logs next to it",
+            file=sys.stderr,
+        )
         return 1
     initial, final = float(match["initial"]), float(match["final"])
-    print(f"\nswarm demo finished in {elapsed:.0f}s: training loss {initial:.3f} -> {final:.3f} "
-          f"({100 * final / initial:.0f}% of initial), validation loss {float(match['val']):.3f}, "
-          f"{match['tps']} tokens/s; all processes stopped", flush=True)
+    print(
+        f"\nswarm demo finished in {elapsed:.0f}s: training loss {initial:.3f} -> {final:.3f} "
+        f"({100 * final / initial:.0f}% of initial), validation loss {float(match['val']):.3f}, "
+        f"{match['tps']} tokens/s; all processes stopped",
+        flush=True,
+    )
     return 0

@@ -4,6 +4,7 @@ Each process runs in its own session (process group), so stopping it also stops 
 DHT's p2pd daemon). Standard output is read line by line by a thread, copied to a log file and, if asked,
 echoed; callers wait for a line matching a pattern (an event with a deadline, no polling of files).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,12 +48,16 @@ class Proc:
                         return match
                 seen = len(self.lines)
                 if self.reader is not None and not self.reader.is_alive():
-                    raise RuntimeError(f"{self.name} exited (code {self.popen.poll()}) before printing "
-                                       f"/{pattern}/; see {self.log_path}")
+                    raise RuntimeError(
+                        f"{self.name} exited (code {self.popen.poll()}) before printing "
+                        f"/{pattern}/; see {self.log_path}"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{self.name} did not print /{pattern}/ within {timeout_s:.0f}s; "
-                                       f"see {self.log_path}")
+                    raise TimeoutError(
+                        f"{self.name} did not print /{pattern}/ within {timeout_s:.0f}s; "
+                        f"see {self.log_path}"
+                    )
                 self.changed.wait(left)
 
     def signal(self, sig: int) -> None:
@@ -81,15 +86,29 @@ class ProcessGroup:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-              echo: bool | None = None) -> Proc:
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        echo: bool | None = None,
+    ) -> Proc:
         if name in self.procs and self.procs[name].alive():
             raise ValueError(f"a process named {name!r} is already running")
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "a", buffering=1)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        popen = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=full_env, start_new_session=True, text=True, bufsize=1)
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
+        )
         proc = Proc(name, popen, log_path)
         show = self.echo if echo is None else echo
 

@@ -22,8 +22,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, (str, os.PathLike)):
-            raise ValueError(f"DataConfig.paths must be a sequence of paths, got the single path {self.paths!r}")
-        paths = tuple(os.fspath(p) for p in self.paths)  # accept lists and Path objects from callers
+            raise ValueError(
+                f"DataConfig.paths must be a sequence of paths, got the single path {self.paths!r}"
+            )
+        paths = tuple(
+            os.fspath(p) for p in self.paths
+        )  # accept lists and Path objects from callers
         object.__setattr__(self, "paths", paths)
         if any(p == "" for p in paths):
             raise ValueError("DataConfig.paths contains an empty path")
@@ -32,7 +36,11 @@ class DataConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"DataConfig.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.max_bytes is not None:
-            if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 2:
+            if (
+                isinstance(self.max_bytes, bool)
+                or not isinstance(self.max_bytes, int)
+                or self.max_bytes < 2
+            ):
                 raise ValueError(
                     f"DataConfig.max_bytes must be None or an int >= 2 (one byte per split), got {self.max_bytes!r}"
                 )

@@ -21,7 +21,15 @@ class ByteCorpus:
     sampling a single gather.
     """
 
-    def __init__(self, train: Tensor, val: Tensor, *, train_files: int, val_files: int, split_by_file: bool = True):
+    def __init__(
+        self,
+        train: Tensor,
+        val: Tensor,
+        *,
+        train_files: int,
+        val_files: int,
+        split_by_file: bool = True,
+    ):
         for name, data in (("train", train), ("val", val)):
             if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() == 0:
                 raise ValueError(
@@ -43,7 +51,9 @@ class ByteCorpus:
     @classmethod
     def from_bytes(cls, train: bytes, val: bytes) -> ByteCorpus:
         """A corpus from in-memory text (tests, demos)."""
-        return cls(_to_tensor(bytearray(train)), _to_tensor(bytearray(val)), train_files=1, val_files=1)
+        return cls(
+            _to_tensor(bytearray(train)), _to_tensor(bytearray(val)), train_files=1, val_files=1
+        )
 
     @classmethod
     def load(cls, config: DataConfig) -> ByteCorpus:
@@ -69,10 +79,14 @@ class ByteCorpus:
         text = train or val
         if len(text) < 2:
             where = ", ".join(config.paths) if config.paths else "the standard library"
-            raise CorpusError(f"no usable text found in {where} (need at least 2 bytes of non-binary files)")
+            raise CorpusError(
+                f"no usable text found in {where} (need at least 2 bytes of non-binary files)"
+            )
         cut = min(max(1, math.ceil(len(text) * config.val_fraction)), len(text) - 1)
         train_part, val_part = _to_tensor(text[:-cut]), _to_tensor(text[-cut:])
-        return cls(train_part, val_part, train_files=n_train + n_val, val_files=1, split_by_file=False)
+        return cls(
+            train_part, val_part, train_files=n_train + n_val, val_files=1, split_by_file=False
+        )
 
     def split(self, name: str) -> Tensor:
         """The raw uint8 (N,) tensor of split `name` ("train" or "val"); do not modify it."""
@@ -80,14 +94,18 @@ class ByteCorpus:
             raise ValueError(f"split must be one of {SPLITS}, got {name!r}")
         return self._data[name]
 
-    def sample(self, split: str, batch_size: int, seq_len: int, generator: torch.Generator) -> Tensor:
+    def sample(
+        self, split: str, batch_size: int, seq_len: int, generator: torch.Generator
+    ) -> Tensor:
         """int64 (batch_size, seq_len + 1) windows at uniformly random offsets drawn from `generator`.
 
         inputs = batch[:, :-1], targets = batch[:, 1:]. Same generator state -> same batch.
         """
         data = self.split(split)
         window = self._check_window(split, batch_size, seq_len)
-        starts = torch.randint(0, data.numel() - window + 1, (batch_size,), generator=generator)  # (B,)
+        starts = torch.randint(
+            0, data.numel() - window + 1, (batch_size,), generator=generator
+        )  # (B,)
         return data[starts[:, None] + torch.arange(window)].long()  # (B, T + 1)
 
     def val_batches(self, batch_size: int, seq_len: int, num_batches: int) -> list[Tensor]:
@@ -102,7 +120,9 @@ class ByteCorpus:
         window = self._check_window("val", batch_size, seq_len)
         count = batch_size * num_batches
         last_start = data.numel() - window
-        starts = torch.arange(count, dtype=torch.int64) * last_start // max(count - 1, 1)  # (B * N,)
+        starts = (
+            torch.arange(count, dtype=torch.int64) * last_start // max(count - 1, 1)
+        )  # (B * N,)
         windows = data[starts[:, None] + torch.arange(window)].long()  # (B * N, T + 1)
         return list(windows.split(batch_size))
 
@@ -143,7 +163,9 @@ def _read_files(files: Sequence[SourceFile], cap: int | None) -> tuple[bytearray
             continue  # unreadable file inside a folder: skip it like a binary one
         if b"\0" in data:
             if source.explicit:
-                raise CorpusError(f"data file {source.path} looks binary (contains NUL bytes); pass text files")
+                raise CorpusError(
+                    f"data file {source.path} looks binary (contains NUL bytes); pass text files"
+                )
             continue
         buf += data
         used += 1

@@ -57,7 +57,9 @@ def find_source_files(paths: Sequence[str]) -> list[SourceFile]:
         root = default_corpus_root()
         found = list(_walk(root, suffix=".py"))
         if not found:
-            raise CorpusError(f"no .py files found under the standard library folder {root}; pass --data PATH")
+            raise CorpusError(
+                f"no .py files found under the standard library folder {root}; pass --data PATH"
+            )
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_file():
@@ -82,7 +84,9 @@ def find_source_files(paths: Sequence[str]) -> list[SourceFile]:
 def _walk(root: Path, *, suffix: str | None):
     for dirpath, dirnames, filenames in os.walk(root):
         # Prune in place so os.walk does not descend; sort for a reproducible read order.
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIPPED_DIRS)
+        dirnames[:] = sorted(
+            d for d in dirnames if not d.startswith(".") and d not in _SKIPPED_DIRS
+        )
         for name in sorted(filenames):
             if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
                 continue
@@ -101,7 +105,9 @@ def split_hash(key: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def split_files(files: Sequence[SourceFile], val_fraction: float) -> tuple[list[SourceFile], list[SourceFile]]:
+def split_files(
+    files: Sequence[SourceFile], val_fraction: float
+) -> tuple[list[SourceFile], list[SourceFile]]:
     """(train, val): a file is validation iff split_hash(key) < val_fraction.
 
     With two or more files both lists are non-empty: if no file hashed into validation, the one

@@ -3,6 +3,7 @@
 Every node is a full DHT participant unless it asks for client mode, so any peer's printed address can
 bootstrap the next one; there is no central server.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,9 +24,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class DHTConfig:
-    initial_peers: tuple[str, ...] = ()  # multiaddrs of any running node; "@FILE" reads them from FILE
-    dht_port: int = 0  # TCP port of this node's DHT (0 = any free port; set it with --announce-host)
-    identity_path: str | None = None  # private key file: keeps the node's DHT peer id across restarts
+    # multiaddrs of any running node; "@FILE" reads them from FILE
+    initial_peers: tuple[str, ...] = ()
+    # TCP port of this node's DHT (0 = any free port; set it with --announce-host)
+    dht_port: int = 0
+    # private key file: keeps the node's DHT peer id across restarts
+    identity_path: str | None = None
     nat_traversal: bool = False  # UPnP/NAT-PMP and AutoNAT probing (sends traffic to your gateway)
     initial_peers_wait_s: float = 60.0  # how long to wait for an "@FILE" of initial peers to appear
 
@@ -45,8 +49,10 @@ def resolve_initial_peers(values: tuple[str, ...], *, wait_s: float) -> list[str
         path, deadline = Path(value[1:]), time.monotonic() + wait_s
         while not (path.exists() and path.read_text().strip()):
             if time.monotonic() > deadline:
-                raise FileNotFoundError(f"initial peers file {path} did not appear within {wait_s:.0f}s; "
-                                        f"start `swarm dht --address-file {path}` first")
+                raise FileNotFoundError(
+                    f"initial peers file {path} did not appear within {wait_s:.0f}s; "
+                    f"start `swarm dht --address-file {path}` first"
+                )
             time.sleep(0.2)  # polling a file another process writes; there is no event to wait on
         out.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
     return out
@@ -60,18 +66,30 @@ def _maddr(host: str, port: int) -> str:
     return f"/{kind}/{host}/tcp/{port}"
 
 
-def start_dht(config: DHTConfig, *, host: str = "127.0.0.1", announce_host: str | None = None,
-              client_mode: bool = False) -> hivemind.DHT:
+def start_dht(
+    config: DHTConfig,
+    *,
+    host: str = "127.0.0.1",
+    announce_host: str | None = None,
+    client_mode: bool = False,
+) -> hivemind.DHT:
     """Start a DHT node (in its own process, as hivemind does) listening on ``host`` and wait until it
     has joined. ``announce_host`` is the address others should dial, when it differs from ``host``."""
     if announce_host and config.dht_port == 0:
-        raise ValueError("--announce-host needs an explicit --dht-port (libp2p cannot announce port 0)")
+        raise ValueError(
+            "--announce-host needs an explicit --dht-port (libp2p cannot announce port 0)"
+        )
     initial_peers = resolve_initial_peers(config.initial_peers, wait_s=config.initial_peers_wait_s)
     announce = [_maddr(announce_host, config.dht_port)] if announce_host else None
     return hivemind.DHT(
-        initial_peers=initial_peers, start=True, client_mode=client_mode,
-        host_maddrs=[_maddr(host, config.dht_port)], announce_maddrs=announce,
-        identity_path=config.identity_path, nat_port_map=config.nat_traversal, auto_nat=config.nat_traversal,
+        initial_peers=initial_peers,
+        start=True,
+        client_mode=client_mode,
+        host_maddrs=[_maddr(host, config.dht_port)],
+        announce_maddrs=announce,
+        identity_path=config.identity_path,
+        nat_port_map=config.nat_traversal,
+        auto_nat=config.nat_traversal,
     )
 
 
@@ -93,33 +111,48 @@ class RunDirectory:
         try:
             return RunConfig.from_dict(found.value)
         except (ValueError, TypeError) as e:
-            raise RecordError(f"run '{self.run_id}' has a malformed config record in the DHT: {e}") from None
+            raise RecordError(
+                f"run '{self.run_id}' has a malformed config record in the DHT: {e}"
+            ) from None
 
     async def publish_run(self, config: RunConfig, *, ttl_s: float) -> bool:
         """Store (or refresh) the run config. Several peers refresh the same record; a node keeps the
         copy with the latest expiration and answers False to the others, which is harmless."""
-        return await self.dht.store(config_key(self.run_id), config.to_dict(), get_dht_time() + ttl_s,
-                                    return_future=True)
+        return await self.dht.store(
+            config_key(self.run_id), config.to_dict(), get_dht_time() + ttl_s, return_future=True
+        )
 
     async def wait_for_run(self, *, timeout_s: float, poll_s: float = 0.5) -> RunConfig:
         deadline = time.monotonic() + timeout_s
         while (config := await self.get_run()) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no run '{self.run_id}' was published in the DHT within {timeout_s:.0f}s: "
-                                   f"start the run with its first peer, `swarm peer --run-id {self.run_id} "
-                                   f"--stage 0 --preset tiny` (or another preset), or check --initial-peers")
+                raise TimeoutError(
+                    f"no run '{self.run_id}' was published in the DHT within {timeout_s:.0f}s: "
+                    f"start the run with its first peer, `swarm peer --run-id {self.run_id} "
+                    f"--stage 0 --preset tiny` (or another preset), or check --initial-peers"
+                )
             await asyncio.sleep(poll_s)  # the DHT has no watch/notify; poll with a bound
         return config
 
     async def announce(self, record: StageRecord, *, ttl_s: float) -> bool:
         # A subkey record is replaced only by a strictly later expiration, so each heartbeat uses a fresh one.
-        return await self.dht.store(stage_key(self.run_id, record.stage), record.to_wire(),
-                                    get_dht_time() + ttl_s, subkey=record.peer_id, return_future=True)
+        return await self.dht.store(
+            stage_key(self.run_id, record.stage),
+            record.to_wire(),
+            get_dht_time() + ttl_s,
+            subkey=record.peer_id,
+            return_future=True,
+        )
 
     async def claim(self, key: str, peer_id: str, *, ttl_s: float) -> None:
         """Add ``peer_id`` to the claimers under ``key`` (a subkey each, so concurrent claims all land)."""
-        await self.dht.store(f"swarm/{self.run_id}/{key}", True, get_dht_time() + ttl_s, subkey=peer_id,
-                             return_future=True)
+        await self.dht.store(
+            f"swarm/{self.run_id}/{key}",
+            True,
+            get_dht_time() + ttl_s,
+            subkey=peer_id,
+            return_future=True,
+        )
 
     async def claimers(self, key: str) -> frozenset[str]:
         found = await self.dht.get(f"swarm/{self.run_id}/{key}", latest=True, return_future=True)
@@ -137,11 +170,17 @@ class RunDirectory:
             try:
                 record = StageRecord.from_wire(item.value)
             except RecordError as e:
-                logger.warning("ignoring a malformed record for stage %d from %r: %s", stage, subkey, e)
+                logger.warning(
+                    "ignoring a malformed record for stage %d from %r: %s", stage, subkey, e
+                )
                 continue
             if record.peer_id != subkey or record.stage != stage:
-                logger.warning("ignoring a record under subkey %r that claims peer %r stage %d",
-                               subkey, record.peer_id, record.stage)
+                logger.warning(
+                    "ignoring a record under subkey %r that claims peer %r stage %d",
+                    subkey,
+                    record.peer_id,
+                    record.stage,
+                )
                 continue
             records[record.peer_id] = record
         return records

@@ -4,6 +4,7 @@ Everything read from the DHT is remote input: a record is parsed field by field 
 :func:`swarm.schema.parse_dataclass` (unknown fields are left out with a warning: a newer peer may add some),
 and a record that is malformed is dropped with a log line instead of crashing the reader.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,10 @@ class StageRecord:
     in_flight: int  # requests being handled right now
     step: int  # optimizer steps its replica has taken
     config_hash: str  # RunConfig.fingerprint() of the config it runs
-    last_moved_s: float = 0.0  # DHT time of its arrival or last change of stage (0 = unknown), for rebalancing cooldown
-    step_pause_s: float = 0.0  # how long its optimizer steps (the all-reduce) hold its compute: calls wait that much more
+    # DHT time of its arrival or last change of stage (0 = unknown), for rebalancing cooldown
+    last_moved_s: float = 0.0
+    # how long its optimizer steps (the all-reduce) hold its compute: calls wait that much more
+    step_pause_s: float = 0.0
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -60,13 +63,21 @@ class StageRecord:
 
     @classmethod
     def from_wire(cls, value: Any) -> StageRecord:
-        try:  # fields with defaults were added in later versions; unknown ones come from newer peers
+        # fields with defaults were added in later versions; unknown ones come from newer peers
+        try:
             record = parse_dataclass(cls, value, what="stage record", finite=True)
         except ValueError as e:
             raise RecordError(str(e)) from None
-        if record.stage < 0 or record.throughput < 0 or record.in_flight < 0 or record.step_pause_s < 0:
+        if (
+            record.stage < 0
+            or record.throughput < 0
+            or record.in_flight < 0
+            or record.step_pause_s < 0
+        ):
             raise RecordError(f"stage record has out-of-range values: {value!r}")
         if ":" not in record.endpoint and record.state != PeerState.STARTING:
-            raise RecordError(f"stage record of a {record.state} peer needs a host:port endpoint, got "
-                              f"{record.endpoint!r}")
+            raise RecordError(
+                f"stage record of a {record.state} peer needs a host:port endpoint, got "
+                f"{record.endpoint!r}"
+            )
         return record

@@ -31,12 +31,24 @@ class ModelConfig:
     seed: int = 0  # init seed; every replica of a stage initialises identically from (seed, stage)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "num_stages", "mlp_ratio"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_heads",
+            "n_layers",
+            "seq_len",
+            "num_stages",
+            "mlp_ratio",
+        ):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.bottleneck_dim is not None and (not _is_int(self.bottleneck_dim) or self.bottleneck_dim < 1):
-            raise ValueError(f"ModelConfig.bottleneck_dim must be a positive int or None, got {self.bottleneck_dim!r}")
+        if self.bottleneck_dim is not None and (
+            not _is_int(self.bottleneck_dim) or self.bottleneck_dim < 1
+        ):
+            raise ValueError(
+                f"ModelConfig.bottleneck_dim must be a positive int or None, got {self.bottleneck_dim!r}"
+            )
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"ModelConfig.seed must be a non-negative int, got {self.seed!r}")
         if self.d_model % self.n_heads != 0:
@@ -84,8 +96,21 @@ class ModelConfig:
         """Total parameter count of the whole model (all stages), computed without building it."""
         d, hidden = self.d_model, self.mlp_ratio * self.d_model
         # ln1 + qkv + out proj + ln2 + fc + down proj (all Linear layers have biases).
-        block = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * hidden + hidden) + (hidden * d + d)
-        total = self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + d * self.vocab_size
+        block = (
+            2 * d
+            + (d * 3 * d + 3 * d)
+            + (d * d + d)
+            + 2 * d
+            + (d * hidden + hidden)
+            + (hidden * d + d)
+        )
+        total = (
+            self.vocab_size * d
+            + self.seq_len * d
+            + self.n_layers * block
+            + 2 * d
+            + d * self.vocab_size
+        )
         if self.bottleneck_dim is not None:
             cuts = self.num_stages - 1
             b = self.bottleneck_dim

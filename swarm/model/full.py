@@ -38,11 +38,17 @@ class FullModel(nn.Module):
 
     def stage_state_dicts(self) -> list[dict[str, Tensor]]:
         """One state dict per stage (cloned tensors, safe to keep while training goes on)."""
-        return [{k: v.detach().clone() for k, v in stage.state_dict().items()} for stage in self.stages]
+        return [
+            {k: v.detach().clone() for k, v in stage.state_dict().items()} for stage in self.stages
+        ]
 
     @classmethod
     def from_stage_states(
-        cls, config: ModelConfig, states: Sequence[Mapping[str, Tensor]], *, device: torch.device | str = "cpu"
+        cls,
+        config: ModelConfig,
+        states: Sequence[Mapping[str, Tensor]],
+        *,
+        device: torch.device | str = "cpu",
     ) -> FullModel:
         """Assemble a model from per-stage state dicts (e.g. one downloaded from each stage's peers).
 
@@ -57,14 +63,18 @@ class FullModel(nn.Module):
             try:
                 stage.load_state_dict(state, strict=True)
             except RuntimeError as exc:  # torch reports key and shape mismatches as RuntimeError
-                raise ValueError(f"state dict for stage {index} does not match the config: {exc}") from exc
+                raise ValueError(
+                    f"state dict for stage {index} does not match the config: {exc}"
+                ) from exc
             stages.append(stage)
         return cls(config, stages)
 
 
 def build_full_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> FullModel:
     """The whole model, with parameters identical to `build_stage(config, k)` for every stage k."""
-    return FullModel(config, [build_stage(config, k, device=device) for k in range(config.num_stages)])
+    return FullModel(
+        config, [build_stage(config, k, device=device) for k in range(config.num_stages)]
+    )
 
 
 @torch.no_grad()

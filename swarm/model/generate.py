@@ -28,7 +28,9 @@ def generate(
     if not isinstance(prompt, (bytes, bytearray)) or len(prompt) == 0:
         raise ValueError("generate needs a non-empty bytes prompt")
     if config.vocab_size != 256:
-        raise ValueError(f"generate samples bytes, so the model needs vocab_size 256, got {config.vocab_size}")
+        raise ValueError(
+            f"generate samples bytes, so the model needs vocab_size 256, got {config.vocab_size}"
+        )
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0:
@@ -55,7 +57,9 @@ def generate(
                 probs = torch.softmax(logits, dim=-1)
                 next_id = int(torch.multinomial(probs, 1, generator=generator))
             new.append(next_id)
-            tokens = torch.cat([tokens, torch.tensor([[next_id]], device=device)], dim=1)  # (1, P + i + 1)
+            tokens = torch.cat(
+                [tokens, torch.tensor([[next_id]], device=device)], dim=1
+            )  # (1, P + i + 1)
     finally:
         model.train(was_training)
     return bytes(new)

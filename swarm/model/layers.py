@@ -65,7 +65,9 @@ class Bottleneck(nn.Linear):
     """
 
 
-def init_stage_parameters(module: nn.Module, config: ModelConfig, generator: torch.Generator) -> None:
+def init_stage_parameters(
+    module: nn.Module, config: ModelConfig, generator: torch.Generator
+) -> None:
     """Fill every parameter of `module` in place from `generator` only (never the global RNG).
 
     GPT-2 scheme: Linear/Embedding weights ~ N(0, 0.02), residual projections ~ N(0, 0.02 /
@@ -92,4 +94,6 @@ def init_stage_parameters(module: nn.Module, config: ModelConfig, generator: tor
                 sub.weight.fill_(1.0)
                 sub.bias.zero_()
             elif any(True for _ in sub.parameters(recurse=False)):
-                raise TypeError(f"init_stage_parameters cannot initialise {name!r} ({type(sub).__name__})")
+                raise TypeError(
+                    f"init_stage_parameters cannot initialise {name!r} ({type(sub).__name__})"
+                )

@@ -85,7 +85,9 @@ class Stage(nn.Module):
         logits = self(x)  # (B, T, V)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def input_spec(self, batch_size: int, seq_len: int | None = None) -> tuple[tuple[int, ...], torch.dtype]:
+    def input_spec(
+        self, batch_size: int, seq_len: int | None = None
+    ) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype `forward` expects for `batch_size` sequences of `seq_len` tokens.
 
         `seq_len` defaults to config.seq_len, the longest allowed; any 1 <= T <= seq_len is valid.
@@ -117,7 +119,9 @@ class Stage(nn.Module):
         if B < 1:
             raise ValueError(f"{where} has batch size {B}; need at least 1 sequence")
         if not 1 <= T <= self.config.seq_len:
-            raise ValueError(f"{where} has sequence length {T}; allowed is 1..{self.config.seq_len} (seq_len)")
+            raise ValueError(
+                f"{where} has sequence length {T}; allowed is 1..{self.config.seq_len} (seq_len)"
+            )
         if self.is_first:
             low, high = int(x.min()), int(x.max())
             if low < 0 or high >= self.config.vocab_size:
@@ -147,7 +151,9 @@ class Stage(nn.Module):
         if targets.numel() > 0:
             low, high = int(targets.min()), int(targets.max())
             if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"targets have ids in [{low}, {high}]; they must lie in [0, {self.config.vocab_size})")
+                raise ValueError(
+                    f"targets have ids in [{low}, {high}]; they must lie in [0, {self.config.vocab_size})"
+                )
 
     def _param_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype

@@ -6,6 +6,7 @@ stage clips its own gradient to ``max_grad_norm / sqrt(num_stages)``. The global
 then always <= ``max_grad_norm``, and when the stages' norms are equal this is exactly global clipping.
 Its effect versus exact clipping is measured in bench/convergence.py (bench/results/convergence.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,7 +50,9 @@ class ClippedAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm if self.max_grad_norm > 0 else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(
+            grads, self.max_grad_norm if self.max_grad_norm > 0 else math.inf
+        )
         self.last_grad_norm = float(norm)
         if not math.isfinite(self.last_grad_norm):
             logger.error("gradient norm is %s: skipping this optimizer step", self.last_grad_norm)
@@ -65,5 +68,9 @@ def build_stage_optimizer(params, run: RunConfig, *, lr: float | None = None) ->
     step's learning rate with :func:`swarm.optim.schedule.set_learning_rate`."""
     if isinstance(params, nn.Module):
         params = adamw_param_groups(params, run.weight_decay)
-    return ClippedAdamW(params, lr=learning_rate(run, 0) if lr is None else lr, betas=(0.9, 0.95),
-                        max_grad_norm=stage_clip_norm(run))
+    return ClippedAdamW(
+        params,
+        lr=learning_rate(run, 0) if lr is None else lr,
+        betas=(0.9, 0.95),
+        max_grad_norm=stage_clip_norm(run),
+    )

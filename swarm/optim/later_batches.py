@@ -1,4 +1,5 @@
 """Gradient sums that arrive ahead of the stage's optimizer step, kept until the stage gets there."""
+
 from __future__ import annotations
 
 import torch
@@ -14,11 +15,16 @@ class LaterBatches:
         self.max_ahead = max_ahead
         self._by_step: dict[int, tuple[list[torch.Tensor | None], int]] = {}
 
-    def add(self, step: int, current: int, grads: list[torch.Tensor | None], num_samples: int) -> None:
+    def add(
+        self, step: int, current: int, grads: list[torch.Tensor | None], num_samples: int
+    ) -> None:
         step = min(step, current + self.max_ahead)
         held = self._by_step.get(step)
         if held is None:
-            self._by_step[step] = ([None if g is None else g.detach().clone() for g in grads], num_samples)
+            self._by_step[step] = (
+                [None if g is None else g.detach().clone() for g in grads],
+                num_samples,
+            )
             return
         sums, n = held
         for i, g in enumerate(grads):

@@ -3,6 +3,7 @@
 A function of the run config and the optimizer step only, so every replica of every stage, and the
 single-process reference, set the same rate at the same step without talking to each other.
 """
+
 from __future__ import annotations
 
 import math

@@ -8,6 +8,7 @@ which it has:
 * ``swarm.averaging.HivemindStageOptimizer`` makes every peer of a stage accumulate toward one global batch,
   all-reduce their gradients and step together.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -28,10 +29,12 @@ class StageOptimizer(Protocol):
 
     step: int
     local_samples: int
-    step_pause_s: float  # seconds a step typically holds the compute thread beyond the update itself
+    # seconds a step typically holds the compute thread beyond the update itself
+    step_pause_s: float
 
-    def accumulate(self, grads: list[torch.Tensor | None], num_samples: int,
-                   batch_step: int | None = None) -> bool: ...
+    def accumulate(
+        self, grads: list[torch.Tensor | None], num_samples: int, batch_step: int | None = None
+    ) -> bool: ...
     def maybe_step(self) -> bool: ...
     def grad_sums(self) -> list[torch.Tensor]: ...
     def state_dict(self) -> dict: ...

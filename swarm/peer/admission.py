@@ -5,6 +5,7 @@ notice window, failed or hung on purpose under fault injection, then counted in 
 The peer's lifecycle reads the counts (its heartbeat's ``in_flight``) and waits on them to drain
 (:meth:`Admission.wait_until_drained`); nothing else writes them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,11 +32,24 @@ class Admission:
     """Admits one peer's calls. ``clock`` is monotonic seconds (injected for tests); ``rng`` draws the
     injected failures."""
 
-    def __init__(self, *, peer_id: str, drain_timeout_s: float, drain_notice_s: float, drain_idle_s: float,
-                 fail_probability: float = 0.0, hang_after_calls: int = 0, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        drain_timeout_s: float,
+        drain_notice_s: float,
+        drain_idle_s: float,
+        fail_probability: float = 0.0,
+        hang_after_calls: int = 0,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.peer_id = peer_id
-        self.drain_timeout_s, self.drain_notice_s, self.drain_idle_s = drain_timeout_s, drain_notice_s, drain_idle_s
+        self.drain_timeout_s, self.drain_notice_s, self.drain_idle_s = (
+            drain_timeout_s,
+            drain_notice_s,
+            drain_idle_s,
+        )
         self.fail_probability, self.hang_after_calls = fail_probability, hang_after_calls
         self._rng, self._clock = rng or random.Random(), clock
         self._in_flight = 0
@@ -69,8 +83,10 @@ class Admission:
         """Admit one call to ``stage_index``: raise PeerDraining for new work past the drain notice, apply
         fault injection, then count the call in flight until the block ends."""
         if new_work and not self.accepts_new_work:
-            raise PeerDraining(f"peer {self.peer_id} is draining (shutting down) and takes no new work; "
-                               f"send it to another peer of stage {stage_index}")
+            raise PeerDraining(
+                f"peer {self.peer_id} is draining (shutting down) and takes no new work; "
+                f"send it to another peer of stage {stage_index}"
+            )
         await self._inject_faults()
         self._in_flight += 1
         self._last_call_at = self._clock()
@@ -89,8 +105,10 @@ class Admission:
         if self.hang_after_calls and self.calls_seen > self.hang_after_calls:
             await asyncio.Event().wait()  # never answers; the caller's deadline ends the call
         if self.fail_probability and self._rng.random() < self.fail_probability:
-            raise TransportError(f"injected fault: peer {self.peer_id} fails this call on purpose "
-                                 f"(--fail-probability {self.fail_probability})")
+            raise TransportError(
+                f"injected fault: peer {self.peer_id} fails this call on purpose "
+                f"(--fail-probability {self.fail_probability})"
+            )
 
     # ------------------------------------------------------------------ draining
 
@@ -123,8 +141,12 @@ class Admission:
                 if cached == 0:
                     return 0
                 if self.quiet_s >= self.drain_idle_s:
-                    logger.info("peer %s drops %d cached microbatches: no call for %.1fs", self.peer_id, cached,
-                                self.quiet_s)
+                    logger.info(
+                        "peer %s drops %d cached microbatches: no call for %.1fs",
+                        self.peer_id,
+                        cached,
+                        self.quiet_s,
+                    )
                     return cached
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._settled(), timeout=_POLL_S)

@@ -5,6 +5,7 @@ The announcer reads the peer through two getters (its endpoint, and a :class:`Se
 stage it serves), never the peer itself; where the peer is heading and when it last moved are told to it
 (:meth:`Announcer.heading_to`, :meth:`Announcer.settled`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,17 @@ class Serving:
 
 
 class Announcer:
-    def __init__(self, directory: RunDirectory, run: RunConfig, *, peer_id: str, ttl_s: float, heartbeat_s: float,
-                 endpoint: Callable[[], str], serving: Callable[[], Serving | None]):
+    def __init__(
+        self,
+        directory: RunDirectory,
+        run: RunConfig,
+        *,
+        peer_id: str,
+        ttl_s: float,
+        heartbeat_s: float,
+        endpoint: Callable[[], str],
+        serving: Callable[[], Serving | None],
+    ):
         self.directory, self.run, self.peer_id = directory, run, peer_id
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
         self._endpoint = endpoint
@@ -63,15 +73,35 @@ class Announcer:
         out = []
         serving = self._serving()
         if serving is not None:
-            out.append(StageRecord(peer_id=self.peer_id, endpoint=self._endpoint(), stage=serving.stage_index,
-                                   state=serving.state, throughput=serving.throughput, in_flight=serving.in_flight,
-                                   step=serving.step, config_hash=config_hash, last_moved_s=self.last_moved_s,
-                                   step_pause_s=serving.step_pause_s))
+            out.append(
+                StageRecord(
+                    peer_id=self.peer_id,
+                    endpoint=self._endpoint(),
+                    stage=serving.stage_index,
+                    state=serving.state,
+                    throughput=serving.throughput,
+                    in_flight=serving.in_flight,
+                    step=serving.step,
+                    config_hash=config_hash,
+                    last_moved_s=self.last_moved_s,
+                    step_pause_s=serving.step_pause_s,
+                )
+            )
         if self._heading_to is not None:
             target, expected = self._heading_to
-            out.append(StageRecord(peer_id=self.peer_id, endpoint=self._endpoint(), stage=target,
-                                   state=PeerState.STARTING, throughput=expected, in_flight=0, step=0,
-                                   config_hash=config_hash, last_moved_s=self.last_moved_s))
+            out.append(
+                StageRecord(
+                    peer_id=self.peer_id,
+                    endpoint=self._endpoint(),
+                    stage=target,
+                    state=PeerState.STARTING,
+                    throughput=expected,
+                    in_flight=0,
+                    step=0,
+                    config_hash=config_hash,
+                    last_moved_s=self.last_moved_s,
+                )
+            )
         return out
 
     async def announce(self) -> None:

@@ -4,6 +4,7 @@ Files are written atomically (temporary file, then rename), so a peer killed mid
 checkpoint intact. Each file records the run config's fingerprint: a checkpoint of another run's model is
 refused with a sentence instead of being loaded into the wrong shapes.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,6 +39,8 @@ class CheckpointStore:
             return None
         state = torch.load(path, map_location="cpu", weights_only=False)
         if state.get("config_hash") != run.fingerprint():
-            raise ValueError(f"checkpoint {path} was written for another run config ({state.get('run')}); "
-                             f"delete it or point --checkpoint-dir elsewhere")
+            raise ValueError(
+                f"checkpoint {path} was written for another run config ({state.get('run')}); "
+                f"delete it or point --checkpoint-dir elsewhere"
+            )
         return state

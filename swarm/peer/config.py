@@ -1,20 +1,23 @@
 """What one ``swarm peer`` is told: the run and stage to serve, where to listen, drain timing, fault
 injection, checkpoints, averaging and rebalancing. The CLI's flags are built from these fields."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarm.averaging.config import AveragingConfig
 from swarm.balance import RebalanceConfig
 from swarm.discovery.dht import DHTConfig
-from swarm.averaging.config import AveragingConfig
 from swarm.peer.executor import CacheConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     run_id: str = "demo"  # the run to join
-    stage: int | None = None  # stage index to serve (default: the stage where this peer adds the most throughput)
-    host: str = "127.0.0.1"  # address the gRPC server and the DHT listen on (0.0.0.0 for all interfaces)
+    # stage index to serve (default: the stage where this peer adds the most throughput)
+    stage: int | None = None
+    # address the gRPC server and the DHT listen on (0.0.0.0 for all interfaces)
+    host: str = "127.0.0.1"
     port: int = 0  # gRPC port (0 = any free port)
     announce_host: str | None = None  # address others should dial, if not --host
     peer_id: str | None = None  # stable identity (default: random per start)
@@ -22,16 +25,21 @@ class PeerConfig:
     heartbeat_s: float = 1.0  # seconds between DHT announcements
     ttl_s: float = 5.0  # announcement lifetime: a silent peer disappears from routing after this
     drain_timeout_s: float = 30.0  # on SIGTERM, exit within this many seconds
-    drain_notice_s: float = 3.0  # after SIGTERM, keep accepting forwards this long while trainers learn of it
-    drain_idle_s: float = 5.0  # while draining, give up on cached microbatches' backward after this long without any call
+    # after SIGTERM, keep accepting forwards this long while trainers learn of it
+    drain_notice_s: float = 3.0
+    # while draining, give up on cached microbatches' backward after this long without any call
+    drain_idle_s: float = 5.0
     max_microbatch_size: int = 256  # most samples accepted in one request
     calibration_batch: int = 8  # samples used to time the stage at startup
     slowdown: float = 1.0  # fault injection: emulate a device this many times slower (1 = off)
-    fail_probability: float = 0.0  # fault injection: answer this share of calls with an error (0 = off)
-    hang_after_calls: int = 0  # fault injection: stop answering (hang) after this many calls (0 = off)
+    # fault injection: answer this share of calls with an error (0 = off)
+    fail_probability: float = 0.0
+    # fault injection: stop answering (hang) after this many calls (0 = off)
+    hang_after_calls: int = 0
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    checkpoint_dir: str | None = None  # save this peer's stage state here (periodically and on drain); resume from it
+    # save this peer's stage state here (periodically and on drain); resume from it
+    checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 10  # optimizer steps between checkpoints (with --checkpoint-dir)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     rebalance: bool = True  # move to the bottleneck stage when the swarm is unbalanced
@@ -43,19 +51,29 @@ class PeerConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 < self.heartbeat_s < self.ttl_s:
-            raise ValueError(f"need 0 < heartbeat_s < ttl_s, got heartbeat_s={self.heartbeat_s}, ttl_s={self.ttl_s}")
+            raise ValueError(
+                f"need 0 < heartbeat_s < ttl_s, got heartbeat_s={self.heartbeat_s}, ttl_s={self.ttl_s}"
+            )
         if self.slowdown < 1:
             raise ValueError(f"slowdown is a factor >= 1 (1 = normal speed), got {self.slowdown}")
         if not 0 <= self.fail_probability <= 1 or self.hang_after_calls < 0:
-            raise ValueError(f"fail_probability must be in [0, 1] and hang_after_calls >= 0, got "
-                             f"{self.fail_probability} and {self.hang_after_calls}")
+            raise ValueError(
+                f"fail_probability must be in [0, 1] and hang_after_calls >= 0, got "
+                f"{self.fail_probability} and {self.hang_after_calls}"
+            )
         if not self.drain_idle_s > 0:
             raise ValueError(f"drain_idle_s must be > 0 seconds, got {self.drain_idle_s}")
         if not 0 <= self.drain_notice_s < self.drain_timeout_s:
-            raise ValueError(f"need 0 <= drain_notice_s < drain_timeout_s, got {self.drain_notice_s} and "
-                             f"{self.drain_timeout_s}")
+            raise ValueError(
+                f"need 0 <= drain_notice_s < drain_timeout_s, got {self.drain_notice_s} and "
+                f"{self.drain_timeout_s}"
+            )
         if self.checkpoint_every_steps < 1:
-            raise ValueError(f"checkpoint_every_steps must be >= 1, got {self.checkpoint_every_steps}")
+            raise ValueError(
+                f"checkpoint_every_steps must be >= 1, got {self.checkpoint_every_steps}"
+            )
         if self.threads < 1 or self.max_microbatch_size < 1 or self.calibration_batch < 1:
-            raise ValueError(f"threads ({self.threads}), max_microbatch_size ({self.max_microbatch_size}) and "
-                             f"calibration_batch ({self.calibration_batch}) must be >= 1")
+            raise ValueError(
+                f"threads ({self.threads}), max_microbatch_size ({self.max_microbatch_size}) and "
+                f"calibration_batch ({self.calibration_batch}) must be >= 1"
+            )

@@ -4,6 +4,7 @@ Not thread-safe by design: the peer runs every call on one worker thread, so par
 by a backward while an optimizer step writes them. All methods validate before they touch state, so a bad
 request leaves the accumulated gradients exactly as they were.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,16 +26,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-    graph_cache_size: int = 8  # microbatches whose autograd graph is kept, so backward needs no recompute
-    input_cache_bytes: int = 256 << 20  # bytes of stage inputs kept for backward (oldest evicted first)
-    reply_cache_size: int = 256  # backward replies kept so a retried backward returns the same answer
+    # microbatches whose autograd graph is kept, so backward needs no recompute
+    graph_cache_size: int = 8
+    # bytes of stage inputs kept for backward (oldest evicted first)
+    input_cache_bytes: int = 256 << 20
+    # backward replies kept so a retried backward returns the same answer
+    reply_cache_size: int = 256
     applied_ids_size: int = 100_000  # microbatch ids remembered as applied (never counted twice)
-    max_pending: int = 64  # computed gradients waiting for their caller's commit (one gradient copy each)
+    # computed gradients waiting for their caller's commit (one gradient copy each)
+    max_pending: int = 64
 
     def __post_init__(self):
         if min(self.graph_cache_size, self.reply_cache_size) < 0 or self.input_cache_bytes < 0:
-            raise ValueError(f"cache sizes must be >= 0, got graph_cache_size={self.graph_cache_size}, "
-                             f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}")
+            raise ValueError(
+                f"cache sizes must be >= 0, got graph_cache_size={self.graph_cache_size}, "
+                f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}"
+            )
 
 
 @dataclass
@@ -49,6 +56,7 @@ _UNKNOWN = object()
 
 def _busy(method):
     """Count the wall time of an executor method in ``busy_s`` (errors included: the thread was taken)."""
+
     @functools.wraps(method)
     def timed(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -56,6 +64,7 @@ def _busy(method):
             return method(self, *args, **kwargs)
         finally:
             self.busy_s += time.perf_counter() - t0
+
     return timed
 
 
@@ -68,8 +77,15 @@ class StageExecutor:
     (:class:`LocalStageOptimizer` for a replica that steps alone, the stage's hivemind optimizer with
     averaging)."""
 
-    def __init__(self, stage_module: Stage, run: RunConfig, *, optimizer: StageOptimizer,
-                 cache: CacheConfig = CacheConfig(), slowdown: float = 1.0):
+    def __init__(
+        self,
+        stage_module: Stage,
+        run: RunConfig,
+        *,
+        optimizer: StageOptimizer,
+        cache: CacheConfig = CacheConfig(),
+        slowdown: float = 1.0,
+    ):
         if not slowdown >= 1:
             raise ValueError(f"slowdown is a factor >= 1 (1 = normal speed), got {slowdown}")
         self.stage_module = stage_module
@@ -103,7 +119,9 @@ class StageExecutor:
     def throughput(self) -> float:
         """Measured samples/s of forward + backward (0 until measured). On the last stage one call does
         both, and its time is all in ``_bwd_s_per_sample``."""
-        per_sample = self._bwd_s_per_sample + (0.0 if self.stage_module.is_last else self._fwd_s_per_sample)
+        per_sample = self._bwd_s_per_sample + (
+            0.0 if self.stage_module.is_last else self._fwd_s_per_sample
+        )
         return 1.0 / per_sample if per_sample > 0 else 0.0
 
     def _observe(self, attr: str, seconds: float, samples: int, alpha: float = 0.1) -> None:
@@ -116,8 +134,11 @@ class StageExecutor:
         fastest of ``repeats`` runs after a warm-up, since a busy machine only ever adds time. With a
         ``slowdown``, the seed is what the emulated device will take (see :meth:`_emulated_s`)."""
         shape, dtype = self.stage_module.input_spec(batch_size)
-        x = (torch.randint(0, self.stage_module.config.vocab_size, shape) if dtype == torch.int64
-             else torch.randn(shape, dtype=dtype))
+        x = (
+            torch.randint(0, self.stage_module.config.vocab_size, shape)
+            if dtype == torch.int64
+            else torch.randn(shape, dtype=dtype)
+        )
         saved = [None if p.grad is None else p.grad.clone() for p in self.stage_module.parameters()]
         runs = []  # (wall, cpu) of the forward and of forward + backward
         for _ in range(1 + repeats):  # the first run includes one-off allocation costs
@@ -133,7 +154,9 @@ class StageExecutor:
         runs = runs[1:]
         fwd_s, total_s = (min(self._emulated_s(*run[i]) for run in runs) for i in (0, 1))
         self._fwd_s_per_sample = fwd_s / batch_size
-        self._bwd_s_per_sample = (total_s if self.stage_module.is_last else max(total_s - fwd_s, 0.0)) / batch_size
+        self._bwd_s_per_sample = (
+            total_s if self.stage_module.is_last else max(total_s - fwd_s, 0.0)
+        ) / batch_size
         return self.throughput
 
     def _emulated_s(self, wall_s: float, cpu_s: float) -> float:
@@ -158,7 +181,10 @@ class StageExecutor:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         yield
         if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * self._compute_s(time.perf_counter() - t0, time.thread_time() - cpu0))
+            time.sleep(
+                (self.slowdown - 1)
+                * self._compute_s(time.perf_counter() - t0, time.thread_time() - cpu0)
+            )
         self._observe(attr, time.perf_counter() - t0, samples)
 
     # ---------------------------------------------------------------- forward
@@ -194,8 +220,9 @@ class StageExecutor:
     # ---------------------------------------------------------------- backward
 
     @_busy
-    def forward_loss_backward(self, microbatch_id: str, x: torch.Tensor, targets: torch.Tensor,
-                              num_samples: int) -> tuple[float, torch.Tensor | None]:
+    def forward_loss_backward(
+        self, microbatch_id: str, x: torch.Tensor, targets: torch.Tensor, num_samples: int
+    ) -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient in one call. The parameter gradients are held until
         :meth:`commit` (or dropped by :meth:`abort`). Raises PeerOverloaded, before computing, when
         ``max_pending`` gradients already wait for their commit."""
@@ -209,8 +236,10 @@ class StageExecutor:
             with torch.enable_grad():
                 loss = self.stage_module.loss(leaf, targets)
             if not torch.isfinite(loss):
-                raise InvalidRequest(f"microbatch {microbatch_id}: the loss is {float(loss.detach())}; the inputs "
-                                     f"drove the model to a non-finite value, nothing was accumulated")
+                raise InvalidRequest(
+                    f"microbatch {microbatch_id}: the loss is {float(loss.detach())}; the inputs "
+                    f"drove the model to a non-finite value, nothing was accumulated"
+                )
             # Weight by samples: after dividing by the samples of the global batch at step time, the gradient
             # is that of the mean loss over the global batch, however it was cut into microbatches.
             grads, grad_input = self._gradients(loss * num_samples, None, leaf)
@@ -219,8 +248,13 @@ class StageExecutor:
         return reply
 
     @_busy
-    def backward(self, microbatch_id: str, grad_output: torch.Tensor, inputs: torch.Tensor | None,
-                 num_samples: int) -> torch.Tensor | None:
+    def backward(
+        self,
+        microbatch_id: str,
+        grad_output: torch.Tensor,
+        inputs: torch.Tensor | None,
+        num_samples: int,
+    ) -> torch.Tensor | None:
         """Compute this microbatch's gradients; return the gradient of the stage input (None on the first
         stage, whose input is token ids). Parameter gradients are held until :meth:`commit`. Raises
         NotCached if this peer holds neither the graph nor the inputs and none were sent, PeerOverloaded
@@ -230,15 +264,19 @@ class StageExecutor:
         self._check_room(microbatch_id)
         cached = self._cache.get(microbatch_id)
         if cached is None and inputs is None:
-            raise NotCached(f"microbatch {microbatch_id} is not cached here (evicted, or served by another "
-                            f"peer); resend it with its inputs")
+            raise NotCached(
+                f"microbatch {microbatch_id} is not cached here (evicted, or served by another "
+                f"peer); resend it with its inputs"
+            )
         if inputs is not None:
             self._check_input(inputs)
         x = cached.inputs if cached is not None else inputs
         expected = (*x.shape[:2], self.stage_module.output_width)
         if tuple(grad_output.shape) != expected or grad_output.dtype != torch.float32:
-            raise InvalidRequest(f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
-                                 f"got {grad_output.dtype} {list(grad_output.shape)}")
+            raise InvalidRequest(
+                f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
+                f"got {grad_output.dtype} {list(grad_output.shape)}"
+            )
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
             if cached is not None and cached.graph is not None:
                 leaf, out = cached.graph
@@ -257,7 +295,7 @@ class StageExecutor:
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
         wrt = params + ([leaf] if leaf.requires_grad else [])
         grads = torch.autograd.grad(out, wrt, grad_output, allow_unused=True)
-        return list(grads[:len(params)]), (grads[-1] if leaf.requires_grad else None)
+        return list(grads[: len(params)]), (grads[-1] if leaf.requires_grad else None)
 
     # ---------------------------------------------------------------- two-phase apply
 
@@ -269,8 +307,10 @@ class StageExecutor:
         if microbatch_id in self._replies:
             return self._replies[microbatch_id]
         if microbatch_id in self._applied:
-            raise AlreadyApplied(f"microbatch {microbatch_id} was already applied by this peer and its reply "
-                                 f"is no longer cached; it counts once")
+            raise AlreadyApplied(
+                f"microbatch {microbatch_id} was already applied by this peer and its reply "
+                f"is no longer cached; it counts once"
+            )
         return _UNKNOWN
 
     def _check_room(self, microbatch_id: str) -> None:
@@ -278,9 +318,11 @@ class StageExecutor:
         one instead would lose it silently: its caller counts a microbatch whose commit then finds nothing.
         Called after :meth:`_known_reply`, so a retry of a call whose reply is pending still gets it."""
         if len(self._pending) >= self.cache_config.max_pending:
-            raise PeerOverloaded(f"microbatch {microbatch_id} refused: {len(self._pending)} computed gradients "
-                                 f"already wait for their callers' commits (max_pending="
-                                 f"{self.cache_config.max_pending}); retry at another peer of the stage")
+            raise PeerOverloaded(
+                f"microbatch {microbatch_id} refused: {len(self._pending)} computed gradients "
+                f"already wait for their callers' commits (max_pending="
+                f"{self.cache_config.max_pending}); retry at another peer of the stage"
+            )
 
     def _hold(self, microbatch_id: str, grads: list, reply, num_samples: int) -> None:
         # _check_room ran before the compute on this same thread: there is room.
@@ -346,18 +388,26 @@ class StageExecutor:
     def state_dict(self) -> dict:
         """Parameters and optimizer state (with its step), for checkpoints."""
         params = {k: v.detach().clone() for k, v in self.stage_module.state_dict().items()}
-        return {"stage": self.stage_index, "params": params, "optimizer": self.optimizer.state_dict(),
-                "step": self.step}
+        return {
+            "stage": self.stage_index,
+            "params": params,
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
 
     def load_state(self, state: dict) -> None:
         """Restore :meth:`state_dict` output. Raises ValueError if it belongs to another stage or config."""
         if state.get("stage") != self.stage_index:
-            raise ValueError(f"the state is for stage {state.get('stage')}, this executor serves stage "
-                             f"{self.stage_index}")
+            raise ValueError(
+                f"the state is for stage {state.get('stage')}, this executor serves stage "
+                f"{self.stage_index}"
+            )
         try:
             self.stage_module.load_state_dict(state["params"], strict=True)
         except RuntimeError as e:
-            raise ValueError(f"the state does not match stage {self.stage_index} of this run's model: {e}") from None
+            raise ValueError(
+                f"the state does not match stage {self.stage_index} of this run's model: {e}"
+            ) from None
         self.optimizer.load_state_dict(state["optimizer"])
         self._after_step()
 
@@ -371,7 +421,9 @@ class StageExecutor:
 
     def _check_targets(self, x: torch.Tensor, targets: torch.Tensor) -> None:
         if not self.stage_module.is_last:
-            raise InvalidRequest(f"stage {self.stage_index} is not the last stage; it computes no loss")
+            raise InvalidRequest(
+                f"stage {self.stage_index} is not the last stage; it computes no loss"
+            )
         try:
             self.stage_module.check_targets(x, targets)
         except ValueError as e:

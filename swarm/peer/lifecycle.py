@@ -5,6 +5,7 @@ that fails half-way through starting still releases what it took, and shutdown n
 it wires together talk through narrow interfaces: the service and the announcer read the peer through
 getters, admission owns the call counts, and the rebalancer moves the peer through a callback.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,13 +16,13 @@ import uuid
 
 import torch
 
+from swarm.averaging import HivemindStageOptimizer
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
 from swarm.model import build_stage
+from swarm.optim import LocalStageOptimizer
 from swarm.peer.admission import Admission
 from swarm.peer.announcer import RUN_TTL_FACTOR, Announcer, Serving
-from swarm.averaging import HivemindStageOptimizer
-from swarm.optim import LocalStageOptimizer
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import StageExecutor
@@ -55,18 +56,26 @@ class Peer:
         self.rebalancer: Rebalancer | None = None
         self.stopped = asyncio.Event()
         self.admission = Admission(
-            peer_id=self.peer_id, drain_timeout_s=config.drain_timeout_s, drain_notice_s=config.drain_notice_s,
-            drain_idle_s=config.drain_idle_s, fail_probability=config.fail_probability,
-            hang_after_calls=config.hang_after_calls, rng=random.Random(config.peer_id))
+            peer_id=self.peer_id,
+            drain_timeout_s=config.drain_timeout_s,
+            drain_notice_s=config.drain_notice_s,
+            drain_idle_s=config.drain_idle_s,
+            fail_probability=config.fail_probability,
+            hang_after_calls=config.hang_after_calls,
+            rng=random.Random(config.peer_id),
+        )
         self._announcer: Announcer | None = None
         self._worker: PriorityWorker | None = None
-        self._checkpoints = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
+        self._checkpoints = (
+            CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
+        )
         self._saved_step = -1  # step of the last checkpoint written or restored
         self._stack = contextlib.AsyncExitStack()
 
     @classmethod
-    async def create(cls, config: PeerConfig, *, run: RunConfig | None = None,
-                     run_wait_s: float = 60.0) -> Peer:
+    async def create(
+        cls, config: PeerConfig, *, run: RunConfig | None = None, run_wait_s: float = 60.0
+    ) -> Peer:
         """Start a peer. ``run`` publishes a new run's config if the DHT has none for ``config.run_id``;
         without it the config is read from the DHT (waiting up to ``run_wait_s``)."""
         self = cls(config)
@@ -89,15 +98,25 @@ class Peer:
         self.state = PeerState.SERVING
         self._announcer.settled()
         await self._announcer.announce()
-        logger.info("peer %s serves stage %d of run '%s' at %s (%.1f samples/s)", self.peer_id,
-                    self.stage_index, self.run_id, self.endpoint, self.throughput)
+        logger.info(
+            "peer %s serves stage %d of run '%s' at %s (%.1f samples/s)",
+            self.peer_id,
+            self.stage_index,
+            self.run_id,
+            self.endpoint,
+            self.throughput,
+        )
         return self
 
     # ------------------------------------------------------------------ startup steps
 
     async def _start_dht(self) -> None:
-        self.dht = await asyncio.to_thread(start_dht, self.config.dht, host=self.config.host,
-                                           announce_host=self.config.announce_host)
+        self.dht = await asyncio.to_thread(
+            start_dht,
+            self.config.dht,
+            host=self.config.host,
+            announce_host=self.config.announce_host,
+        )
         self._stack.callback(self.dht.shutdown)
         self.directory = RunDirectory(self.dht, self.run_id)
 
@@ -109,25 +128,38 @@ class Peer:
         elif published is None:
             published = await self.directory.wait_for_run(timeout_s=wait_s)
         elif run is not None and published.fingerprint() != run.fingerprint():
-            raise ValueError(f"run '{self.run_id}' already exists in the DHT with another config "
-                             f"({published.to_dict()}); drop --preset/model flags to join it, or pick a new --run-id")
+            raise ValueError(
+                f"run '{self.run_id}' already exists in the DHT with another config "
+                f"({published.to_dict()}); drop --preset/model flags to join it, or pick a new --run-id"
+            )
         if self.stage_index is not None and self.stage_index >= published.model.num_stages:
-            raise ValueError(f"run '{self.run_id}' has {published.model.num_stages} stages; "
-                             f"--stage {self.stage_index} does not exist")
+            raise ValueError(
+                f"run '{self.run_id}' has {published.model.num_stages} stages; "
+                f"--stage {self.stage_index} does not exist"
+            )
         self.run = published
 
     async def _start_announcer(self) -> None:
-        self._announcer = Announcer(self.directory, self.run, peer_id=self.peer_id, ttl_s=self.config.ttl_s,
-                                    heartbeat_s=self.config.heartbeat_s, endpoint=lambda: self.endpoint,
-                                    serving=self._serving)
+        self._announcer = Announcer(
+            self.directory,
+            self.run,
+            peer_id=self.peer_id,
+            ttl_s=self.config.ttl_s,
+            heartbeat_s=self.config.heartbeat_s,
+            endpoint=lambda: self.endpoint,
+            serving=self._serving,
+        )
 
     async def _choose_stage(self) -> None:
         if self.stage_index is not None:
             return
-        self.stage_index = await choose_arrival_stage(self.directory, self.run.model, self.config.balance,
-                                                      random.Random(self.peer_id))
+        self.stage_index = await choose_arrival_stage(
+            self.directory, self.run.model, self.config.balance, random.Random(self.peer_id)
+        )
         self._announcer.heading_to(self.stage_index)
-        await self._announcer.announce()  # "starting" on the chosen stage, so later arrivals count this peer
+        await (
+            self._announcer.announce()
+        )  # "starting" on the chosen stage, so later arrivals count this peer
 
     async def _start_compute(self) -> None:
         # One worker thread runs all of this peer's torch work, so compute never races an optimizer step.
@@ -141,7 +173,9 @@ class Peer:
         self.executor, _ = await self._build_executor(self.stage_index, moving=False)
         self._saved_step = self.executor.step
 
-        async def detach() -> None:  # the optimizer of the stage served at shutdown (a move replaces it)
+        async def detach() -> (
+            None
+        ):  # the optimizer of the stage served at shutdown (a move replaces it)
             await asyncio.to_thread(self.executor.optimizer.shutdown)
 
         self._stack.push_async_callback(detach)
@@ -156,10 +190,15 @@ class Peer:
         restored = None
         if self._checkpoints is not None:
             restored = await asyncio.to_thread(self._checkpoints.load, stage_index, run=run)
-        source = "resumed from its checkpoint" if restored is not None else "no peer to load from: fresh init"
+        source = (
+            "resumed from its checkpoint"
+            if restored is not None
+            else "no peer to load from: fresh init"
+        )
         if moving and not config.averaging.average and restored is None:
-            state = await fetch_stage_state(self.directory, stage_index, exclude=self.peer_id,
-                                            timeout_s=FETCH_STATE_TIMEOUT_S)
+            state = await fetch_stage_state(
+                self.directory, stage_index, exclude=self.peer_id, timeout_s=FETCH_STATE_TIMEOUT_S
+            )
             if state is not None:
                 stage_module.load_state_dict(state)
                 source = "state loaded from its peers"
@@ -169,19 +208,27 @@ class Peer:
             ahead = await serving_peers(self.directory, stage_index, exclude=self.peer_id)
             peers_step = ahead[0].step if ahead else 0
             # Built on the event loop's thread, which owns signal handling.
-            optimizer = HivemindStageOptimizer(stage_module, run, dht=self.dht, run_id=self.run_id,
-                                               config=config.averaging)
+            optimizer = HivemindStageOptimizer(
+                stage_module, run, dht=self.dht, run_id=self.run_id, config=config.averaging
+            )
         else:
             optimizer = LocalStageOptimizer(stage_module, run)
-        executor = StageExecutor(stage_module, run, optimizer=optimizer, cache=config.cache,
-                                 slowdown=config.slowdown)
+        executor = StageExecutor(
+            stage_module, run, optimizer=optimizer, cache=config.cache, slowdown=config.slowdown
+        )
 
         def restore_then_sync() -> bool:
             if restored is not None:
                 executor.load_state(restored)
-                logger.info("stage %d resumed from checkpoint at step %d", stage_index, executor.step)
+                logger.info(
+                    "stage %d resumed from checkpoint at step %d", stage_index, executor.step
+                )
             if config.averaging.average and optimizer.sync_with_peers(peers_step):
-                logger.info("stage %d state downloaded from its peers: now at step %d", stage_index, executor.step)
+                logger.info(
+                    "stage %d state downloaded from its peers: now at step %d",
+                    stage_index,
+                    executor.step,
+                )
                 return True
             return False
 
@@ -220,7 +267,9 @@ class Peer:
                     await self.save_checkpoint()
             except OSError as e:  # a full disk must not stop serving; say so and retry later
                 logger.error("could not write the checkpoint: %s", e)
-            except Exception as e:  # averaging trouble must not kill the peer; the next check retries
+            except (
+                Exception
+            ) as e:  # averaging trouble must not kill the peer; the next check retries
                 logger.warning("optimizer step check failed: %s", e)
 
     async def save_checkpoint(self) -> None:
@@ -230,20 +279,34 @@ class Peer:
         state = await self._worker.compute_urgent(self.executor.state_dict)
         await asyncio.to_thread(self._checkpoints.save, state, run=self.run)
         self._saved_step = state["step"]
-        logger.info("checkpoint of stage %d at step %d written to %s", state["stage"], state["step"],
-                    self._checkpoints.directory)
+        logger.info(
+            "checkpoint of stage %d at step %d written to %s",
+            state["stage"],
+            state["step"],
+            self._checkpoints.directory,
+        )
 
     async def _start_server(self) -> None:
         context = ServiceContext(
-            run_id=self.run_id, peer_id=self.peer_id, state=lambda: self.state, executor=lambda: self.executor,
-            admission=self.admission, max_microbatch_size=self.config.max_microbatch_size,
-            compute=self._worker.compute, compute_urgent=self._worker.compute_urgent,
-            submit_urgent=self._worker.submit_urgent)
-        server, port = await start_server(StageService(context), host=self.config.host, port=self.config.port)
+            run_id=self.run_id,
+            peer_id=self.peer_id,
+            state=lambda: self.state,
+            executor=lambda: self.executor,
+            admission=self.admission,
+            max_microbatch_size=self.config.max_microbatch_size,
+            compute=self._worker.compute,
+            compute_urgent=self._worker.compute_urgent,
+            submit_urgent=self._worker.submit_urgent,
+        )
+        server, port = await start_server(
+            StageService(context), host=self.config.host, port=self.config.port
+        )
         self._stack.push_async_callback(server.stop, 1.0)
         self.endpoint = f"{self.config.announce_host or self.config.host}:{port}"
         if self.endpoint.startswith("0.0.0.0:"):
-            raise ValueError("listening on 0.0.0.0 needs --announce-host: the address trainers should dial")
+            raise ValueError(
+                "listening on 0.0.0.0 needs --announce-host: the address trainers should dial"
+            )
 
     async def _start_heartbeat(self) -> None:
         self._background(self._announcer.run_forever(), "announce")
@@ -251,10 +314,16 @@ class Peer:
     async def _start_rebalancer(self) -> None:
         if not self.config.rebalance or self.run.model.num_stages < 2:
             return
-        self.rebalancer = Rebalancer(self.directory, self.run.model, self.config.balance, peer_id=self.peer_id,
-                                     state=lambda: self.state,
-                                     move=lambda stage_index, expected: self.move_to(stage_index,
-                                                                                     expected_throughput=expected))
+        self.rebalancer = Rebalancer(
+            self.directory,
+            self.run.model,
+            self.config.balance,
+            peer_id=self.peer_id,
+            state=lambda: self.state,
+            move=lambda stage_index, expected: self.move_to(
+                stage_index, expected_throughput=expected
+            ),
+        )
         self._background(self.rebalancer.run(), "rebalance")
 
     # ------------------------------------------------------------------ running
@@ -268,8 +337,14 @@ class Peer:
         ex = self.executor
         if ex is None:
             return None
-        return Serving(stage_index=self.stage_index, state=self.state, throughput=ex.throughput,
-                       in_flight=self.admission.in_flight, step=ex.step, step_pause_s=ex.optimizer.step_pause_s)
+        return Serving(
+            stage_index=self.stage_index,
+            state=self.state,
+            throughput=ex.throughput,
+            in_flight=self.admission.in_flight,
+            step=ex.step,
+            step_pause_s=ex.optimizer.step_pause_s,
+        )
 
     async def drain(self) -> None:
         """Stop taking new work, finish what is in flight and what trainers will still ask (backward for
@@ -293,14 +368,18 @@ class Peer:
         self.state = PeerState.SERVING
         self._announcer.settled()
         await self._announcer.announce()
-        logger.info("peer %s moved from stage %d to stage %d (%s)", self.peer_id, old, stage_index, source)
+        logger.info(
+            "peer %s moved from stage %d to stage %d (%s)", self.peer_id, old, stage_index, source
+        )
 
     async def _drain_work(self) -> None:
         self.state = PeerState.DRAINING
         self.admission.begin_drain()
         logger.info("peer %s draining (at most %.0fs)", self.peer_id, self.config.drain_timeout_s)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._announcer.announce(), timeout=max(0.1, self.admission.drain_left_s))
+            await asyncio.wait_for(
+                self._announcer.announce(), timeout=max(0.1, self.admission.drain_left_s)
+            )
         # Trainers stop routing new forwards here once they see the draining state (in a reply or the
         # DHT); until the cached microbatches are claimed by their backward, keep serving.
         await self.admission.wait_until_drained(lambda: self.executor.cached_microbatches)

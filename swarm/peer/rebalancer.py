@@ -4,6 +4,7 @@ The decisions are :mod:`swarm.balance`'s pure policy; this module reads the swar
 the claims that let at most one peer leave a stage per period, and asks the peer to move (through a
 callback: it never sees the peer itself).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,17 @@ from collections.abc import Awaitable, Callable
 
 from hivemind.utils import get_dht_time
 
-from swarm.balance import (PeerRecord, RebalanceConfig, SwarmView, arrival_delay_s, choose_stage_on_arrival,
-                           claim_key, decide_move, is_my_turn, period_index)
+from swarm.balance import (
+    PeerRecord,
+    RebalanceConfig,
+    SwarmView,
+    arrival_delay_s,
+    choose_stage_on_arrival,
+    claim_key,
+    decide_move,
+    is_my_turn,
+    period_index,
+)
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
 from swarm.model import ModelConfig
@@ -38,29 +48,44 @@ def stage_costs(model: ModelConfig) -> list[float]:
 
 
 def _capacity(records: dict[str, StageRecord]) -> float:
-    return sum(r.throughput for r in records.values() if r.state in (PeerState.SERVING, PeerState.STARTING))
+    return sum(
+        r.throughput for r in records.values() if r.state in (PeerState.SERVING, PeerState.STARTING)
+    )
 
 
-def estimate_my_throughput(stages: list[dict[str, StageRecord]], costs: list[float]) -> list[float] | float:
+def estimate_my_throughput(
+    stages: list[dict[str, StageRecord]], costs: list[float]
+) -> list[float] | float:
     """Before it has measured anything, a newcomer assumes it is a typical peer: the median announced
     speed, converted between stages by their relative cost."""
-    normalised = [r.throughput * costs[s] for s, recs in enumerate(stages) for r in recs.values() if r.throughput > 0]
+    normalised = [
+        r.throughput * costs[s]
+        for s, recs in enumerate(stages)
+        for r in recs.values()
+        if r.throughput > 0
+    ]
     if not normalised:
         return 1.0  # nobody measured yet: only the relative order of stages matters
     base = statistics.median(normalised)
     return [base / c for c in costs]
 
 
-async def choose_arrival_stage(directory: RunDirectory, model: ModelConfig, config: RebalanceConfig,
-                               rng: random.Random) -> int:
+async def choose_arrival_stage(
+    directory: RunDirectory, model: ModelConfig, config: RebalanceConfig, rng: random.Random
+) -> int:
     """Wait a short random delay (so peers arriving together see each other's "starting" records), then
     pick the stage where this peer adds the most swarm throughput."""
     await asyncio.sleep(arrival_delay_s(rng, config.arrival_max_delay_s))
     stages = await directory.all_stages(model.num_stages)
     costs = stage_costs(model)
-    stage = choose_stage_on_arrival([_capacity(recs) for recs in stages], estimate_my_throughput(stages, costs), rng)
-    logger.info("arriving peer picks stage %d (stage capacities %s samples/s)", stage,
-                [round(_capacity(recs), 1) for recs in stages])
+    stage = choose_stage_on_arrival(
+        [_capacity(recs) for recs in stages], estimate_my_throughput(stages, costs), rng
+    )
+    logger.info(
+        "arriving peer picks stage %d (stage capacities %s samples/s)",
+        stage,
+        [round(_capacity(recs), 1) for recs in stages],
+    )
     return stage
 
 
@@ -72,10 +97,15 @@ async def read_view(directory: RunDirectory, model: ModelConfig, period: int) ->
         if claimers:
             claims[(stage, period)] = claimers
     return SwarmView(
-        stages=[{pid: PeerRecord(r.throughput, r.state) for pid, r in recs.items()} for recs in stages],
+        stages=[
+            {pid: PeerRecord(r.throughput, r.state) for pid, r in recs.items()} for recs in stages
+        ],
         claims=claims,
-        last_moved_s={pid: r.last_moved_s for recs in stages for pid, r in recs.items() if r.last_moved_s > 0},
-        stage_costs=stage_costs(model))
+        last_moved_s={
+            pid: r.last_moved_s for recs in stages for pid, r in recs.items() if r.last_moved_s > 0
+        },
+        stage_costs=stage_costs(model),
+    )
 
 
 class Rebalancer:
@@ -85,8 +115,16 @@ class Rebalancer:
     ``state()`` is the peer's state now (only a serving peer moves); ``move(stage_index,
     expected_throughput)`` drains the peer and moves it, returning once it serves the new stage."""
 
-    def __init__(self, directory: RunDirectory, model: ModelConfig, config: RebalanceConfig, *, peer_id: str,
-                 state: Callable[[], PeerState], move: Callable[[int, float], Awaitable[None]]):
+    def __init__(
+        self,
+        directory: RunDirectory,
+        model: ModelConfig,
+        config: RebalanceConfig,
+        *,
+        peer_id: str,
+        state: Callable[[], PeerState],
+        move: Callable[[int, float], Awaitable[None]],
+    ):
         self.directory = directory
         self.model = model
         self.config = config
@@ -123,8 +161,13 @@ class Rebalancer:
         await asyncio.sleep(min(1.0, 0.1 * self.config.period_s))
         if not is_my_turn(await self.directory.claimers(key), self.peer_id, period):
             return False
-        logger.info("moving from stage %d to stage %d: swarm %.1f -> %.1f samples/s planned", move.from_stage,
-                    move.to_stage, move.swarm_throughput, move.planned_throughput)
+        logger.info(
+            "moving from stage %d to stage %d: swarm %.1f -> %.1f samples/s planned",
+            move.from_stage,
+            move.to_stage,
+            move.swarm_throughput,
+            move.planned_throughput,
+        )
         await self._move(move.to_stage, move.throughput_to)
         self.moves += 1
         return True

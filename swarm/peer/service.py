@@ -7,6 +7,7 @@ Validation order matters for "bad input loses nothing": the request header (prot
 state) is checked first, tensor headers are checked before their payload is received, payloads are
 checked while decoding (lengths, finiteness), and only then does the executor touch any state.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,8 @@ from swarm.peer.executor import StageExecutor
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
-from swarm.transport.server import stream_handler, unary_handler
 from swarm.states import PeerState
+from swarm.transport.server import stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, codec_or_invalid, tensor_frames
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,14 @@ class ServiceContext:
     run_id: str  # the run this peer serves
     peer_id: str
     state: Callable[[], PeerState]  # the peer's state now (sent in every reply)
-    executor: Callable[[], StageExecutor]  # read on every call: a peer that moves swaps its executor
+    # read on every call: a peer that moves swaps its executor
+    executor: Callable[[], StageExecutor]
     admission: Admission  # drain window, fault injection, in-flight count
     max_microbatch_size: int  # most samples accepted in one request
-    compute: Callable[..., Awaitable[Any]]  # run fn(*args, **kwargs) on the compute thread, after queued work
-    compute_urgent: Callable[..., Awaitable[Any]]  # run a cheap fn(*args) there ahead of queued compute
+    # run fn(*args, **kwargs) on the compute thread, after queued work
+    compute: Callable[..., Awaitable[Any]]
+    # run a cheap fn(*args) there ahead of queued compute
+    compute_urgent: Callable[..., Awaitable[Any]]
     submit_urgent: Callable[..., None]  # queue a cheap fn(*args) ahead of compute, without waiting
 
 
@@ -65,22 +69,35 @@ class StageService(pb_grpc.StagePeerServicer):
             codec = codec_or_invalid(meta.codec)
             stage = self.executor.stage_module
             wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
-            tensors = await self._read_tensors(reader, meta, {"input", "targets"} if wants_loss else {"input"})
+            tensors = await self._read_tensors(
+                reader, meta, {"input", "targets"} if wants_loss else {"input"}
+            )
             x = _require(tensors, "input")
             if meta.eval_only and stage.is_last:
-                loss = await self.ctx.compute(self.executor.eval_loss, x, _require(tensors, "targets"))
+                loss = await self.ctx.compute(
+                    self.executor.eval_loss, x, _require(tensors, "targets")
+                )
                 yield self._reply(loss=loss)
             elif meta.compute_loss:
                 loss, grad_input = await self.ctx.compute(
-                    self.executor.forward_loss_backward, meta.microbatch_id, x, _require(tensors, "targets"),
-                    _num_samples(meta, x))
-                async for frame in self._reply_and_commit(reader, meta, codec, grad_input, loss=loss):
+                    self.executor.forward_loss_backward,
+                    meta.microbatch_id,
+                    x,
+                    _require(tensors, "targets"),
+                    _num_samples(meta, x),
+                )
+                async for frame in self._reply_and_commit(
+                    reader, meta, codec, grad_input, loss=loss
+                ):
                     yield frame
             elif stage.is_last:
-                raise InvalidRequest("the last stage needs compute_loss (with targets) or eval_only")
+                raise InvalidRequest(
+                    "the last stage needs compute_loss (with targets) or eval_only"
+                )
             else:
-                output = await self.ctx.compute(self.executor.forward, meta.microbatch_id, x,
-                                                keep=not meta.eval_only)
+                output = await self.ctx.compute(
+                    self.executor.forward, meta.microbatch_id, x, keep=not meta.eval_only
+                )
                 yield self._reply(num_tensors=1)
                 async for frame in tensor_frames("output", output, codec):
                     yield frame
@@ -94,22 +111,37 @@ class StageService(pb_grpc.StagePeerServicer):
         async with self.ctx.admission.call(new_work=meta.include_inputs, stage_index=meta.stage):
             codec = codec_or_invalid(meta.codec)
             tensors = await self._read_tensors(
-                reader, meta, {"grad_output", "input"} if meta.include_inputs else {"grad_output"})
+                reader, meta, {"grad_output", "input"} if meta.include_inputs else {"grad_output"}
+            )
             grad_output = _require(tensors, "grad_output")
             inputs = _require(tensors, "input") if meta.include_inputs else None
-            grad_input = await self.ctx.compute(self.executor.backward, meta.microbatch_id, grad_output, inputs,
-                                                _num_samples(meta, grad_output))
+            grad_input = await self.ctx.compute(
+                self.executor.backward,
+                meta.microbatch_id,
+                grad_output,
+                inputs,
+                _num_samples(meta, grad_output),
+            )
             async for frame in self._reply_and_commit(reader, meta, codec, grad_input):
                 yield frame
 
     async def _read_tensors(self, reader: FrameReader, meta: pb.RequestMeta, allowed: set[str]):
         if meta.num_tensors > len(allowed):
-            raise InvalidRequest(f"the call announces {meta.num_tensors} tensors; at most {len(allowed)} "
-                                 f"({sorted(allowed)}) are expected")
+            raise InvalidRequest(
+                f"the call announces {meta.num_tensors} tensors; at most {len(allowed)} "
+                f"({sorted(allowed)}) are expected"
+            )
         return await reader.tensors(meta.num_tensors, check=self._header_check(allowed=allowed))
 
-    async def _reply_and_commit(self, reader: FrameReader, meta: pb.RequestMeta, codec, grad_input,
-                                *, loss: float | None = None) -> AsyncIterator[pb.Frame]:
+    async def _reply_and_commit(
+        self,
+        reader: FrameReader,
+        meta: pb.RequestMeta,
+        codec,
+        grad_input,
+        *,
+        loss: float | None = None,
+    ) -> AsyncIterator[pb.Frame]:
         """Send the reply, then wait for the caller's commit before counting the gradients. If the caller
         gives up first (its deadline passed, it died), the gradients are dropped: it retries elsewhere."""
         committed = False
@@ -120,10 +152,14 @@ class StageService(pb_grpc.StagePeerServicer):
                     yield frame
             commit = await reader.commit()
             if commit.microbatch_id != meta.microbatch_id:
-                raise InvalidRequest(f"commit names microbatch {commit.microbatch_id!r}, the call was for "
-                                     f"{meta.microbatch_id!r}")
+                raise InvalidRequest(
+                    f"commit names microbatch {commit.microbatch_id!r}, the call was for "
+                    f"{meta.microbatch_id!r}"
+                )
             batch_step = meta.batch_step if meta.HasField("batch_step") else None
-            committed = await self.ctx.compute_urgent(self.executor.commit, meta.microbatch_id, batch_step)
+            committed = await self.ctx.compute_urgent(
+                self.executor.commit, meta.microbatch_id, batch_step
+            )
         finally:
             if not committed:
                 self.ctx.submit_urgent(self.executor.abort, meta.microbatch_id)
@@ -138,8 +174,14 @@ class StageService(pb_grpc.StagePeerServicer):
             return ex.step, ex.samples_accumulated, ex.snapshot(include_grads=request.include_grads)
 
         step, samples, tensors = await self.ctx.compute_urgent(take)
-        yield pb.Frame(reply=pb.ReplyMeta(step=step, state=self.ctx.state(), samples_accumulated=samples,
-                                          num_tensors=len(tensors)))
+        yield pb.Frame(
+            reply=pb.ReplyMeta(
+                step=step,
+                state=self.ctx.state(),
+                samples_accumulated=samples,
+                num_tensors=len(tensors),
+            )
+        )
         codec = codec_or_invalid("none")  # state travels exactly
         for name, tensor in tensors.items():
             async for frame in tensor_frames(name, tensor, codec):
@@ -151,26 +193,41 @@ class StageService(pb_grpc.StagePeerServicer):
             raise WrongPeer(f"this peer serves run '{self.ctx.run_id}', not '{request.run_id}'")
         ex = self.executor
         return pb.InfoResponse(
-            protocol_version=PROTOCOL_VERSION, run_id=self.ctx.run_id, stage=ex.stage_index,
-            peer_id=self.ctx.peer_id, state=self.ctx.state(), throughput=ex.throughput,
-            in_flight=self.ctx.admission.in_flight, step=ex.step, samples_accumulated=ex.samples_accumulated,
-            microbatches_applied=ex.microbatches_applied, samples_applied=ex.samples_applied, busy_s=ex.busy_s,
-            codecs=list(CODEC_NAMES))
+            protocol_version=PROTOCOL_VERSION,
+            run_id=self.ctx.run_id,
+            stage=ex.stage_index,
+            peer_id=self.ctx.peer_id,
+            state=self.ctx.state(),
+            throughput=ex.throughput,
+            in_flight=self.ctx.admission.in_flight,
+            step=ex.step,
+            samples_accumulated=ex.samples_accumulated,
+            microbatches_applied=ex.microbatches_applied,
+            samples_applied=ex.samples_applied,
+            busy_s=ex.busy_s,
+            codecs=list(CODEC_NAMES),
+        )
 
     # ------------------------------------------------------------------ checks
 
     def _check_request(self, meta: pb.RequestMeta) -> None:
         """The request header names this peer's protocol, run and stage, and a usable microbatch id."""
         if meta.protocol_version != PROTOCOL_VERSION:
-            raise InvalidRequest(f"protocol version {meta.protocol_version} is not supported by this peer "
-                                 f"(it speaks {PROTOCOL_VERSION}); upgrade the older side")
+            raise InvalidRequest(
+                f"protocol version {meta.protocol_version} is not supported by this peer "
+                f"(it speaks {PROTOCOL_VERSION}); upgrade the older side"
+            )
         if meta.run_id != self.ctx.run_id:
             raise WrongPeer(f"this peer serves run '{self.ctx.run_id}', not '{meta.run_id}'")
         if meta.stage != self.executor.stage_index:
-            raise WrongPeer(f"this peer serves stage {self.executor.stage_index} of run '{self.ctx.run_id}', "
-                            f"not stage {meta.stage}; refresh the peer list from the DHT")
+            raise WrongPeer(
+                f"this peer serves stage {self.executor.stage_index} of run '{self.ctx.run_id}', "
+                f"not stage {meta.stage}; refresh the peer list from the DHT"
+            )
         if not meta.microbatch_id or len(meta.microbatch_id) > 256:
-            raise InvalidRequest("microbatch_id must be a non-empty string of at most 256 characters")
+            raise InvalidRequest(
+                "microbatch_id must be a non-empty string of at most 256 characters"
+            )
 
     def _header_check(self, *, allowed: set[str]) -> Callable:
         stage = self.executor.stage_module
@@ -178,10 +235,14 @@ class StageService(pb_grpc.StagePeerServicer):
 
         def check(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str) -> None:
             if name not in allowed:
-                raise InvalidRequest(f"unexpected tensor '{name}' in this call; expected {sorted(allowed)}")
+                raise InvalidRequest(
+                    f"unexpected tensor '{name}' in this call; expected {sorted(allowed)}"
+                )
             if shape and shape[0] > max_batch:
-                raise InvalidRequest(f"tensor '{name}' has {shape[0]} samples, more than the "
-                                     f"{max_batch} this peer accepts per microbatch; split it")
+                raise InvalidRequest(
+                    f"tensor '{name}' has {shape[0]} samples, more than the "
+                    f"{max_batch} this peer accepts per microbatch; split it"
+                )
             if name == "targets":
                 want_dtype, want_ndim = torch.int64, 2
             elif name == "input":
@@ -189,13 +250,17 @@ class StageService(pb_grpc.StagePeerServicer):
             else:
                 want_dtype, want_ndim = torch.float32, 3
             if dtype != want_dtype or len(shape) != want_ndim:
-                raise InvalidRequest(f"tensor '{name}' for stage {stage.index} must be {want_dtype} with "
-                                     f"{want_ndim} dims, got {dtype} of shape {list(shape)}")
+                raise InvalidRequest(
+                    f"tensor '{name}' for stage {stage.index} must be {want_dtype} with "
+                    f"{want_ndim} dims, got {dtype} of shape {list(shape)}"
+                )
 
         return check
 
     def _reply(self, *, loss: float | None = None, num_tensors: int = 0) -> pb.Frame:
-        meta = pb.ReplyMeta(step=self.executor.step, state=self.ctx.state(), num_tensors=num_tensors)
+        meta = pb.ReplyMeta(
+            step=self.executor.step, state=self.ctx.state(), num_tensors=num_tensors
+        )
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)

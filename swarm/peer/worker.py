@@ -5,6 +5,7 @@ Urgent jobs (committing held gradients, dropping aborted ones, snapshots) are ch
 compute: a commit waits for at most the job running now, not for the whole queue, so a slow or busy peer
 still confirms commits before its callers' deadlines.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,9 @@ class PriorityWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args, priority: int = NORMAL, **kwargs) -> concurrent.futures.Future:
+    def submit(
+        self, fn: Callable[..., Any], *args, priority: int = NORMAL, **kwargs
+    ) -> concurrent.futures.Future:
         if self._closed:
             raise RuntimeError("the compute worker is shut down")
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -4,9 +4,9 @@ Pure code (no I/O, clocks or asyncio) shared by the trainer and the simulator. S
 :class:`Router`; see its docstring for the exact choice rule.
 """
 
+from swarm.routing.budget import RetryBudget
 from swarm.routing.config import RoutingConfig
 from swarm.routing.errors import NoPeersAvailable, RetriesExhausted, RoutingError
-from swarm.routing.budget import RetryBudget
 from swarm.routing.retry import Failure, StageRequest, wake_at
 from swarm.routing.router import Router
 from swarm.routing.stats import PeerSnapshot

@@ -41,8 +41,18 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         check_field_types(
             self,
-            numbers=("ema_alpha", "min_timeout_s", "max_timeout_s", "initial_timeout_s", "timeout_factor",
-                     "timeout_slack_s", "ban_base_s", "ban_max_s", "explore_probability", "default_throughput"),
+            numbers=(
+                "ema_alpha",
+                "min_timeout_s",
+                "max_timeout_s",
+                "initial_timeout_s",
+                "timeout_factor",
+                "timeout_slack_s",
+                "ban_base_s",
+                "ban_max_s",
+                "explore_probability",
+                "default_throughput",
+            ),
             ints=("max_attempts", "max_ban_records"),
         )
         if not 0.0 < self.ema_alpha <= 1.0:

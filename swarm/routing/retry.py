@@ -43,7 +43,6 @@ from swarm.errors import PeerDraining, SwarmError, WrongPeer
 from swarm.routing.errors import NoPeersAvailable
 from swarm.routing.router import Router
 
-
 __all__ = ["Failure", "StageRequest", "failure_kind", "wake_at"]
 
 
@@ -51,7 +50,9 @@ class Failure(enum.Enum):
     """What a failed attempt says about the peer, and so what the request does next."""
 
     GIVE_UP = "give up"  # the request itself is wrong: any peer would fail it; no ban, no retry
-    AVOID = "avoid"  # the peer is alive but leaving or moved: no ban; route new work elsewhere; retry
+    AVOID = (
+        "avoid"  # the peer is alive but leaving or moved: no ban; route new work elsewhere; retry
+    )
     BAN = "ban"  # the peer failed (transport, deadline, crash, overload): ban with back-off; retry
 
 
@@ -65,7 +66,9 @@ def failure_kind(error: BaseException | None) -> Failure:
     return Failure.BAN
 
 
-def wake_at(error: NoPeersAvailable, now: float, *, wait_s: float, min_wait_s: float = 1e-3) -> float:
+def wake_at(
+    error: NoPeersAvailable, now: float, *, wait_s: float, min_wait_s: float = 1e-3
+) -> float:
     """When to choose again after ``error``: the earliest ban end, or ``now + wait_s`` if sooner (peers
     may appear meanwhile), and never sooner than ``now + min_wait_s`` (seconds, caller's clock)."""
     delay = wait_s if error.retry_at_s is None else min(wait_s, error.retry_at_s - now)
@@ -90,8 +93,12 @@ class StageRequest:
         """The peer for the next attempt. ``preferred_known``: the caller's peer list still has the preferred
         peer. Raises :class:`NoPeersAvailable` when no peer may be tried now (see :func:`wake_at`)."""
         preferred = self.preferred
-        if (preferred is not None and preferred_known and preferred not in self.budget.failed_peers
-                and self.router.banned_until_s(preferred, now) is None):
+        if (
+            preferred is not None
+            and preferred_known
+            and preferred not in self.budget.failed_peers
+            and self.router.banned_until_s(preferred, now) is None
+        ):
             return preferred
         try:
             return self.router.choose(self.stage, now, rng, exclude=self.budget.failed_peers)

@@ -13,9 +13,9 @@ import random
 from collections.abc import Collection, Mapping
 
 from swarm.routing.bans import BanBook
+from swarm.routing.budget import RetryBudget
 from swarm.routing.config import RoutingConfig
 from swarm.routing.errors import NoPeersAvailable
-from swarm.routing.budget import RetryBudget
 from swarm.routing.stats import PeerSnapshot, PeerStats, valid_announcement
 
 __all__ = ["Router"]

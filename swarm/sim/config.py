@@ -25,7 +25,9 @@ class Preemption:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.time_s) and self.time_s >= 0):
-            raise ValueError(f"Preemption.time_s must be finite and >= 0 seconds, got {self.time_s}")
+            raise ValueError(
+                f"Preemption.time_s must be finite and >= 0 seconds, got {self.time_s}"
+            )
         if self.stage < 0:
             raise ValueError(f"Preemption.stage must be >= 0, got {self.stage}")
         if not 0.0 < self.fraction <= 1.0:
@@ -36,7 +38,9 @@ class Preemption:
         """``"TIME_S:STAGE:FRACTION"``, e.g. ``"120:1:0.5"`` (the CLI form)."""
         parts = text.split(":")
         if len(parts) != 3:
-            raise ValueError(f"a preemption is TIME_S:STAGE:FRACTION (e.g. 120:1:0.5), got {text!r}")
+            raise ValueError(
+                f"a preemption is TIME_S:STAGE:FRACTION (e.g. 120:1:0.5), got {text!r}"
+            )
         return cls(time_s=float(parts[0]), stage=int(parts[1]), fraction=float(parts[2]))
 
 
@@ -101,10 +105,20 @@ class SimConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SimConfig.{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.num_peers, bool) or not isinstance(self.num_peers, int) or self.num_peers < 0:
+        if (
+            isinstance(self.num_peers, bool)
+            or not isinstance(self.num_peers, int)
+            or self.num_peers < 0
+        ):
             raise ValueError(f"SimConfig.num_peers must be an int >= 0, got {self.num_peers!r}")
-        for name in ("peer_speed_min", "peer_speed_max", "duration_s", "discovery_period_s",
-                     "retry_wait_s", "sample_period_s"):
+        for name in (
+            "peer_speed_min",
+            "peer_speed_max",
+            "duration_s",
+            "discovery_period_s",
+            "retry_wait_s",
+            "sample_period_s",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"SimConfig.{name} must be finite and > 0, got {value}")
@@ -132,7 +146,9 @@ class SimConfig:
                     f"num_stages={self.num_stages}"
                 )
             if any(n < 0 for n in self.initial_peers_per_stage):
-                raise ValueError(f"initial_peers_per_stage must be >= 0, got {self.initial_peers_per_stage}")
+                raise ValueError(
+                    f"initial_peers_per_stage must be >= 0, got {self.initial_peers_per_stage}"
+                )
         if self.peer_speeds is not None:
             if len(self.peer_speeds) != self.initial_peer_count:
                 raise ValueError(
@@ -140,7 +156,9 @@ class SimConfig:
                     "initial peers"
                 )
             if not all(math.isfinite(s) and s > 0 for s in self.peer_speeds):
-                raise ValueError(f"peer_speeds must all be finite and > 0 samples/s, got {self.peer_speeds}")
+                raise ValueError(
+                    f"peer_speeds must all be finite and > 0 samples/s, got {self.peer_speeds}"
+                )
         for preemption in self.preemptions:
             if preemption.stage >= self.num_stages:
                 raise ValueError(

@@ -33,8 +33,8 @@ import random
 from swarm.balance import (
     PeerRecord,
     SwarmView,
-    choose_stage_on_arrival,
     arrival_delay_s,
+    choose_stage_on_arrival,
     claim_key,
     decide_move,
     is_my_turn,
@@ -52,7 +52,20 @@ SERVING, STARTING, DRAINING = PeerState.SERVING, PeerState.STARTING, PeerState.D
 DEAD = "dead"  # the simulator's own: a killed peer, never announced
 
 # Event kinds, in the order ties at equal times are processed.
-_DONE, _FAIL, _RETRY, _LEAVE, _READY, _DEATH, _PREEMPT, _ARRIVE, _JOIN, _DISCOVER, _REBALANCE, _SAMPLE = range(12)
+(
+    _DONE,
+    _FAIL,
+    _RETRY,
+    _LEAVE,
+    _READY,
+    _DEATH,
+    _PREEMPT,
+    _ARRIVE,
+    _JOIN,
+    _DISCOVER,
+    _REBALANCE,
+    _SAMPLE,
+) = range(12)
 
 
 class _Peer:
@@ -68,11 +81,21 @@ class _Peer:
         # Insertion-ordered (not a set of objects hashed by address): kills must fail requests in
         # the same order in every process, or equal seeds would give different runs.
         self.outstanding: dict[_Request, None] = {}
-        self.generation = 0  # bumps on each stage change: activations of an older generation are gone
+        self.generation = (
+            0  # bumps on each stage change: activations of an older generation are gone
+        )
 
 
 class _Microbatch:
-    __slots__ = ("trainer", "stage", "backward", "fwd_peer", "fwd_generation", "request", "started_at")
+    __slots__ = (
+        "trainer",
+        "stage",
+        "backward",
+        "fwd_peer",
+        "fwd_generation",
+        "request",
+        "started_at",
+    )
 
     def __init__(self, trainer: int, num_stages: int, now: float) -> None:
         self.trainer = trainer
@@ -210,7 +233,11 @@ class _Simulation:
     def _place_initial_peers(self) -> None:
         cfg = self.cfg
         count = cfg.initial_peer_count
-        speeds = list(cfg.peer_speeds) if cfg.peer_speeds is not None else [self._draw_speed() for _ in range(count)]
+        speeds = (
+            list(cfg.peer_speeds)
+            if cfg.peer_speeds is not None
+            else [self._draw_speed() for _ in range(count)]
+        )
         if cfg.initial_peers_per_stage is not None:
             stages = [s for s, n in enumerate(cfg.initial_peers_per_stage) for _ in range(n)]
         else:
@@ -236,7 +263,9 @@ class _Simulation:
         self.peers[pid] = peer
         self.dirty[stage] = True
         if self.cfg.mean_lifetime_s > 0:
-            self._push(self.now + self.rng.expovariate(1.0 / self.cfg.mean_lifetime_s), _DEATH, peer)
+            self._push(
+                self.now + self.rng.expovariate(1.0 / self.cfg.mean_lifetime_s), _DEATH, peer
+            )
         return peer
 
     # ---- microbatches ---------------------------------------------------------------------
@@ -253,7 +282,9 @@ class _Simulation:
         stage, now = mb.stage, self.now
         router = self.routers[mb.trainer]
         if mb.request is None:
-            mb.request = StageRequest(router, stage, preferred=mb.fwd_peer[stage] if mb.backward else None)
+            mb.request = StageRequest(
+                router, stage, preferred=mb.fwd_peer[stage] if mb.backward else None
+            )
         share = 1.0 if stage == cfg.num_stages - 1 else 1.0 - cfg.backward_share
         if mb.backward:
             share = cfg.backward_share
@@ -277,7 +308,9 @@ class _Simulation:
                 request.error = WrongPeer(f"{pid} does not serve stage {stage} now")
             self._push(now + 2 * latency, _FAIL, request)
             return
-        if mb.backward and (pid != mb.fwd_peer[stage] or peer.generation != mb.fwd_generation[stage]):
+        if mb.backward and (
+            pid != mb.fwd_peer[stage] or peer.generation != mb.fwd_generation[stage]
+        ):
             share = 1.0  # the inputs travel along and the forward is recomputed
             self.recomputes += 1
         start = max(now + latency, peer.free_at)
@@ -304,7 +337,9 @@ class _Simulation:
             peer.outstanding.pop(request, None)
         mb = request.mb
         stage = request.stage
-        self.routers[mb.trainer].on_success(stage, request.pid, cfg.microbatch_size, now - request.sent_at, now)
+        self.routers[mb.trainer].on_success(
+            stage, request.pid, cfg.microbatch_size, now - request.sent_at, now
+        )
         self.requests_by_peer[request.pid] = self.requests_by_peer.get(request.pid, 0) + 1
         mb.request = None
         if not mb.backward:
@@ -379,7 +414,9 @@ class _Simulation:
 
     def _on_join(self, speed: float) -> None:
         # After its random delay the newcomer reads the records again and picks its stage.
-        stage = choose_stage_on_arrival(self._capacities(count_starting=True), self._rates(speed), self.rng)
+        stage = choose_stage_on_arrival(
+            self._capacities(count_starting=True), self._rates(speed), self.rng
+        )
         peer = self._add_peer(speed, stage, STARTING)
         self._push(self.now + self.cfg.load_s, _READY, (peer, peer.generation))
 
@@ -421,7 +458,8 @@ class _Simulation:
             self.dirty[stage] = False
             serving = {
                 p.pid: p.speed / self.costs[stage]
-                for p in self.peers.values() if p.stage == stage and p.state == SERVING
+                for p in self.peers.values()
+                if p.stage == stage and p.state == SERVING
             }
             self.discovered[stage] = serving
             for router in self.routers:
@@ -448,18 +486,26 @@ class _Simulation:
         # those of the shared plan; computing it once avoids an O(peers^2) period.
         movers = plan_moves(view, now, cfg.balance)
         for move in movers:
-            claims.setdefault(claim_key(move.from_stage, move.period_index), set()).add(move.peer_id)
+            claims.setdefault(claim_key(move.from_stage, move.period_index), set()).add(
+                move.peer_id
+            )
         for planned in movers:
             # What the mover itself runs: its decision, then the check of the claims it re-read.
             move = decide_move(view, planned.peer_id, now, cfg.balance)
-            if move is None or not is_my_turn(claims[move.claim_key], move.peer_id, move.period_index):
+            if move is None or not is_my_turn(
+                claims[move.claim_key], move.peer_id, move.period_index
+            ):
                 continue
             peer = self.peers[move.peer_id]
             peer.state = DRAINING
             peer.target = move.to_stage
             self.dirty[move.from_stage] = True
             self.last_moved[peer.pid] = now
-            self.moves.append(Move(time_s=now, peer_id=peer.pid, from_stage=move.from_stage, to_stage=move.to_stage))
+            self.moves.append(
+                Move(
+                    time_s=now, peer_id=peer.pid, from_stage=move.from_stage, to_stage=move.to_stage
+                )
+            )
             self._push(now + cfg.drain_s, _LEAVE, (peer, peer.generation))
         self._push(now + cfg.balance.period_s, _REBALANCE)
 

@@ -28,10 +28,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     if parser is None:
         parser = argparse.ArgumentParser(prog="swarm simulate", description=__doc__.splitlines()[0])
     add_config_args(parser, SimConfig, skip={"preemptions"})
-    parser.add_argument("--preempt", action="append", default=[], type=Preemption.parse,
-                        metavar="TIME_S:STAGE:FRACTION", help="kill a fraction of a stage's peers at a time")
-    parser.add_argument("--compare", action="store_true",
-                        help="run twice, with and without rebalancing, and print both")
+    parser.add_argument(
+        "--preempt",
+        action="append",
+        default=[],
+        type=Preemption.parse,
+        metavar="TIME_S:STAGE:FRACTION",
+        help="kill a fraction of a stage's peers at a time",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="run twice, with and without rebalancing, and print both",
+    )
     parser.add_argument("--table-every-s", type=float, default=60.0, help="seconds per table row")
     return parser
 
@@ -69,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     runs = {"rebalancing" if config.rebalance else "static": config}
     if args.compare:
-        runs = {"rebalancing": dataclasses.replace(config, rebalance=True),
-                "static": dataclasses.replace(config, rebalance=False)}
+        runs = {
+            "rebalancing": dataclasses.replace(config, rebalance=True),
+            "static": dataclasses.replace(config, rebalance=False),
+        }
     results = {name: simulate(run) for name, run in runs.items()}
     print(format_table(results, args.table_every_s))
     for name, result in results.items():

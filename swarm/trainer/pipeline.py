@@ -7,6 +7,7 @@ Backward goes first to the peer that ran the forward (it holds the inputs or the
 output gradient travels); if that peer is gone or no longer has them, another peer gets the inputs too
 and recomputes, so no microbatch is lost to a failed peer.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,10 @@ class PipelineConfig:
 
     def __post_init__(self):
         if self.refresh_s <= 0 or self.empty_stage_wait_s < 0 or self.segment_bytes < 1024:
-            raise ValueError(f"need refresh_s > 0, empty_stage_wait_s >= 0, segment_bytes >= 1024; got "
-                             f"{self.refresh_s}, {self.empty_stage_wait_s}, {self.segment_bytes}")
+            raise ValueError(
+                f"need refresh_s > 0, empty_stage_wait_s >= 0, segment_bytes >= 1024; got "
+                f"{self.refresh_s}, {self.empty_stage_wait_s}, {self.segment_bytes}"
+            )
 
 
 @dataclass
@@ -62,8 +65,15 @@ class MicrobatchResult:
 class Pipeline:
     """Routes calls for one run. Owns the peer lists (refreshed from the DHT) and one channel per peer."""
 
-    def __init__(self, directory: RunDirectory, run: RunConfig, *, config: PipelineConfig = PipelineConfig(),
-                 routing: RoutingConfig = RoutingConfig(), seed: int = 0):
+    def __init__(
+        self,
+        directory: RunDirectory,
+        run: RunConfig,
+        *,
+        config: PipelineConfig = PipelineConfig(),
+        routing: RoutingConfig = RoutingConfig(),
+        seed: int = 0,
+    ):
         self.directory = directory
         self.run = run
         self.config = config
@@ -74,7 +84,9 @@ class Pipeline:
         self.clients = ClientPool(segment_bytes=config.segment_bytes)
         # every record seen recently, draining ones included (backward may still go there)
         self.records: list[dict[str, StageRecord]] = [{} for _ in range(self.num_stages)]
-        self._replied_steps = [0] * self.num_stages  # the highest optimizer step any reply of each stage carried
+        self._replied_steps = [
+            0
+        ] * self.num_stages  # the highest optimizer step any reply of each stage carried
         # (stage, peer) -> when a reply said "draining"; trusted until the DHT catches up
         self._draining_replies: dict[tuple[int, str], float] = {}
         self.failed_calls = 0
@@ -107,10 +119,15 @@ class Pipeline:
     def _update_router(self, stage: int, now: float) -> None:
         """Route new work only to serving peers. A peer that said "draining" in a reply is left out for a
         while even if its DHT record still says serving (the record may be a heartbeat behind)."""
-        self._draining_replies = {k: t for k, t in self._draining_replies.items() if now - t < DRAINING_MEMORY_S}
+        self._draining_replies = {
+            k: t for k, t in self._draining_replies.items() if now - t < DRAINING_MEMORY_S
+        }
         # Peers announce samples/s of forward + backward; routing counts in forward-sample units.
-        serving = {pid: r.throughput * (FORWARD_COST + BACKWARD_COST) for pid, r in self.records[stage].items()
-                   if r.state == PeerState.SERVING and (stage, pid) not in self._draining_replies}
+        serving = {
+            pid: r.throughput * (FORWARD_COST + BACKWARD_COST)
+            for pid, r in self.records[stage].items()
+            if r.state == PeerState.SERVING and (stage, pid) not in self._draining_replies
+        }
         self.router.update_peers(stage, serving, now)
 
     async def _next_refresh(self, *, timeout_s: float) -> None:
@@ -135,9 +152,11 @@ class Pipeline:
             if not empty:
                 return
             if time.monotonic() > deadline:
-                raise StageUnavailable(f"no peer serves stage(s) {empty} of run '{self.run_id}' after "
-                                       f"{timeout_s:.0f}s; start `swarm peer --run-id {self.run_id} --stage "
-                                       f"{empty[0]}`")
+                raise StageUnavailable(
+                    f"no peer serves stage(s) {empty} of run '{self.run_id}' after "
+                    f"{timeout_s:.0f}s; start `swarm peer --run-id {self.run_id} --stage "
+                    f"{empty[0]}`"
+                )
             await self._next_refresh(timeout_s=self.config.refresh_s * 2)
 
     @property
@@ -158,7 +177,9 @@ class Pipeline:
                 out.append(max([*steps, self._replied_steps[stage]]))
         return out
 
-    async def wait_for_stage_steps(self, targets: list[int], *, stall_s: float, every_replica: bool = False) -> bool:
+    async def wait_for_stage_steps(
+        self, targets: list[int], *, stall_s: float, every_replica: bool = False
+    ) -> bool:
         """Wait until each stage k has taken optimizer step ``targets[k]`` (with ``every_replica``: each of its
         serving replicas has). Gives up (False) once no stage has advanced for ``stall_s``."""
         deadline, last = time.monotonic() + stall_s, None
@@ -170,14 +191,19 @@ class Pipeline:
             if steps != last:
                 deadline, last = time.monotonic() + stall_s, steps
             elif time.monotonic() > deadline:
-                logger.warning("stage(s) %s stopped short of optimizer step %s (they are at %s)", behind,
-                               [targets[k] for k in behind], [steps[k] for k in behind])
+                logger.warning(
+                    "stage(s) %s stopped short of optimizer step %s (they are at %s)",
+                    behind,
+                    [targets[k] for k in behind],
+                    [steps[k] for k in behind],
+                )
                 return False
             await asyncio.sleep(self.config.refresh_s / 4)
             await self.refresh()
 
-    async def train_microbatch(self, microbatch_id: str, tokens: torch.Tensor,
-                               batch_steps: list[int] | None = None) -> MicrobatchResult:
+    async def train_microbatch(
+        self, microbatch_id: str, tokens: torch.Tensor, batch_steps: list[int] | None = None
+    ) -> MicrobatchResult:
         """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss.
         ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to."""
         x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
@@ -189,41 +215,65 @@ class Pipeline:
         h = x
         for stage in range(self.num_stages - 1):
             stage_inputs.append(h)
-            reply, peer = await self._call(stage, samples * FORWARD_COST, self._forward_attempt(stage, microbatch_id, h))
+            reply, peer = await self._call(
+                stage, samples * FORWARD_COST, self._forward_attempt(stage, microbatch_id, h)
+            )
             h = _tensor(reply, "output", peer)
             forward_peers.append(peer)
         last = self.num_stages - 1
         tags = batch_steps or [None] * self.num_stages
-        reply, _ = await self._call(last, samples * (FORWARD_COST + BACKWARD_COST),
-                                    self._forward_attempt(last, microbatch_id, h, targets=targets,
-                                                          batch_step=tags[last]))
+        reply, _ = await self._call(
+            last,
+            samples * (FORWARD_COST + BACKWARD_COST),
+            self._forward_attempt(last, microbatch_id, h, targets=targets, batch_step=tags[last]),
+        )
         commits.append(reply.committed)
         loss = reply.meta.loss
         grad = reply.tensors.get("grad_input")
         for stage in reversed(range(self.num_stages - 1)):
             if grad is None:
-                raise SwarmError(f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}")
+                raise SwarmError(
+                    f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}"
+                )
             reply, _ = await self._call(
-                stage, samples * BACKWARD_COST, self._backward_attempt(stage, microbatch_id, grad, stage_inputs[stage],
-                                                                       forward_peers[stage], tags[stage]),
-                preferred=forward_peers[stage])
+                stage,
+                samples * BACKWARD_COST,
+                self._backward_attempt(
+                    stage,
+                    microbatch_id,
+                    grad,
+                    stage_inputs[stage],
+                    forward_peers[stage],
+                    tags[stage],
+                ),
+                preferred=forward_peers[stage],
+            )
             commits.append(reply.committed)
             grad = reply.tensors.get("grad_input")
         await self._confirm(microbatch_id, commits)
-        return MicrobatchResult(loss=loss, samples=samples, tokens=targets.numel(),
-                                attempts_failed=self.failed_calls - failures_before)
+        return MicrobatchResult(
+            loss=loss,
+            samples=samples,
+            tokens=targets.numel(),
+            attempts_failed=self.failed_calls - failures_before,
+        )
 
     async def _confirm(self, microbatch_id: str, commits: list[asyncio.Future]) -> None:
         """Wait until every stage confirmed it counted this microbatch's gradients (one round trip after
         each reply, overlapped with the rest of the backward pass)."""
-        for stage, outcome in zip(reversed(range(self.num_stages)),
-                                  await asyncio.gather(*commits, return_exceptions=True)):
+        for stage, outcome in zip(
+            reversed(range(self.num_stages)), await asyncio.gather(*commits, return_exceptions=True)
+        ):
             if isinstance(outcome, BaseException):
                 # The peer got our commit or it did not; we cannot tell which. Rare (a peer failing within
                 # one round trip after replying); counted so that it shows in the summary.
                 self.unconfirmed_commits += 1
-                logger.warning("stage %d did not confirm the commit of microbatch %s: %s", stage, microbatch_id,
-                               outcome)
+                logger.warning(
+                    "stage %d did not confirm the commit of microbatch %s: %s",
+                    stage,
+                    microbatch_id,
+                    outcome,
+                )
 
     async def eval_microbatch(self, tokens: torch.Tensor) -> float:
         """Validation loss of one batch: forward only, nothing kept or accumulated by the peers."""
@@ -231,28 +281,51 @@ class Pipeline:
         h, samples = x, x.shape[0]
         for stage in range(self.num_stages):
             is_last = stage == self.num_stages - 1
-            reply, peer = await self._call(stage, samples * FORWARD_COST, self._forward_attempt(
-                stage, "eval", h, targets=targets if is_last else None, eval_only=True))
+            reply, peer = await self._call(
+                stage,
+                samples * FORWARD_COST,
+                self._forward_attempt(
+                    stage, "eval", h, targets=targets if is_last else None, eval_only=True
+                ),
+            )
             if is_last:
                 return reply.meta.loss
             h = _tensor(reply, "output", peer)
         raise AssertionError("unreachable")
 
-    def _meta(self, stage: int, microbatch_id: str, samples: int, batch_step: int | None = None,
-              **flags) -> pb.RequestMeta:
-        meta = pb.RequestMeta(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=stage,
-                              microbatch_id=microbatch_id, codec=self.codec.name, num_samples=samples, **flags)
+    def _meta(
+        self, stage: int, microbatch_id: str, samples: int, batch_step: int | None = None, **flags
+    ) -> pb.RequestMeta:
+        meta = pb.RequestMeta(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=self.run_id,
+            stage=stage,
+            microbatch_id=microbatch_id,
+            codec=self.codec.name,
+            num_samples=samples,
+            **flags,
+        )
         if batch_step is not None:
             meta.batch_step = batch_step
         return meta
 
-    def _forward_attempt(self, stage, microbatch_id, h, *, targets=None, eval_only=False, batch_step=None):
+    def _forward_attempt(
+        self, stage, microbatch_id, h, *, targets=None, eval_only=False, batch_step=None
+    ):
         tensors = [("input", h)] + ([("targets", targets)] if targets is not None else [])
-        meta = self._meta(stage, microbatch_id, h.shape[0], batch_step,
-                          compute_loss=targets is not None and not eval_only, eval_only=eval_only)
+        meta = self._meta(
+            stage,
+            microbatch_id,
+            h.shape[0],
+            batch_step,
+            compute_loss=targets is not None and not eval_only,
+            eval_only=eval_only,
+        )
 
         async def attempt(endpoint: str, timeout_s: float) -> Reply:
-            return await self.clients.get(endpoint).forward(meta, tensors, self.codec, timeout_s=timeout_s)
+            return await self.clients.get(endpoint).forward(
+                meta, tensors, self.codec, timeout_s=timeout_s
+            )
 
         return attempt
 
@@ -263,19 +336,28 @@ class Pipeline:
             if holder is not None and holder.endpoint == endpoint:
                 try:
                     meta = self._meta(stage, microbatch_id, grad.shape[0], batch_step)
-                    return await client.backward(meta, [("grad_output", grad)], self.codec, timeout_s=timeout_s)
+                    return await client.backward(
+                        meta, [("grad_output", grad)], self.codec, timeout_s=timeout_s
+                    )
                 except NotCached:
                     pass  # evicted there: send the inputs along for a recompute at the same peer
             meta = self._meta(stage, microbatch_id, grad.shape[0], batch_step, include_inputs=True)
-            return await client.backward(meta, [("grad_output", grad), ("input", inputs)], self.codec,
-                                         timeout_s=timeout_s)
+            return await client.backward(
+                meta, [("grad_output", grad), ("input", inputs)], self.codec, timeout_s=timeout_s
+            )
 
         return attempt
 
     # ------------------------------------------------------------------ the one retry helper
 
-    async def _call(self, stage: int, work: float, attempt: Callable[[str, float], Awaitable[Reply]],
-                    *, preferred: str | None = None) -> tuple[Reply, str]:
+    async def _call(
+        self,
+        stage: int,
+        work: float,
+        attempt: Callable[[str, float], Awaitable[Reply]],
+        *,
+        preferred: str | None = None,
+    ) -> tuple[Reply, str]:
         """Run ``attempt(endpoint, timeout_s)`` against a peer of ``stage`` until it succeeds, retrying
         transport failures at other peers within the routing policy's finite budget. ``work`` is the call's
         size in forward-sample units, so the routing estimates and deadlines fit every kind of call."""
@@ -295,14 +377,21 @@ class Pipeline:
                 kind = failure_kind(e)
                 if kind is not Failure.GIVE_UP:
                     self.failed_calls += 1
-                    logger.info("stage %d peer %s failed (%s: %s); retrying elsewhere", stage, peer,
-                                type(e).__name__, e)
+                    logger.info(
+                        "stage %d peer %s failed (%s: %s); retrying elsewhere",
+                        stage,
+                        peer,
+                        type(e).__name__,
+                        e,
+                    )
                 if kind is Failure.AVOID:
                     # Alive and honest: it is leaving or moved to another stage. Not banned (it may come back,
                     # e.g. moved to this stage later); no new work here until the DHT says otherwise.
                     self._draining_replies[(stage, peer)] = now
                     self._update_router(stage, now)
-                request.failed(peer, e, now)  # raises RetriesExhausted naming the stage when the budget is spent
+                request.failed(
+                    peer, e, now
+                )  # raises RetriesExhausted naming the stage when the budget is spent
                 if kind is Failure.GIVE_UP:
                     raise
                 continue
@@ -312,7 +401,10 @@ class Pipeline:
             now = time.monotonic()
             self.router.on_success(stage, peer, work, max(now - started, 1e-6), now)
             self._replied_steps[stage] = max(self._replied_steps[stage], reply.meta.step)
-            if reply.meta.state == PeerState.DRAINING and (stage, peer) not in self._draining_replies:
+            if (
+                reply.meta.state == PeerState.DRAINING
+                and (stage, peer) not in self._draining_replies
+            ):
                 self._draining_replies[(stage, peer)] = now
                 self._update_router(stage, now)
             return reply, peer
@@ -326,17 +418,27 @@ class Pipeline:
             now = time.monotonic()
             try:
                 # Backward may still go to the forward's peer while it drains: the records keep draining peers.
-                return request.choose(now, self.rng, preferred_known=request.preferred in self.records[stage])
+                return request.choose(
+                    now, self.rng, preferred_known=request.preferred in self.records[stage]
+                )
             except NoPeersAvailable as e:
                 if now > deadline:
-                    raise StageUnavailable(f"stage {stage} of run '{self.run_id}' has had no live peer for "
-                                           f"{self.config.empty_stage_wait_s:.0f}s ({e}); start a peer with "
-                                           f"`swarm peer --run-id {self.run_id} --stage {stage}`") from None
+                    raise StageUnavailable(
+                        f"stage {stage} of run '{self.run_id}' has had no live peer for "
+                        f"{self.config.empty_stage_wait_s:.0f}s ({e}); start a peer with "
+                        f"`swarm peer --run-id {self.run_id} --stage {stage}`"
+                    ) from None
                 if not warned:
-                    logger.warning("stage %d has no live peer right now (%s); waiting up to %.0fs",
-                                   stage, e, self.config.empty_stage_wait_s)
+                    logger.warning(
+                        "stage %d has no live peer right now (%s); waiting up to %.0fs",
+                        stage,
+                        e,
+                        self.config.empty_stage_wait_s,
+                    )
                     warned = True
-                wake = wake_at(e, now, wait_s=min(deadline - now, self.config.refresh_s * 2), min_wait_s=0.05)
+                wake = wake_at(
+                    e, now, wait_s=min(deadline - now, self.config.refresh_s * 2), min_wait_s=0.05
+                )
                 await self._next_refresh(timeout_s=wake - now)
 
 

@@ -8,6 +8,7 @@ Same optimization: each stage has the optimizer a lone replica has (:class:`swar
 AdamW, the ``swarm.optim.learning_rate`` schedule, per-stage clipping), fed the same gradient sums weighted by
 samples.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,10 @@ from swarm.optim import LocalStageOptimizer
 class ReferenceResult:
     model: FullModel
     losses: list[float]  # mean training loss of each global batch
-    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (global batches done, validation loss)
-    train_time_s: float = 0.0  # wall time of the global batches (forward, backward, steps; validation excluded)
+    # (global batches done, validation loss)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    # wall time of the global batches (forward, backward, steps; validation excluded)
+    train_time_s: float = 0.0
     tokens: int = 0  # tokens trained on (samples * seq_len)
 
     @property
@@ -41,9 +44,18 @@ class ReferenceResult:
         return self.val_losses[-1][1]
 
 
-def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatch_size: int, seed: int = 0,
-                    eval_batches: int = 4, eval_every_steps: int = 0, clipping: str = "stage",
-                    on_step: Callable[[int, float], bool | None] | None = None) -> ReferenceResult:
+def train_reference(
+    run: RunConfig,
+    corpus: ByteCorpus,
+    *,
+    steps: int,
+    microbatch_size: int,
+    seed: int = 0,
+    eval_batches: int = 4,
+    eval_every_steps: int = 0,
+    clipping: str = "stage",
+    on_step: Callable[[int, float], bool | None] | None = None,
+) -> ReferenceResult:
     """Train ``steps`` global batches as a swarm trainer with ``--microbatch-size microbatch_size --seed seed``
     would send them, validating every ``eval_every_steps`` (0: only at the end) on ``eval_batches`` of the
     trainer's validation batches (0: never). ``clipping``: "stage" clips each stage to
@@ -53,17 +65,25 @@ def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatc
     True stops training there (the result holds the batches done and a validation at that step).
     Two calls with equal arguments give the same losses up to the backend's floating-point nondeterminism."""
     if steps < 1 or microbatch_size < 1:
-        raise ValueError(f"steps and microbatch_size must be >= 1, got {steps} and {microbatch_size}")
+        raise ValueError(
+            f"steps and microbatch_size must be >= 1, got {steps} and {microbatch_size}"
+        )
     if clipping not in ("stage", "global"):
         raise ValueError(f"clipping must be 'stage' or 'global', got {clipping!r}")
     model = build_full_model(run.model)
     exact = clipping == "global"
-    optimizers = [LocalStageOptimizer(stage_module, dataclasses.replace(run, max_grad_norm=0.0) if exact else run)
-                  for stage_module in model.stages]
+    optimizers = [
+        LocalStageOptimizer(
+            stage_module, dataclasses.replace(run, max_grad_norm=0.0) if exact else run
+        )
+        for stage_module in model.stages
+    ]
     generator = torch.Generator().manual_seed(seed)
     seq_len = run.model.seq_len
     per_step = math.ceil(run.target_batch_size / microbatch_size)
-    val_batches = corpus.val_batches(microbatch_size, seq_len, eval_batches) if eval_batches > 0 else []
+    val_batches = (
+        corpus.val_batches(microbatch_size, seq_len, eval_batches) if eval_batches > 0 else []
+    )
     result = ReferenceResult(model=model, losses=[])
     for step in range(1, steps + 1):
         started = time.perf_counter()
@@ -82,18 +102,28 @@ def train_reference(run: RunConfig, corpus: ByteCorpus, *, steps: int, microbatc
             weighted, samples = weighted + float(loss.detach()) * n, samples + n
         if exact:  # the batch's summed gradients are in .grad: clip their mean by the global norm, then step
             grads = [p.grad for p in model.parameters() if p.grad is not None]
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g / samples) for g in grads])))
+            norm = float(
+                torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g / samples) for g in grads])
+                )
+            )
             scale = min(1.0, run.max_grad_norm / (norm + 1e-6)) if run.max_grad_norm > 0 else 1.0
             for stage_module, optimizer in zip(model.stages, optimizers):
-                stage_grads = [None if p.grad is None else p.grad * scale for p in stage_module.parameters()]
+                stage_grads = [
+                    None if p.grad is None else p.grad * scale for p in stage_module.parameters()
+                ]
                 for p in stage_module.parameters():
                     p.grad = None
                 optimizer.accumulate(stage_grads, samples)
-        result.losses.append(weighted / samples)  # float(loss) synced the device: the time below is honest
+        result.losses.append(
+            weighted / samples
+        )  # float(loss) synced the device: the time below is honest
         result.train_time_s += time.perf_counter() - started
         result.tokens += samples * seq_len
         stop = on_step is not None and on_step(step, result.losses[-1])
-        if val_batches and (stop or step == steps or (eval_every_steps and step % eval_every_steps == 0)):
+        if val_batches and (
+            stop or step == steps or (eval_every_steps and step % eval_every_steps == 0)
+        ):
             result.val_losses.append((step, evaluate(model, val_batches)))
         if stop:
             break

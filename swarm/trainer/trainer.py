@@ -3,6 +3,7 @@
 A training "step" here is one global batch (``target_batch_size`` samples) sent through the swarm; the
 peers of each stage step their optimizers when they have accumulated that many samples.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,12 @@ class TrainerConfig:
     eval_every_steps: int = 25  # validation every this many steps (0 = only at the end)
     eval_batches: int = 4  # validation batches (of microbatch_size sequences)
     seed: int = 0  # data sampling seed
-    max_batches_ahead: int = -1  # with averaging peers (--average): start global batch b once every stage has stepped on batch b - this - 1 (0: lockstep; -1: no limit)
-    stage_step_wait_s: float = 30.0  # with --max-batches-ahead: give up waiting for a stage's step once it has not advanced for this long
+    # with averaging peers (--average): start global batch b once every stage has stepped on batch b
+    # - this - 1 (0: lockstep; -1: no limit)
+    max_batches_ahead: int = -1
+    # with --max-batches-ahead: give up waiting for a stage's step once it has not advanced for this
+    # long
+    stage_step_wait_s: float = 30.0
     peers_wait_s: float = 120.0  # how long to wait at start for every stage to have a peer
     log_every_s: float = 2.0  # seconds between progress lines
     metrics_path: str | None = None  # append one JSON line per step and per validation here
@@ -48,14 +53,22 @@ class TrainerConfig:
 
     def __post_init__(self):
         if self.microbatch_size < 1 or self.in_flight < 1 or self.eval_batches < 1:
-            raise ValueError(f"microbatch_size ({self.microbatch_size}), in_flight ({self.in_flight}) and "
-                             f"eval_batches ({self.eval_batches}) must be >= 1")
+            raise ValueError(
+                f"microbatch_size ({self.microbatch_size}), in_flight ({self.in_flight}) and "
+                f"eval_batches ({self.eval_batches}) must be >= 1"
+            )
         if self.max_batches_ahead < -1:
-            raise ValueError(f"max_batches_ahead must be >= 0, or -1 for no limit; got {self.max_batches_ahead}")
+            raise ValueError(
+                f"max_batches_ahead must be >= 0, or -1 for no limit; got {self.max_batches_ahead}"
+            )
         if self.stage_step_wait_s < 0:
-            raise ValueError(f"stage_step_wait_s must be >= 0 seconds, got {self.stage_step_wait_s}")
+            raise ValueError(
+                f"stage_step_wait_s must be >= 0 seconds, got {self.stage_step_wait_s}"
+            )
         if self.steps < 0 or self.eval_every_steps < 0:
-            raise ValueError(f"steps ({self.steps}) and eval_every_steps ({self.eval_every_steps}) must be >= 0")
+            raise ValueError(
+                f"steps ({self.steps}) and eval_every_steps ({self.eval_every_steps}) must be >= 0"
+            )
 
 
 @dataclass
@@ -65,7 +78,8 @@ class TrainSummary:
     microbatches: int  # completed (forward, backward and every stage's commit)
     microbatches_started: int
     failed_calls: int  # calls that failed and were retried at another peer
-    unconfirmed_commits: int  # commits whose arrival a peer could not confirm (see Pipeline._confirm)
+    # commits whose arrival a peer could not confirm (see Pipeline._confirm)
+    unconfirmed_commits: int
     initial_loss: float  # mean training loss over the first step
     final_loss: float  # mean training loss over the last 5 steps (one step is a noisy estimate)
     val_loss: float
@@ -74,11 +88,13 @@ class TrainSummary:
     losses: list[float]  # mean training loss of each step
 
     def describe(self) -> str:
-        return (f"trained {self.steps} steps ({self.samples} samples, {self.microbatches}/{self.microbatches_started}"
-                f" microbatches completed) in "
-                f"{self.seconds:.0f}s | initial loss {self.initial_loss:.3f} -> final loss "
-                f"{self.final_loss:.3f} | validation loss {self.val_loss:.3f} | {self.tokens_per_s:,.0f} tokens/s"
-                f" | {self.failed_calls} calls retried elsewhere, {self.unconfirmed_commits} unconfirmed commits")
+        return (
+            f"trained {self.steps} steps ({self.samples} samples, {self.microbatches}/{self.microbatches_started}"
+            f" microbatches completed) in "
+            f"{self.seconds:.0f}s | initial loss {self.initial_loss:.3f} -> final loss "
+            f"{self.final_loss:.3f} | validation loss {self.val_loss:.3f} | {self.tokens_per_s:,.0f} tokens/s"
+            f" | {self.failed_calls} calls retried elsewhere, {self.unconfirmed_commits} unconfirmed commits"
+        )
 
 
 class _Tally:
@@ -105,7 +121,9 @@ class _Tally:
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, pipeline: Pipeline, corpus: ByteCorpus, run: RunConfig):
+    def __init__(
+        self, config: TrainerConfig, pipeline: Pipeline, corpus: ByteCorpus, run: RunConfig
+    ):
         self.config = config
         self.pipeline = pipeline
         self.corpus = corpus
@@ -113,7 +131,9 @@ class Trainer:
         self.trainer_id = uuid.uuid4().hex[:8]
         self._generator = torch.Generator().manual_seed(config.seed)
         self._next_microbatch = 0
-        self._per_step = math.ceil(run.target_batch_size / config.microbatch_size)  # microbatches per global batch
+        self._per_step = math.ceil(
+            run.target_batch_size / config.microbatch_size
+        )  # microbatches per global batch
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -121,12 +141,16 @@ class Trainer:
         """Join the DHT (unless given one), read the run config, load data, connect to the stages."""
         async with contextlib.AsyncExitStack() as stack:
             if dht is None:
-                dht = await asyncio.to_thread(start_dht, config.dht, host=config.host, client_mode=True)
+                dht = await asyncio.to_thread(
+                    start_dht, config.dht, host=config.host, client_mode=True
+                )
                 stack.callback(dht.shutdown)
             directory = RunDirectory(dht, config.run_id)
             run = await directory.wait_for_run(timeout_s=config.peers_wait_s)
             corpus = await asyncio.to_thread(ByteCorpus.load, config.data)
-            pipeline = Pipeline(directory, run, config=config.pipeline, routing=config.routing, seed=config.seed)
+            pipeline = Pipeline(
+                directory, run, config=config.pipeline, routing=config.routing, seed=config.seed
+            )
             stack.push_async_callback(pipeline.close)
             await pipeline.start()
             await pipeline.wait_for_peers(timeout_s=config.peers_wait_s)
@@ -150,7 +174,9 @@ class Trainer:
         try:
             while launched < total or pending:
                 while len(pending) < cfg.in_flight and launched < total:
-                    if not await self._stages_caught_up(launched, first_steps, waiting_on_replies=bool(pending)):
+                    if not await self._stages_caught_up(
+                        launched, first_steps, waiting_on_replies=bool(pending)
+                    ):
                         break
                     pending.add(asyncio.create_task(self._train_microbatch(launched, first_steps)))
                     launched += 1
@@ -166,7 +192,9 @@ class Trainer:
             await asyncio.gather(*pending, return_exceptions=True)
         return await self._finish(tally, launched, first_steps, started)
 
-    async def _stages_caught_up(self, launched: int, first_steps: list[int], *, waiting_on_replies: bool) -> bool:
+    async def _stages_caught_up(
+        self, launched: int, first_steps: list[int], *, waiting_on_replies: bool
+    ) -> bool:
         """Flow control before microbatch ``launched``: the stages step a little after each batch (the
         all-reduce); never run more than ``max_batches_ahead`` batches ahead of them, or microbatches would use
         ever staler parameters and the replicas would hold ever more batches aside. False: wait for the replies
@@ -187,7 +215,9 @@ class Trainer:
     def _train_microbatch(self, index: int, first_steps: list[int]):
         """The coroutine of microbatch ``index``: fresh training samples, tagged with each stage's step."""
         cfg = self.config
-        tokens = self.corpus.sample("train", cfg.microbatch_size, self.run.model.seq_len, self._generator)
+        tokens = self.corpus.sample(
+            "train", cfg.microbatch_size, self.run.model.seq_len, self._generator
+        )
         batch_steps = [first + index // self._per_step for first in first_steps]
         return self.pipeline.train_microbatch(self._microbatch_id(), tokens, batch_steps)
 
@@ -197,7 +227,9 @@ class Trainer:
         step = len(tally.step_losses)
         elapsed = time.monotonic() - started
         tokens_per_s = tally.tokens / elapsed
-        self._metric({"step": step, "loss": step_loss, "tokens_per_s": tokens_per_s, "time_s": elapsed})
+        self._metric(
+            {"step": step, "loss": step_loss, "tokens_per_s": tokens_per_s, "time_s": elapsed}
+        )
         if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step != cfg.steps:
             val_loss = await self.validate()
             self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})
@@ -207,32 +239,47 @@ class Trainer:
             self._progress(step, step_loss, tokens_per_s, self._last_val_loss)
             self._last_log = time.monotonic()
 
-    async def _finish(self, tally: _Tally, launched: int, first_steps: list[int], started: float) -> TrainSummary:
+    async def _finish(
+        self, tally: _Tally, launched: int, first_steps: list[int], started: float
+    ) -> TrainSummary:
         """Validate the model that has learned from every batch sent, and sum the run up."""
         cfg = self.config
         elapsed = time.monotonic() - started
         # Averaging stages step a little after the trainer sends a batch's last microbatch (the all-reduce).
         if cfg.max_batches_ahead >= 0:  # the stages count global batches (averaging peers)
             batches = math.ceil(launched / self._per_step)
-            await self.pipeline.wait_for_stage_steps([first + batches for first in first_steps],
-                                                     stall_s=cfg.stage_step_wait_s, every_replica=True)
+            await self.pipeline.wait_for_stage_steps(
+                [first + batches for first in first_steps],
+                stall_s=cfg.stage_step_wait_s,
+                every_replica=True,
+            )
         val_loss = await self.validate()
         losses = tally.step_losses
-        self._metric({"step": len(losses), "val_loss": val_loss, "time_s": time.monotonic() - started})
+        self._metric(
+            {"step": len(losses), "val_loss": val_loss, "time_s": time.monotonic() - started}
+        )
         if losses:
             self._progress(len(losses), losses[-1], tally.tokens / elapsed, val_loss, final=True)
-        return TrainSummary(steps=len(losses), samples=tally.samples, microbatches=tally.microbatches,
-                            microbatches_started=launched, failed_calls=self.pipeline.failed_calls,
-                            unconfirmed_commits=self.pipeline.unconfirmed_commits,
-                            initial_loss=losses[0] if losses else float("nan"),
-                            final_loss=sum(losses[-5:]) / len(losses[-5:]) if losses else float("nan"),
-                            val_loss=val_loss, tokens_per_s=tally.tokens / max(elapsed, 1e-9), seconds=elapsed,
-                            losses=losses)
+        return TrainSummary(
+            steps=len(losses),
+            samples=tally.samples,
+            microbatches=tally.microbatches,
+            microbatches_started=launched,
+            failed_calls=self.pipeline.failed_calls,
+            unconfirmed_commits=self.pipeline.unconfirmed_commits,
+            initial_loss=losses[0] if losses else float("nan"),
+            final_loss=sum(losses[-5:]) / len(losses[-5:]) if losses else float("nan"),
+            val_loss=val_loss,
+            tokens_per_s=tally.tokens / max(elapsed, 1e-9),
+            seconds=elapsed,
+            losses=losses,
+        )
 
     async def validate(self) -> float:
         """Mean validation loss over the fixed validation batches (the same on every machine)."""
-        batches = self.corpus.val_batches(self.config.microbatch_size, self.run.model.seq_len,
-                                          self.config.eval_batches)
+        batches = self.corpus.val_batches(
+            self.config.microbatch_size, self.run.model.seq_len, self.config.eval_batches
+        )
         sem = asyncio.Semaphore(self.config.in_flight)
 
         async def one(tokens):
@@ -251,7 +298,9 @@ class Trainer:
             with open(self.config.metrics_path, "a") as f:
                 f.write(json.dumps({**record, "wall_time": time.time()}) + "\n")
 
-    def _progress(self, step: int, loss: float, tokens_per_s: float, val_loss: float, *, final=False) -> None:
+    def _progress(
+        self, step: int, loss: float, tokens_per_s: float, val_loss: float, *, final=False
+    ) -> None:
         total = f"/{self.config.steps}" if self.config.steps else ""
         val = f" | val {val_loss:.3f}" if math.isfinite(val_loss) else ""
         line = f"step {step}{total} | loss {loss:.3f}{val} | {tokens_per_s:,.0f} tok/s"

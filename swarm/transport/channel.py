@@ -1,4 +1,5 @@
 """gRPC options shared by servers and clients."""
+
 from __future__ import annotations
 
 # One chunk frame holds at most a few MiB (segments default to 1 MiB raw); leave room for headers.

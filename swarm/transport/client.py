@@ -1,4 +1,5 @@
 """Client side of the stage protocol: one channel per peer endpoint, typed errors, deadlines on every call."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,13 @@ import grpc
 import torch
 
 from swarm.compression import Codec
-from swarm.errors import ERROR_METADATA_KEY, InvalidRequest, SwarmError, TransportError, error_from_status
+from swarm.errors import (
+    ERROR_METADATA_KEY,
+    InvalidRequest,
+    SwarmError,
+    TransportError,
+    error_from_status,
+)
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.channel import GRPC_OPTIONS
@@ -28,8 +35,14 @@ class Reply:
 class PeerClient:
     """Calls one peer. Every call takes a deadline; failures surface as :class:`SwarmError` subclasses."""
 
-    def __init__(self, endpoint: str, *, segment_bytes: int = 1 << 20, limits: StreamLimits = StreamLimits(),
-                 commit_grace_s: float = 30.0):
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        segment_bytes: int = 1 << 20,
+        limits: StreamLimits = StreamLimits(),
+        commit_grace_s: float = 30.0,
+    ):
         self.endpoint = endpoint
         # After a reply arrives, the commit round trip may take this long beyond the call's deadline: the
         # deadline bounds the work, and a slow peer that answered in time must not lose the microbatch
@@ -43,14 +56,32 @@ class PeerClient:
     async def close(self) -> None:
         await self._channel.close(grace=None)
 
-    async def forward(self, meta: pb.RequestMeta, tensors: Sequence[tuple[str, torch.Tensor]], codec: Codec,
-                      *, timeout_s: float) -> Reply:
+    async def forward(
+        self,
+        meta: pb.RequestMeta,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        codec: Codec,
+        *,
+        timeout_s: float,
+    ) -> Reply:
         """Forward; with ``meta.compute_loss`` the reply carries gradients and the call commits."""
-        return await self._stream(self._stub.Forward, meta, tensors, codec, timeout_s,
-                                  commit=meta.compute_loss and not meta.eval_only)
+        return await self._stream(
+            self._stub.Forward,
+            meta,
+            tensors,
+            codec,
+            timeout_s,
+            commit=meta.compute_loss and not meta.eval_only,
+        )
 
-    async def backward(self, meta: pb.RequestMeta, tensors: Sequence[tuple[str, torch.Tensor]], codec: Codec,
-                       *, timeout_s: float) -> Reply:
+    async def backward(
+        self,
+        meta: pb.RequestMeta,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        codec: Codec,
+        *,
+        timeout_s: float,
+    ) -> Reply:
         return await self._stream(self._stub.Backward, meta, tensors, codec, timeout_s, commit=True)
 
     async def info(self, run_id: str = "", *, timeout_s: float) -> pb.InfoResponse:
@@ -59,19 +90,27 @@ class PeerClient:
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
 
-    async def get_state(self, run_id: str, *, include_grads: bool = False, timeout_s: float) -> Reply:
+    async def get_state(
+        self, run_id: str, *, include_grads: bool = False, timeout_s: float
+    ) -> Reply:
         """The replica's parameters (and accumulated gradients) as ``Reply.tensors``."""
-        call = self._stub.GetState(pb.StateRequest(run_id=run_id, include_grads=include_grads), timeout=timeout_s)
+        call = self._stub.GetState(
+            pb.StateRequest(run_id=run_id, include_grads=include_grads), timeout=timeout_s
+        )
         return await self._read(call)
 
-    async def _stream(self, method, meta: pb.RequestMeta, tensors, codec, timeout_s, *, commit: bool) -> Reply:
+    async def _stream(
+        self, method, meta: pb.RequestMeta, tensors, codec, timeout_s, *, commit: bool
+    ) -> Reply:
         meta.num_tensors = len(tensors)
         reply_read = asyncio.Event()
 
         async def frames() -> AsyncIterator[pb.Frame]:
             yield pb.Frame(request=meta)
             for name, tensor in tensors:
-                async for frame in tensor_frames(name, tensor, codec, segment_bytes=self._segment_bytes):
+                async for frame in tensor_frames(
+                    name, tensor, codec, segment_bytes=self._segment_bytes
+                ):
                     yield frame
             if commit:
                 # Tell the peer we have its reply: only now does it count the microbatch's gradients.
@@ -85,7 +124,9 @@ class PeerClient:
             reply = await asyncio.wait_for(self._read(call, keep_open=True), timeout_s)
         except asyncio.TimeoutError:
             call.cancel()  # the peer sees the cancellation and drops what it computed: no commit, no count
-            raise TransportError(f"peer {self.endpoint}: no reply within the {timeout_s:.1f}s deadline") from None
+            raise TransportError(
+                f"peer {self.endpoint}: no reply within the {timeout_s:.1f}s deadline"
+            ) from None
         if commit:
             reply_read.set()
             reply.committed = asyncio.ensure_future(self._confirm(call))
@@ -114,8 +155,10 @@ class PeerClient:
         """Wait for the call to end after our commit; the peer ends it OK once it has the commit."""
         try:
             async for frame in call:
-                raise TransportError(f"peer {self.endpoint} sent a '{frame.WhichOneof('kind')}' frame after "
-                                     f"its reply")
+                raise TransportError(
+                    f"peer {self.endpoint} sent a '{frame.WhichOneof('kind')}' frame after "
+                    f"its reply"
+                )
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
 

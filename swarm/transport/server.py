@@ -1,4 +1,5 @@
 """Server side: start a grpc.aio server for a StagePeer servicer and map typed errors to statuses."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,14 +17,18 @@ from swarm.transport.channel import GRPC_OPTIONS
 logger = logging.getLogger(__name__)
 
 
-async def start_server(servicer: pb_grpc.StagePeerServicer, *, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    servicer: pb_grpc.StagePeerServicer, *, host: str, port: int
+) -> tuple[grpc.aio.Server, int]:
     """Start serving on ``host:port`` (port 0 picks a free one); return the server and the bound port."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_StagePeerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}: the port is taken or the address is not local; "
-                      f"pick another --port or --host")
+        raise OSError(
+            f"cannot listen on {host}:{port}: the port is taken or the address is not local; "
+            f"pick another --port or --host"
+        )
     await server.start()
     return server, bound
 
@@ -45,8 +50,10 @@ def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
             raise
         except Exception as e:  # a bug in our handler: log it, answer with a sentence, keep serving
             logger.exception("internal error while handling %s", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in peer ({type(e).__name__}: {e}); "
-                                                          f"see the peer's log")
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error in peer ({type(e).__name__}: {e}); see the peer's log",
+            )
 
     return wrapper
 

@@ -5,6 +5,7 @@ alignment, so the result equals encoding the whole tensor). The sender encodes s
 thread while segment i is on the wire, and the receiver decodes segment i while segment i+1 arrives, so
 encode, transfer and decode overlap for large tensors and the event loop never does the CPU work.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,12 +28,15 @@ class StreamLimits:
     """What a receiver accepts, so a hostile or buggy sender cannot make it allocate without bound."""
 
     max_numel: int = 1 << 28  # elements in one tensor (1 GiB of fp32)
-    max_segment_numel: int = 1 << 24  # elements in one chunk (the gRPC message cap bounds it anyway)
+    # elements in one chunk (the gRPC message cap bounds it anyway)
+    max_segment_numel: int = 1 << 24
 
     def __post_init__(self):
         if self.max_numel < 1 or self.max_segment_numel < 1:
-            raise ValueError(f"limits must be positive, got max_numel={self.max_numel}, "
-                             f"max_segment_numel={self.max_segment_numel}")
+            raise ValueError(
+                f"limits must be positive, got max_numel={self.max_numel}, "
+                f"max_segment_numel={self.max_segment_numel}"
+            )
 
 
 def segment_numel_for(codec: Codec, dtype: torch.dtype, segment_bytes: int) -> int:
@@ -48,19 +52,28 @@ async def _maybe_offload(nbytes: int, fn: Callable, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-async def tensor_frames(name: str, tensor: torch.Tensor, codec: Codec, *,
-                        segment_bytes: int = 1 << 20) -> AsyncIterator[pb.Frame]:
+async def tensor_frames(
+    name: str, tensor: torch.Tensor, codec: Codec, *, segment_bytes: int = 1 << 20
+) -> AsyncIterator[pb.Frame]:
     """Yield the header and chunk frames of ``tensor``; the next segment encodes while one is sent."""
     flat = tensor.detach().to("cpu").contiguous().view(-1)
     seg = segment_numel_for(codec, flat.dtype, segment_bytes)
-    yield pb.Frame(tensor=pb.TensorHeader(
-        name=name, dtype=wire_dtype_name(flat.dtype), shape=list(tensor.shape), codec=codec.name,
-        segment_numel=seg))
+    yield pb.Frame(
+        tensor=pb.TensorHeader(
+            name=name,
+            dtype=wire_dtype_name(flat.dtype),
+            shape=list(tensor.shape),
+            codec=codec.name,
+            segment_numel=seg,
+        )
+    )
     starts = range(0, flat.numel(), seg)
     seg_bytes = seg * flat.element_size()
     pending = None
     for start in starts:
-        task = asyncio.ensure_future(_maybe_offload(seg_bytes, codec.encode, flat[start:start + seg]))
+        task = asyncio.ensure_future(
+            _maybe_offload(seg_bytes, codec.encode, flat[start : start + seg])
+        )
         if pending is not None:
             yield pb.Frame(chunk=await pending)
         pending = task
@@ -87,8 +100,10 @@ class FrameReader:
     async def _expect(self, kind: str, context: str) -> pb.Frame:
         frame = await self._next()
         if frame is None:
-            raise InvalidRequest(f"stream ended early: expected a '{kind}' frame {context}; "
-                                 f"the sender was cut off or speaks another protocol version")
+            raise InvalidRequest(
+                f"stream ended early: expected a '{kind}' frame {context}; "
+                f"the sender was cut off or speaks another protocol version"
+            )
         got = frame.WhichOneof("kind")
         if got != kind:
             raise InvalidRequest(f"expected a '{kind}' frame {context}, got '{got}'")
@@ -100,26 +115,34 @@ class FrameReader:
     async def reply(self) -> pb.ReplyMeta:
         return (await self._expect("reply", "to open the reply")).reply
 
-    async def tensors(self, count: int,
-                      check: Callable[[str, tuple[int, ...], torch.dtype, str], None] | None = None
-                      ) -> dict[str, torch.Tensor]:
+    async def tensors(
+        self,
+        count: int,
+        check: Callable[[str, tuple[int, ...], torch.dtype, str], None] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Read exactly ``count`` tensors. ``check(name, shape, dtype, codec)`` may raise InvalidRequest
         to reject a tensor from its header, before any of its payload is received."""
         out: dict[str, torch.Tensor] = {}
         for index in range(count):
-            header = (await self._expect("tensor", f"(header of tensor {index + 1} of {count})")).tensor
+            header = (
+                await self._expect("tensor", f"(header of tensor {index + 1} of {count})")
+            ).tensor
             if header.name in out:
                 raise InvalidRequest(f"tensor '{header.name}' was sent twice in one call")
             out[header.name] = await self._read_tensor(header, check)
         return out
 
     async def commit(self) -> pb.Commit:
-        return (await self._expect("commit", "(the caller's commit after reading the reply)")).commit
+        return (
+            await self._expect("commit", "(the caller's commit after reading the reply)")
+        ).commit
 
     async def end(self) -> None:
         frame = await self._next()
         if frame is not None:
-            raise InvalidRequest(f"unexpected '{frame.WhichOneof('kind')}' frame after the last tensor")
+            raise InvalidRequest(
+                f"unexpected '{frame.WhichOneof('kind')}' frame after the last tensor"
+            )
 
     async def _read_tensor(self, header: pb.TensorHeader, check) -> torch.Tensor:
         try:
@@ -130,14 +153,18 @@ class FrameReader:
         shape = tuple(int(s) for s in header.shape)
         numel = math.prod(shape)
         if numel > self._limits.max_numel:
-            raise InvalidRequest(f"tensor '{header.name}' of shape {list(shape)} has {numel} elements, "
-                                 f"more than the {self._limits.max_numel} this receiver accepts")
+            raise InvalidRequest(
+                f"tensor '{header.name}' of shape {list(shape)} has {numel} elements, "
+                f"more than the {self._limits.max_numel} this receiver accepts"
+            )
         seg = int(header.segment_numel)
         align = codec.alignment(dtype)
         if seg < 1 or seg > self._limits.max_segment_numel or (seg % align):
-            raise InvalidRequest(f"tensor '{header.name}': segment_numel={seg} must be in [1, "
-                                 f"{self._limits.max_segment_numel}] and a multiple of {align} "
-                                 f"for codec '{codec.name}' and dtype {header.dtype}")
+            raise InvalidRequest(
+                f"tensor '{header.name}': segment_numel={seg} must be in [1, "
+                f"{self._limits.max_segment_numel}] and a multiple of {align} "
+                f"for codec '{codec.name}' and dtype {header.dtype}"
+            )
         if check is not None:
             check(header.name, shape, dtype, codec.name)
         flat = torch.empty(numel, dtype=dtype)
@@ -145,10 +172,15 @@ class FrameReader:
         decodes = []
         try:
             for index, start in enumerate(range(0, numel, seg)):
-                payload = (await self._expect("chunk", f"(chunk {index} of tensor '{header.name}')")).chunk
+                payload = (
+                    await self._expect("chunk", f"(chunk {index} of tensor '{header.name}')")
+                ).chunk
                 count = min(seg, numel - start)
-                decodes.append(asyncio.ensure_future(
-                    _maybe_offload(seg_bytes, _decode_into, codec, payload, flat, start, count)))
+                decodes.append(
+                    asyncio.ensure_future(
+                        _maybe_offload(seg_bytes, _decode_into, codec, payload, flat, start, count)
+                    )
+                )
             await asyncio.gather(*decodes)
         except CodecError as e:
             raise InvalidRequest(f"tensor '{header.name}': {e}") from None
@@ -159,7 +191,7 @@ class FrameReader:
 
 
 def _decode_into(codec: Codec, payload: bytes, out: torch.Tensor, start: int, count: int) -> None:
-    codec.decode_into(payload, out[start:start + count])
+    codec.decode_into(payload, out[start : start + count])
 
 
 def codec_or_invalid(name: str) -> Codec:

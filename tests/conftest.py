@@ -142,3 +142,41 @@ def local_swarm(tmp_path) -> Iterator[LocalSwarm]:
         yield swarm
     finally:
         swarm.close()
+
+
+STAGE = 3  # the stage index the routing tests use
+
+
+def measured_router(rates: dict[str, float], **config):
+    """A router whose peers of STAGE each have one measured round trip at the given rate."""
+    from swarm.routing import Router, RoutingConfig
+
+    router = Router(RoutingConfig(**config))
+    router.update_peers(STAGE, {peer: 1.0 for peer in rates}, now=0.0)
+    for peer, rate in rates.items():
+        router.on_start(STAGE, peer, 0.0)
+        router.on_success(STAGE, peer, size=8.0, elapsed_s=8.0 / rate, now=0.0)
+    return router
+
+
+def sample_tensor(distribution: str, numel: int = 1 << 16, seed: int = 0):
+    """A float32 (numel,) tensor of a named distribution: normal, student_t2 (heavy tails), lognormal."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(numel, generator=generator)  # (N,)
+    if distribution == "normal":
+        return normal
+    if distribution == "student_t2":
+        # t(2) = Z / sqrt(chi2(2) / 2), chi2(2) = -2 log U: heavy tails with infinite variance
+        uniform = torch.rand(numel, generator=generator).clamp_min_(1e-12)
+        return normal / torch.sqrt(-torch.log(uniform))
+    if distribution == "lognormal":
+        return normal.exp()
+    raise AssertionError(distribution)
+
+
+def relative_error(original, decoded) -> float:
+    """||original - decoded|| / ||original||, in float64."""
+    original, decoded = original.double(), decoded.double()
+    return float((original - decoded).norm() / original.norm())

@@ -27,7 +27,6 @@ Model:
 from __future__ import annotations
 
 import heapq
-import math
 import random
 
 from swarm.balance import (
@@ -43,81 +42,30 @@ from swarm.balance import (
 from swarm.errors import WrongPeer
 from swarm.routing import NoPeersAvailable, RetriesExhausted, Router, StageRequest, wake_at
 from swarm.sim.config import SimConfig
+from swarm.sim.entities import (
+    ARRIVE,
+    DEAD,
+    DEATH,
+    DISCOVER,
+    DONE,
+    DRAINING,
+    FAIL,
+    JOIN,
+    LEAVE,
+    PREEMPT,
+    READY,
+    REBALANCE,
+    RETRY,
+    SAMPLE,
+    SERVING,
+    STARTING,
+    SimMicrobatch,
+    SimPeer,
+    SimRequest,
+)
 from swarm.sim.result import Move, SimResult
-from swarm.states import PeerState
 
 __all__ = ["simulate"]
-
-SERVING, STARTING, DRAINING = PeerState.SERVING, PeerState.STARTING, PeerState.DRAINING
-DEAD = "dead"  # the simulator's own: a killed peer, never announced
-
-# Event kinds, in the order ties at equal times are processed.
-(
-    _DONE,
-    _FAIL,
-    _RETRY,
-    _LEAVE,
-    _READY,
-    _DEATH,
-    _PREEMPT,
-    _ARRIVE,
-    _JOIN,
-    _DISCOVER,
-    _REBALANCE,
-    _SAMPLE,
-) = range(12)
-
-
-class _Peer:
-    __slots__ = ("pid", "speed", "stage", "state", "target", "free_at", "outstanding", "generation")
-
-    def __init__(self, pid: str, speed: float, stage: int, state: str) -> None:
-        self.pid = pid
-        self.speed = speed  # samples/s forward + backward on a stage of cost 1
-        self.stage = stage
-        self.state = state
-        self.target = stage  # destination while draining
-        self.free_at = 0.0  # when its FIFO queue empties, seconds
-        # Insertion-ordered (not a set of objects hashed by address): kills must fail requests in
-        # the same order in every process, or equal seeds would give different runs.
-        self.outstanding: dict[_Request, None] = {}
-        self.generation = (
-            0  # bumps on each stage change: activations of an older generation are gone
-        )
-
-
-class _Microbatch:
-    __slots__ = (
-        "trainer",
-        "stage",
-        "backward",
-        "fwd_peer",
-        "fwd_generation",
-        "request",
-        "started_at",
-    )
-
-    def __init__(self, trainer: int, num_stages: int, now: float) -> None:
-        self.trainer = trainer
-        self.stage = 0
-        self.backward = False
-        self.fwd_peer: list[str | None] = [None] * num_stages
-        self.fwd_generation = [0] * num_stages
-        self.request: StageRequest | None = None  # the current hop through its retries
-        self.started_at = now
-
-
-class _Request:
-    __slots__ = ("mb", "pid", "stage", "sent_at", "finish", "done", "error")
-
-    def __init__(self, mb: _Microbatch, pid: str, stage: int, sent_at: float) -> None:
-        self.mb = mb
-        self.pid = pid
-        self.stage = stage
-        self.sent_at = sent_at
-        self.finish = math.inf  # when the peer finishes computing it
-        self.done = False
-        self.error: Exception | None = None  # how it fails, if it does; None: a transport failure
 
 
 def simulate(config: SimConfig) -> SimResult:
@@ -133,7 +81,7 @@ class _Simulation:
         self.now = 0.0
         self.heap: list[tuple] = []
         self.seq = 0
-        self.peers: dict[str, _Peer] = {}
+        self.peers: dict[str, SimPeer] = {}
         self.next_pid = 0
         self.costs = [config.stage_cost(s) for s in range(config.num_stages)]
         self.routers = [Router(config.routing) for _ in range(config.num_trainers)]
@@ -141,7 +89,7 @@ class _Simulation:
         self.discovered: list[dict[str, float]] = [{} for _ in range(config.num_stages)]
         self.dirty = [True] * config.num_stages
         self.last_moved: dict[str, float] = {}
-        self.active: set[_Microbatch] = set()
+        self.active: set[SimMicrobatch] = set()
         # Counters.
         self.started = self.completed = self.hop_failures = self.recomputes = 0
         self.arrived = self.died = self.events = 0
@@ -159,14 +107,14 @@ class _Simulation:
         cfg = self.cfg
         self._place_initial_peers()
         for preemption in cfg.preemptions:
-            self._push(preemption.time_s, _PREEMPT, preemption)
+            self._push(preemption.time_s, PREEMPT, preemption)
         if cfg.arrival_rate_per_s > 0:
-            self._push(self.rng.expovariate(cfg.arrival_rate_per_s), _ARRIVE)
+            self._push(self.rng.expovariate(cfg.arrival_rate_per_s), ARRIVE)
         self._discover()
         if cfg.rebalance and cfg.num_stages > 1:
             # Mid-period, so that "now" falls well inside one claim period.
-            self._push(cfg.balance.period_s * 0.5, _REBALANCE)
-        self._push(cfg.sample_period_s, _SAMPLE)
+            self._push(cfg.balance.period_s * 0.5, REBALANCE)
+        self._push(cfg.sample_period_s, SAMPLE)
         for trainer in range(cfg.num_trainers):
             for _ in range(cfg.microbatches_in_flight):
                 self._start_microbatch(trainer)
@@ -201,29 +149,29 @@ class _Simulation:
                 break
             self.now = when
             self.events += 1
-            if kind == _DONE:
+            if kind == DONE:
                 self._on_done(item)
-            elif kind == _FAIL:
+            elif kind == FAIL:
                 self._on_fail(item)
-            elif kind == _RETRY:
+            elif kind == RETRY:
                 self._send(item)
-            elif kind == _LEAVE:
+            elif kind == LEAVE:
                 self._on_leave(*item)
-            elif kind == _READY:
+            elif kind == READY:
                 self._on_ready(*item)
-            elif kind == _DEATH:
+            elif kind == DEATH:
                 self._on_death(item)
-            elif kind == _PREEMPT:
+            elif kind == PREEMPT:
                 self._on_preempt(item)
-            elif kind == _ARRIVE:
+            elif kind == ARRIVE:
                 self._on_arrive()
-            elif kind == _JOIN:
+            elif kind == JOIN:
                 self._on_join(item)
-            elif kind == _DISCOVER:
+            elif kind == DISCOVER:
                 self._discover()
-            elif kind == _REBALANCE:
+            elif kind == REBALANCE:
                 self._rebalance()
-            elif kind == _SAMPLE:
+            elif kind == SAMPLE:
                 self._sample()
 
     def _push(self, when: float, kind: int, item: object = None) -> None:
@@ -256,27 +204,25 @@ class _Simulation:
     def _rates(self, speed: float) -> list[float]:
         return [speed / cost for cost in self.costs]
 
-    def _add_peer(self, speed: float, stage: int, state: str) -> _Peer:
+    def _add_peer(self, speed: float, stage: int, state: str) -> SimPeer:
         pid = f"p{self.next_pid}"
         self.next_pid += 1
-        peer = _Peer(pid, speed, stage, state)
+        peer = SimPeer(pid, speed, stage, state)
         self.peers[pid] = peer
         self.dirty[stage] = True
         if self.cfg.mean_lifetime_s > 0:
-            self._push(
-                self.now + self.rng.expovariate(1.0 / self.cfg.mean_lifetime_s), _DEATH, peer
-            )
+            self._push(self.now + self.rng.expovariate(1.0 / self.cfg.mean_lifetime_s), DEATH, peer)
         return peer
 
     # ---- microbatches ---------------------------------------------------------------------
 
     def _start_microbatch(self, trainer: int) -> None:
-        mb = _Microbatch(trainer, self.cfg.num_stages, self.now)
+        mb = SimMicrobatch(trainer, self.cfg.num_stages, self.now)
         self.active.add(mb)
         self.started += 1
         self._send(mb)
 
-    def _send(self, mb: _Microbatch) -> None:
+    def _send(self, mb: SimMicrobatch) -> None:
         """Send ``mb``'s current request, as the trainer's retry helper would."""
         cfg = self.cfg
         stage, now = mb.stage, self.now
@@ -293,20 +239,20 @@ class _Simulation:
             listed = mb.request.preferred in self.discovered[stage]
             pid = mb.request.choose(now, self.route_rng, preferred_known=listed)
         except NoPeersAvailable as error:
-            self._push(wake_at(error, now, wait_s=cfg.retry_wait_s), _RETRY, mb)
+            self._push(wake_at(error, now, wait_s=cfg.retry_wait_s), RETRY, mb)
             return
         peer = self.peers.get(pid)
         size = cfg.microbatch_size
         deadline = router.deadline_s(stage, pid, size)
         router.on_start(stage, pid, now)
-        request = _Request(mb, pid, stage, now)
+        request = SimRequest(mb, pid, stage, now)
         latency = cfg.latency_s
         if peer is None or peer.stage != stage or peer.state not in (SERVING, DRAINING):
             # Dead (the connection is refused), or alive and serving another stage (it answers WrongPeer):
             # either way after a round trip.
             if peer is not None:
                 request.error = WrongPeer(f"{pid} does not serve stage {stage} now")
-            self._push(now + 2 * latency, _FAIL, request)
+            self._push(now + 2 * latency, FAIL, request)
             return
         if mb.backward and (
             pid != mb.fwd_peer[stage] or peer.generation != mb.fwd_generation[stage]
@@ -316,18 +262,18 @@ class _Simulation:
         start = max(now + latency, peer.free_at)
         if cfg.skip_expired and start >= now + deadline:
             # The peer reaches it after the caller gave up: it drops it without computing.
-            self._push(now + deadline, _FAIL, request)
+            self._push(now + deadline, FAIL, request)
             return
         request.finish = start + share * size / (peer.speed / self.costs[stage])
         peer.free_at = request.finish
         peer.outstanding[request] = None
         reply_at = request.finish + latency
         if reply_at - now > deadline:
-            self._push(now + deadline, _FAIL, request)  # the peer still spends the time
+            self._push(now + deadline, FAIL, request)  # the peer still spends the time
         else:
-            self._push(reply_at, _DONE, request)
+            self._push(reply_at, DONE, request)
 
-    def _on_done(self, request: _Request) -> None:
+    def _on_done(self, request: SimRequest) -> None:
         if request.done:
             return
         request.done = True
@@ -359,7 +305,7 @@ class _Simulation:
         mb.stage = stage - 1
         self._send(mb)
 
-    def _on_fail(self, request: _Request) -> None:
+    def _on_fail(self, request: SimRequest) -> None:
         if request.done:
             return
         request.done = True
@@ -373,18 +319,18 @@ class _Simulation:
         except RetriesExhausted:
             # Where the trainer gives up, the simulator keeps the microbatch: a fresh budget after a pause.
             mb.request = None
-            self._push(self.now + self.cfg.retry_wait_s, _RETRY, mb)
+            self._push(self.now + self.cfg.retry_wait_s, RETRY, mb)
             return
         self._send(mb)
 
     # ---- peers come and go ----------------------------------------------------------------
 
-    def _on_death(self, peer: _Peer) -> None:
+    def _on_death(self, peer: SimPeer) -> None:
         if peer.state == DEAD:
             return
         self._kill(peer)
 
-    def _kill(self, peer: _Peer) -> None:
+    def _kill(self, peer: SimPeer) -> None:
         self.died += 1
         self.dirty[peer.stage] = True
         self.dirty[peer.target] = True
@@ -393,7 +339,7 @@ class _Simulation:
         now = self.now
         for request in peer.outstanding:
             if request.finish > now:  # replies already on the wire still arrive
-                self._push(now + self.cfg.latency_s, _FAIL, request)
+                self._push(now + self.cfg.latency_s, FAIL, request)
         peer.outstanding.clear()
 
     def _on_preempt(self, preemption) -> None:
@@ -409,8 +355,8 @@ class _Simulation:
         cfg = self.cfg
         self.arrived += 1
         delay = arrival_delay_s(self.rng, cfg.balance.arrival_max_delay_s)
-        self._push(self.now + delay, _JOIN, self._draw_speed())
-        self._push(self.now + self.rng.expovariate(cfg.arrival_rate_per_s), _ARRIVE)
+        self._push(self.now + delay, JOIN, self._draw_speed())
+        self._push(self.now + self.rng.expovariate(cfg.arrival_rate_per_s), ARRIVE)
 
     def _on_join(self, speed: float) -> None:
         # After its random delay the newcomer reads the records again and picks its stage.
@@ -418,9 +364,9 @@ class _Simulation:
             self._capacities(count_starting=True), self._rates(speed), self.rng
         )
         peer = self._add_peer(speed, stage, STARTING)
-        self._push(self.now + self.cfg.load_s, _READY, (peer, peer.generation))
+        self._push(self.now + self.cfg.load_s, READY, (peer, peer.generation))
 
-    def _on_ready(self, peer: _Peer, generation: int) -> None:
+    def _on_ready(self, peer: SimPeer, generation: int) -> None:
         if peer.state != STARTING or peer.generation != generation:
             return
         peer.state = SERVING
@@ -428,16 +374,16 @@ class _Simulation:
         # As a real peer does: arriving on (or moving to) a stage starts its rebalancing cooldown.
         self.last_moved[peer.pid] = self.now
 
-    def _on_leave(self, peer: _Peer, generation: int) -> None:
+    def _on_leave(self, peer: SimPeer, generation: int) -> None:
         if peer.state != DRAINING or peer.generation != generation:
             return
         if peer.free_at > self.now:  # finish the queue first: no request is cut off by a move
-            self._push(peer.free_at, _LEAVE, (peer, generation))
+            self._push(peer.free_at, LEAVE, (peer, generation))
             return
         peer.stage = peer.target
         peer.state = STARTING
         peer.generation += 1
-        self._push(self.now + self.cfg.load_s, _READY, (peer, peer.generation))
+        self._push(self.now + self.cfg.load_s, READY, (peer, peer.generation))
 
     def _capacities(self, *, count_starting: bool) -> list[float]:
         capacity = [0.0] * self.cfg.num_stages
@@ -464,7 +410,7 @@ class _Simulation:
             self.discovered[stage] = serving
             for router in self.routers:
                 router.update_peers(stage, serving, now)
-        self._push(now + self.cfg.discovery_period_s, _DISCOVER)
+        self._push(now + self.cfg.discovery_period_s, DISCOVER)
 
     def _view(self) -> SwarmView:
         stages: list[dict[str, PeerRecord]] = [{} for _ in range(self.cfg.num_stages)]
@@ -506,8 +452,8 @@ class _Simulation:
                     time_s=now, peer_id=peer.pid, from_stage=move.from_stage, to_stage=move.to_stage
                 )
             )
-            self._push(now + cfg.drain_s, _LEAVE, (peer, peer.generation))
-        self._push(now + cfg.balance.period_s, _REBALANCE)
+            self._push(now + cfg.drain_s, LEAVE, (peer, peer.generation))
+        self._push(now + cfg.balance.period_s, REBALANCE)
 
     def _sample(self) -> None:
         cfg = self.cfg
@@ -520,4 +466,4 @@ class _Simulation:
                 counts[peer.stage] += 1
         self.placement.append(tuple(counts))
         self.capacity.append(tuple(self._capacities(count_starting=False)))
-        self._push(self.now + cfg.sample_period_s, _SAMPLE)
+        self._push(self.now + cfg.sample_period_s, SAMPLE)

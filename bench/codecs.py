@@ -295,9 +295,8 @@ def main() -> None:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    warnings.filterwarnings(
-        "ignore"
-    )  # torch.jit/quantize deprecation noise from hivemind's import and codecs
+    # torch.jit/quantize deprecation noise from hivemind's import and codecs
+    warnings.filterwarnings("ignore")
 
     warm_up()
     rows: list[Row] = []

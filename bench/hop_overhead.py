@@ -163,10 +163,9 @@ async def round_trips(
     try:
         async with grpc.aio.insecure_channel(echo_endpoint, options=GRPC_OPTIONS) as echo_channel:
             echo = echo_channel.stream_stream(ECHO_METHOD)
+            # (B, T, W)
             inputs = [
-                torch.randn(
-                    c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0)
-                )  # (B, T, W)
+                torch.randn(c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0))
                 for c in cases
             ]
             for i in range(warmup + max(c.repeats for c in cases)):
@@ -207,9 +206,8 @@ async def forward_call(client: PeerClient, case: Case, microbatch_id: str, x: to
 
 async def echo_call(echo, x: torch.Tensor) -> None:
     """Stream x's float32 bytes in 1 MiB chunks to the bare echo server and read them all back."""
-    payload = (
-        x.numpy().tobytes()
-    )  # the copy a sender makes anyway; the transport's encode does the same
+    # the copy a sender makes anyway; the transport's encode does the same
+    payload = x.numpy().tobytes()
 
     async def send():
         for start in range(0, len(payload), CHUNK_BYTES):
@@ -291,9 +289,8 @@ def main() -> None:
     peer_config = PeerConfig(
         run_id=RUN_ID, stage=STAGE, threads=1, max_microbatch_size=max(c.batch for c in cases)
     )
-    run = RunConfig(
-        model=PROBE_MODEL, target_batch_size=1 << 30
-    )  # eval_only calls never step anyway
+    # eval_only calls never step anyway
+    run = RunConfig(model=PROBE_MODEL, target_batch_size=1 << 30)
 
     server_loop, client_loop = LoopThread("peer-loop"), LoopThread("client-loop")
     rows: list[Row] = []
@@ -307,9 +304,8 @@ def main() -> None:
         )
         echo_server, echo_endpoint = server_loop.run(start_echo_server())
         try:
-            for size in dict.fromkeys(
-                c.size_mib for c in cases
-            ):  # sizes in order; codecs interleaved within
+            # sizes in order; codecs interleaved within
+            for size in dict.fromkeys(c.size_mib for c in cases):
                 group = [c for c in cases if c.size_mib == size]
                 measured = client_loop.run(
                     round_trips(peer.endpoint, echo_endpoint, group, args.warmup)

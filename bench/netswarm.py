@@ -152,9 +152,8 @@ def measure_window(
     after = _wait_progress(
         metrics, after_step=(now.step if now else 0) + 1, trainer=trainer, timeout_s=timeout_s
     )
-    time.sleep(
-        max(0.0, warmup_s - (time.monotonic() - begun))
-    )  # a measuring period, not a wait for an event
+    # a measuring period, not a wait for an event
+    time.sleep(max(0.0, warmup_s - (time.monotonic() - begun)))
     start = _wait_progress(metrics, after_step=after.step, trainer=trainer, timeout_s=timeout_s)
     tx0, rx0, t0 = *_link_bytes(host), time.monotonic()
     end = start
@@ -195,9 +194,8 @@ def measure_setup(
         started = time.monotonic()
         start_bootstrap(group, addr_file, where=Where.on(boot))
         run_id = f"net-{setup.name}".replace("+", "-")
-        bench_dir = (
-            Path(__file__).resolve().parent
-        )  # the checkout's swarm package, not an installed one
+        # the checkout's swarm package, not an installed one
+        bench_dir = Path(__file__).resolve().parent
         boot.run(
             [
                 sys.executable,

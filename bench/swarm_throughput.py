@@ -245,9 +245,8 @@ def measure_local(
     (stopped from its step callback, so a slowdown from other users cannot stretch it); rates over the batches
     after warmup. CPU time is this process's (all its threads), which includes OpenMP spin-waiting at more than
     1 thread."""
-    run = RunConfig(
-        model=MODEL_PRESETS[preset], target_batch_size=TARGET_BATCH, lr=LR
-    )  # the swarm's run flags
+    # the swarm's run flags
+    run = RunConfig(model=MODEL_PRESETS[preset], target_batch_size=TARGET_BATCH, lr=LR)
     wall: list[float] = []
     cpu: list[float] = []
 

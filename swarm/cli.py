@@ -143,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             "generate": _generate,
         }[args.command]
         return handler(args)
-    except (
-        UsageError
-    ) as e:  # the user's own input (a data path): a SwarmError, but fixed by the user
+    # the user's own input (a data path): a SwarmError, but fixed by the user
+    except UsageError as e:
         return _error(args.command, e, USAGE_ERROR)
+    # the swarm, the network or the machine failed the run
     except (
         SwarmError,
         TimeoutError,
         OSError,
-    ) as e:  # the swarm, the network or the machine failed the run
+    ) as e:
         return _error(args.command, e, RUNTIME_ERROR)
     except ValueError as e:  # a flag's value failed the config checks (__post_init__)
         return _error(args.command, e, USAGE_ERROR)

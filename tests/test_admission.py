@@ -34,9 +34,8 @@ def test_new_work_is_refused_only_past_the_drain_notice():
         assert adm.accepts_new_work
         adm.begin_drain()
         clock.now += 2.9
-        async with adm.call(
-            new_work=True, stage_index=1
-        ):  # trainers may not have seen the state yet
+        # trainers may not have seen the state yet
+        async with adm.call(new_work=True, stage_index=1):
             pass
         clock.now += 0.1
         assert not adm.accepts_new_work

@@ -89,9 +89,8 @@ def test_replicas_agree_and_one_that_joins_mid_run_ends_in_the_same_state(local_
     assert min(_wait_for_step(endpoints, 1, timeout_s=300)) >= 1
     newcomer = local_swarm.peer("s1-new", 1, *FLAGS, run_id=RUN_ID, wait=False)
     trainer.wait_for(r"^step 6/", timeout_s=300)
-    trainer.signal(
-        signal.SIGSTOP
-    )  # on a busy machine the newcomer may still be starting: hold the run until it serves
+    # on a busy machine the newcomer may still be starting: hold the run until it serves
+    trainer.signal(signal.SIGSTOP)
     try:
         endpoints.append(local_swarm.wait_ready(newcomer))
     finally:

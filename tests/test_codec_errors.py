@@ -75,6 +75,7 @@ def test_int8_overflow_of_float64_beyond_scale_range() -> None:
         get_codec("int8").encode(flat)
 
 
+# +Inf scale, 0 * Inf is NaN too
 @pytest.mark.parametrize(
     ("codec_name", "dtype", "payload"),
     [
@@ -88,7 +89,7 @@ def test_int8_overflow_of_float64_beyond_scale_range() -> None:
             "int8",
             torch.float32,
             bytes.fromhex("807f") + bytes([1, 0]),
-        ),  # +Inf scale, 0 * Inf is NaN too
+        ),
         ("int8", torch.bfloat16, bytes.fromhex("807f") + bytes([0, 1])),  # +Inf scale into bfloat16
     ],
 )

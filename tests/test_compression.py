@@ -98,9 +98,8 @@ def test_sixteen_bit_inputs_travel_raw_in_sixteen_bit_codecs(
 def test_int8_keeps_tiny_gradients_and_zero_blocks() -> None:
     codec = get_codec("int8")
     block = codec.segment_alignment
-    tiny = (
-        sample_tensor("normal", numel=block) * 1e-30
-    )  # far below float16's range, inside bfloat16's
+    # far below float16's range, inside bfloat16's
+    tiny = sample_tensor("normal", numel=block) * 1e-30
     flat = torch.cat([tiny, torch.zeros(block), torch.tensor([0.0, -0.0])])  # (2b + 2,)
     decoded = codec.decode(codec.encode(flat), flat.numel(), flat.dtype)
     assert relative_error(tiny, decoded[:block]) <= 7e-3
@@ -124,9 +123,8 @@ def test_int8_blocks_of_any_magnitude_encode_the_same_alone_or_together() -> Non
         == whole
     )
     decoded = codec.decode(whole, flat.numel(), torch.float32)
-    for index, magnitude in enumerate(
-        magnitudes[2:], start=2
-    ):  # normal float32 range: relative precision holds
+    # normal float32 range: relative precision holds
+    for index, magnitude in enumerate(magnitudes[2:], start=2):
         piece = slice(index * block, (index + 1) * block)
         assert relative_error(flat[piece], decoded[piece]) < 1e-2, magnitude
     # subnormal blocks keep only what float32 can hold, but never blow up
@@ -135,9 +133,8 @@ def test_int8_blocks_of_any_magnitude_encode_the_same_alone_or_together() -> Non
 
 def test_int8_saturates_float16_at_its_limit_instead_of_overflowing() -> None:
     limit = torch.finfo(torch.float16).max
-    flat = torch.tensor(
-        [limit, -limit, 1.0, 0.0], dtype=torch.float16
-    )  # bfloat16 scale rounds up to 65536
+    # bfloat16 scale rounds up to 65536
+    flat = torch.tensor([limit, -limit, 1.0, 0.0], dtype=torch.float16)
     decoded = get_codec("int8").decode(get_codec("int8").encode(flat), 4, torch.float16)
     assert decoded[0] == limit and decoded[1] == -limit
 
@@ -202,9 +199,8 @@ def test_segmentwise_encoding_equals_whole_tensor_encoding(
     codec_name: str, dtype: torch.dtype, max_segment_bytes: int
 ) -> None:
     codec = get_codec(codec_name)
-    flat = (sample_tensor("student_t2", numel=5003) * 10).to(
-        dtype
-    )  # not a multiple of any alignment
+    # not a multiple of any alignment
+    flat = (sample_tensor("student_t2", numel=5003) * 10).to(dtype)
     ranges = segment_ranges(codec, flat.numel(), dtype, max_segment_bytes)
     assert ranges[0][0] == 0 and ranges[-1][1] == flat.numel()
     assert all(stop == next_start for (_, stop), (next_start, _) in zip(ranges, ranges[1:]))

@@ -37,9 +37,8 @@ def test_run_config_round_trips_and_reads_remote_dicts_carefully():
         RunConfig.from_dict({**run.to_dict(), "target_batch_size": "64"})
     with pytest.raises(ValueError, match="run config must be a dict, got list"):
         RunConfig.from_dict([1, 2])
-    with pytest.raises(
-        ValueError, match="run config lacks field 'model'"
-    ):  # required although it has a default
+    # required although it has a default
+    with pytest.raises(ValueError, match="run config lacks field 'model'"):
         RunConfig.from_dict({k: v for k, v in run.to_dict().items() if k != "model"})
     assert run.fingerprint() == RunConfig.from_dict(run.to_dict()).fingerprint()
     assert run.fingerprint() != RunConfig(model=MODEL_PRESETS["w1"]).fingerprint()
@@ -76,9 +75,8 @@ def _record(**overrides):
 def test_stage_records_are_validated_and_forward_compatible():
     record = StageRecord.from_wire(_record())
     assert record.throughput == 10.0 and record.state is PeerState.SERVING
-    wire = (
-        record.to_wire()
-    )  # what the DHT stores: the state as its plain string, back to the same record
+    # what the DHT stores: the state as its plain string, back to the same record
+    wire = record.to_wire()
     assert (
         type(wire["state"]) is str
         and wire["state"] == "serving"

@@ -25,9 +25,8 @@ def _sessions_alive(sessions: set[int]) -> list[str]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        if (
-            int(fields[3]) in sessions and fields[0] != "Z"
-        ):  # fields[3] = session id, fields[0] = state
+        # fields[3] = session id, fields[0] = state
+        if int(fields[3]) in sessions and fields[0] != "Z":
             alive.append(f"{entry.name}: {stat[:80]}")
     return alive
 

@@ -116,9 +116,8 @@ def test_kill_and_freeze_mid_run(swarm, tmp_path):
         result = summary_of(trainer)
     finally:
         frozen.signal(signal.SIGCONT)
-    assert (
-        result["done"] == result["started"] == 80
-    )  # 40 steps x 2 microbatches, every one completed
+    # 40 steps x 2 microbatches, every one completed
+    assert result["done"] == result["started"] == 80
     assert result["retried"] > 0  # the faults really hit calls in flight
     assert result["final"] < 0.85 * result["initial"]
 

@@ -102,18 +102,18 @@ def test_num_parameters_counts_bottlenecks():
 def test_dict_round_trip():
     config = ModelConfig(d_model=64, n_heads=2, n_layers=5, num_stages=3, bottleneck_dim=16, seed=3)
     assert ModelConfig.from_dict(config.to_dict()) == config
-    assert ModelConfig.from_dict({"d_model": 64}) == ModelConfig(
-        d_model=64
-    )  # missing fields: defaults
+    # missing fields: defaults
+    assert ModelConfig.from_dict({"d_model": 64}) == ModelConfig(d_model=64)
 
 
+# unknown: no excuse
 @pytest.mark.parametrize(
     ("data", "message"),
     [
         (
             {"d_model": "64", "colour": "red"},
             r"field 'd_model' must be int, got '64'",
-        ),  # unknown: no excuse
+        ),
         ({"d_model": "64"}, r"model config field 'd_model' must be int, got '64'"),
         ({"n_layers": 4.0}, r"field 'n_layers' must be int, got 4.0"),
         ({"seq_len": False}, r"field 'seq_len' must be int, got False"),
@@ -177,9 +177,8 @@ def test_forward_accepts_shorter_sequences_and_is_causal():
     logits = full(tokens)
     assert logits.shape == (2, SMALL.seq_len, 256)
     short = full(tokens[:, :5])
-    torch.testing.assert_close(
-        short, logits[:, :5], atol=1e-5, rtol=1e-5
-    )  # the future never leaks back
+    # the future never leaks back
+    torch.testing.assert_close(short, logits[:, :5], atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- init

@@ -41,9 +41,8 @@ def test_arrivals_fill_the_empty_then_the_weakest_stage(swarm):
     # The two stages differ in cost (the last one holds the head and the loss), so the margins below are
     # wide: at least 40% between the capacities a newcomer compares.
     run = ["--no-rebalance", "--arrival-max-delay-s", "0.5"]
-    a = swarm.peer(
-        "arr-a", 0, *COMMON, *run, "--slowdown", "3", run_id="arrive"
-    )  # a weak peer: a third of the speed
+    # a weak peer: a third of the speed
+    a = swarm.peer("arr-a", 0, *COMMON, *run, "--slowdown", "3", run_id="arrive")
     assert served_stage(swarm, a) == 0
 
     def newcomer(name):
@@ -113,9 +112,8 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm):
         "0",
     )
     deadline = time.monotonic() + 120
-    while (
-        _last_stage_samples(endpoints) == 0
-    ):  # polling a remote counter: there is no event to wait on
+    # polling a remote counter: there is no event to wait on
+    while _last_stage_samples(endpoints) == 0:
         assert trainer.alive() and time.monotonic() < deadline, trainer.lines[-20:]
         time.sleep(0.5)
     time.sleep(period)  # routing warm-up: the trainer measures its peers

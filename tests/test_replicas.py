@@ -66,9 +66,8 @@ def test_checkpoint_round_trip_resumes_step_and_state(tmp_path):
     assert fresh.step == ex.step == 2
     _assert_same(_params(fresh), _params(ex), atol=0)
     _feed(ex, [9, 10, 11, 12])
-    _feed(
-        fresh, [9, 10, 11, 12]
-    )  # same data after the restart: same parameters (optimizer state restored)
+    # same data after the restart: same parameters (optimizer state restored)
+    _feed(fresh, [9, 10, 11, 12])
     _assert_same(_params(fresh), _params(ex), atol=0)
     with pytest.raises(ValueError, match="another run config"):
         store.load(1, run=RunConfig(model=MODEL, lr=1e-2))
@@ -79,9 +78,8 @@ def test_partial_all_reduce_results_are_counted_across_the_averager_fork():
     """hivemind reports an all-reduce that came back partial only as a log warning in its averager's (forked)
     process; the compute thread must learn of it to reload its peers' state."""
     partial = PartialResults.install()
-    assert (
-        PartialResults.install() is partial
-    )  # one counter per process, whatever the number of optimizers
+    # one counter per process, whatever the number of optimizers
+    assert PartialResults.install() is partial
     before = partial.count.value
 
     def averager_process():

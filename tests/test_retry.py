@@ -124,8 +124,7 @@ def test_wake_at_the_first_ban_end_or_after_the_wait():
     banned = NoPeersAvailable(STAGE, num_known=2, num_banned=2, retry_at_s=12.0)
     assert wake_at(banned, 10.0, wait_s=5.0) == 12.0
     assert wake_at(banned, 10.0, wait_s=1.0) == 11.0  # peers may appear meanwhile
-    assert wake_at(banned, 12.0, wait_s=5.0, min_wait_s=0.05) == pytest.approx(
-        12.05
-    )  # never a busy loop
+    # never a busy loop
+    assert wake_at(banned, 12.0, wait_s=5.0, min_wait_s=0.05) == pytest.approx(12.05)
     empty = NoPeersAvailable(STAGE, num_known=0)
     assert wake_at(empty, 10.0, wait_s=5.0) == 15.0

@@ -40,9 +40,8 @@ def test_split_across_peer_processes_matches_one_process(swarm, dht, num_stages)
     model = ModelConfig(
         d_model=32, n_heads=2, n_layers=3, seq_len=16, num_stages=num_stages, seed=7
     )
-    run = RunConfig(
-        model=model, target_batch_size=10**6
-    )  # no optimizer step: compare raw gradients
+    # no optimizer step: compare raw gradients
+    run = RunConfig(model=model, target_batch_size=10**6)
     run_id = f"equiv{num_stages}"
     directory = RunDirectory(dht, run_id)
     asyncio.run(directory.publish_run(run, ttl_s=600))
@@ -77,9 +76,8 @@ def test_split_across_peer_processes_matches_one_process(swarm, dht, num_stages)
         samples = state.meta.samples_accumulated
         assert samples == tokens.shape[0]
         for name, p in full.stages[k].named_parameters():
-            remote_grad = (
-                state.tensors[f"grad/{name}"] / samples
-            )  # peers keep sums weighted by samples
+            # peers keep sums weighted by samples
+            remote_grad = state.tensors[f"grad/{name}"] / samples
             torch.testing.assert_close(
                 remote_grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"stage {k} {name}"
             )

@@ -59,9 +59,8 @@ def test_64mib_tensor_is_chunked_and_reassembled_exactly():
     frames = asyncio.run(_frames(big))
     assert frames[0].WhichOneof("kind") == "tensor"
     chunks = frames[1:]
-    assert len(chunks) == 64 and all(
-        len(f.chunk) == MiB for f in chunks
-    )  # 1 MiB each: under gRPC's cap
+    # 1 MiB each: under gRPC's cap
+    assert len(chunks) == 64 and all(len(f.chunk) == MiB for f in chunks)
     out = _read(frames)["x"]
     assert out.shape == big.shape and torch.equal(out, big)
 

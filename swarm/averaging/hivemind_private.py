@@ -111,9 +111,8 @@ class ConsistentStateAverager(TrainingStateAverager):
     _loaded_step: int | None = None
 
     def __init__(self, **kwargs):
-        self.state_lock = (
-            threading.Lock()
-        )  # before the base class starts the thread that serves the state
+        # before the base class starts the thread that serves the state
+        self.state_lock = threading.Lock()
         super().__init__(**kwargs)
 
     def get_current_state(self):
@@ -266,8 +265,7 @@ class PartialResults(logging.Filter):
             cls._installed = cls()
             source = logging.getLogger(cls.SOURCE)
             source.addFilter(cls._installed)
-            if not source.isEnabledFor(
-                logging.WARNING
-            ):  # filters only see records the logger lets through
+            # filters only see records the logger lets through
+            if not source.isEnabledFor(logging.WARNING):
                 source.setLevel(logging.WARNING)
         return cls._installed

@@ -203,9 +203,8 @@ class HivemindStageOptimizer:
             )
         live = control is not None and not control.done()
         forming = live and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
-        if (
-            alone and forming
-        ):  # its last peer left: step alone rather than wait averaging_timeout_s for a group
+        # its last peer left: step alone rather than wait averaging_timeout_s for a group
+        if alone and forming:
             control.cancel()
             opt.scheduled_grads, live, forming = None, False, False
         grouped = live and not forming
@@ -279,9 +278,8 @@ class HivemindStageOptimizer:
         # The tracker reads the stage's progress from the DHT in the background: wait for its first reading.
         tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.load_state_timeout_s)
         while tracker.global_epoch < peers_step and time.monotonic() < deadline:
-            time.sleep(
-                0.2
-            )  # the tracker refreshes every default_refresh_period; there is no event per refresh
+            # the tracker refreshes every default_refresh_period; there is no event per refresh
+            time.sleep(0.2)
         if tracker.global_progress.num_peers == 0 or tracker.global_epoch <= self.step:
             if peers_step > self.step:
                 raise RuntimeError(
@@ -308,9 +306,8 @@ class HivemindStageOptimizer:
             if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
                 control.cancel()  # no group counts on us yet (waiting for one could take averaging_timeout_s)
             else:
-                hp.tag_along_with_zero_weight(
-                    opt, control
-                )  # a group counts on us: take part with weight 0
+                # a group counts on us: take part with weight 0
+                hp.tag_along_with_zero_weight(opt, control)
             opt.scheduled_grads = None
         if doubtful:
             averager.state_sharing_priority = self.step - 0.5

@@ -30,9 +30,8 @@ from swarm.compression.errors import CodecError, CodecOverflowError
 
 _SCALE_BYTES = 2  # one bfloat16 per block
 _QMAX = 127  # symmetric range: -128 is never produced, so 0 is exact and the sign is symmetric
-_TINY_SCALE = (
-    2.0**-100
-)  # scales below this are lifted by _LIFT before taking 127 / scale (see _quantize_into)
+# scales below this are lifted by _LIFT before taking 127 / scale (see _quantize_into)
+_TINY_SCALE = 2.0**-100
 _LIFT = 2.0**100
 
 
@@ -143,9 +142,8 @@ def _dequantize_into(rows: torch.Tensor, blocks: torch.Tensor) -> None:
     """Decode payload ``rows`` (nb, 2 + b) uint8 into ``blocks`` (nb, b), in place."""
     # clone: a private, densely packed copy (a single-row view keeps its odd row stride, which view() rejects)
     scale = rows[:, :_SCALE_BYTES].reshape(-1).clone().view(torch.bfloat16)[:, None]  # (nb, 1)
-    if bool(
-        (scale < 0).any()
-    ):  # an absmax is never negative; NaN scales are caught by the finite check later
+    # an absmax is never negative; NaN scales are caught by the finite check later
+    if bool((scale < 0).any()):
         raise CodecError(
             "int8 payload holds a negative block scale: the payload is corrupt or not int8-encoded"
         )

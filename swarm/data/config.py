@@ -25,9 +25,8 @@ class DataConfig:
             raise ValueError(
                 f"DataConfig.paths must be a sequence of paths, got the single path {self.paths!r}"
             )
-        paths = tuple(
-            os.fspath(p) for p in self.paths
-        )  # accept lists and Path objects from callers
+        # accept lists and Path objects from callers
+        paths = tuple(os.fspath(p) for p in self.paths)
         object.__setattr__(self, "paths", paths)
         if any(p == "" for p in paths):
             raise ValueError("DataConfig.paths contains an empty path")

@@ -103,9 +103,8 @@ class ByteCorpus:
         """
         data = self.split(split)
         window = self._check_window(split, batch_size, seq_len)
-        starts = torch.randint(
-            0, data.numel() - window + 1, (batch_size,), generator=generator
-        )  # (B,)
+        # (B,)
+        starts = torch.randint(0, data.numel() - window + 1, (batch_size,), generator=generator)
         return data[starts[:, None] + torch.arange(window)].long()  # (B, T + 1)
 
     def val_batches(self, batch_size: int, seq_len: int, num_batches: int) -> list[Tensor]:
@@ -120,9 +119,8 @@ class ByteCorpus:
         window = self._check_window("val", batch_size, seq_len)
         count = batch_size * num_batches
         last_start = data.numel() - window
-        starts = (
-            torch.arange(count, dtype=torch.int64) * last_start // max(count - 1, 1)
-        )  # (B * N,)
+        # (B * N,)
+        starts = torch.arange(count, dtype=torch.int64) * last_start // max(count - 1, 1)
         windows = data[starts[:, None] + torch.arange(window)].long()  # (B * N, T + 1)
         return list(windows.split(batch_size))
 

@@ -57,9 +57,8 @@ def generate(
                 probs = torch.softmax(logits, dim=-1)
                 next_id = int(torch.multinomial(probs, 1, generator=generator))
             new.append(next_id)
-            tokens = torch.cat(
-                [tokens, torch.tensor([[next_id]], device=device)], dim=1
-            )  # (1, P + i + 1)
+            # (1, P + i + 1)
+            tokens = torch.cat([tokens, torch.tensor([[next_id]], device=device)], dim=1)
     finally:
         model.train(was_training)
     return bytes(new)

@@ -157,9 +157,8 @@ class Peer:
             self.directory, self.run.model, self.config.balance, random.Random(self.peer_id)
         )
         self._announcer.heading_to(self.stage_index)
-        await (
-            self._announcer.announce()
-        )  # "starting" on the chosen stage, so later arrivals count this peer
+        # "starting" on the chosen stage, so later arrivals count this peer
+        await self._announcer.announce()
 
     async def _start_compute(self) -> None:
         # One worker thread runs all of this peer's torch work, so compute never races an optimizer step.
@@ -173,9 +172,8 @@ class Peer:
         self.executor, _ = await self._build_executor(self.stage_index, moving=False)
         self._saved_step = self.executor.step
 
-        async def detach() -> (
-            None
-        ):  # the optimizer of the stage served at shutdown (a move replaces it)
+        # the optimizer of the stage served at shutdown (a move replaces it)
+        async def detach() -> None:
             await asyncio.to_thread(self.executor.optimizer.shutdown)
 
         self._stack.push_async_callback(detach)
@@ -267,9 +265,8 @@ class Peer:
                     await self.save_checkpoint()
             except OSError as e:  # a full disk must not stop serving; say so and retry later
                 logger.error("could not write the checkpoint: %s", e)
-            except (
-                Exception
-            ) as e:  # averaging trouble must not kill the peer; the next check retries
+            # averaging trouble must not kill the peer; the next check retries
+            except Exception as e:
                 logger.warning("optimizer step check failed: %s", e)
 
     async def save_checkpoint(self) -> None:

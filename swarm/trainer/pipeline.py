@@ -389,9 +389,8 @@ class Pipeline:
                     # e.g. moved to this stage later); no new work here until the DHT says otherwise.
                     self._draining_replies[(stage, peer)] = now
                     self._update_router(stage, now)
-                request.failed(
-                    peer, e, now
-                )  # raises RetriesExhausted naming the stage when the budget is spent
+                # raises RetriesExhausted naming the stage when the budget is spent
+                request.failed(peer, e, now)
                 if kind is Failure.GIVE_UP:
                     raise
                 continue

@@ -115,9 +115,8 @@ def train_reference(
                 for p in stage_module.parameters():
                     p.grad = None
                 optimizer.accumulate(stage_grads, samples)
-        result.losses.append(
-            weighted / samples
-        )  # float(loss) synced the device: the time below is honest
+        # float(loss) synced the device: the time below is honest
+        result.losses.append(weighted / samples)
         result.train_time_s += time.perf_counter() - started
         result.tokens += samples * seq_len
         stop = on_step is not None and on_step(step, result.losses[-1])

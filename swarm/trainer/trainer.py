@@ -131,9 +131,8 @@ class Trainer:
         self.trainer_id = uuid.uuid4().hex[:8]
         self._generator = torch.Generator().manual_seed(config.seed)
         self._next_microbatch = 0
-        self._per_step = math.ceil(
-            run.target_batch_size / config.microbatch_size
-        )  # microbatches per global batch
+        # microbatches per global batch
+        self._per_step = math.ceil(run.target_batch_size / config.microbatch_size)
 
     @classmethod
     @contextlib.asynccontextmanager

@@ -120,7 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from swarm.errors import SwarmError, UsageError
+
+    try:
+        parser = build_parser()  # imports the peer's modules: an unsupported hivemind stops here
+    except SwarmError as e:
+        return _error("", e, RUNTIME_ERROR)
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
@@ -129,29 +135,27 @@ def main(argv: list[str] | None = None) -> int:
     # hivemind's own INFO lines (matchmaking chatter) drown ours; keep its warnings and errors.
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     logging.getLogger("hivemind").setLevel(os.environ["HIVEMIND_LOGLEVEL"])
-    from swarm.errors import SwarmError, UsageError
-
+    handler = {
+        "dht": _dht,
+        "peer": _peer,
+        "train": _train,
+        "status": _status,
+        "demo": _demo,
+        "simulate": _simulate,
+        "export": _export,
+        "generate": _generate,
+    }[args.command]
     try:
-        handler = {
-            "dht": _dht,
-            "peer": _peer,
-            "train": _train,
-            "status": _status,
-            "demo": _demo,
-            "simulate": _simulate,
-            "export": _export,
-            "generate": _generate,
-        }[args.command]
         return handler(args)
-    # the user's own input (a data path): a SwarmError, but fixed by the user
-    except UsageError as e:
+    except (
+        UsageError
+    ) as e:  # the user's own input (a data path): a SwarmError, but fixed by the user
         return _error(args.command, e, USAGE_ERROR)
-    # the swarm, the network or the machine failed the run
     except (
         SwarmError,
         TimeoutError,
         OSError,
-    ) as e:
+    ) as e:  # the swarm, the network or the machine failed the run
         return _error(args.command, e, RUNTIME_ERROR)
     except ValueError as e:  # a flag's value failed the config checks (__post_init__)
         return _error(args.command, e, USAGE_ERROR)
@@ -166,7 +170,8 @@ RUNTIME_ERROR, USAGE_ERROR = 1, 2
 
 def _error(command: str, error: BaseException, status: int) -> int:
     """Print ``error`` as one line (its message says what failed and what to do), no traceback."""
-    print(f"swarm {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    where = f"swarm {command}" if command else "swarm"
+    print(f"{where}: error: {' '.join(str(error).split())}", file=sys.stderr)
     return status
 
 

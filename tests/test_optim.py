@@ -92,6 +92,18 @@ def test_hivemind_fence_accepts_only_the_pinned_version(monkeypatch):
         hivemind_private.check_hivemind_version()
 
 
+def test_cli_says_in_one_line_that_the_hivemind_is_unsupported():
+    done = _python(
+        "import hivemind, sys; hivemind.__version__ = '1.2.0'; import swarm.cli; "
+        "sys.exit(swarm.cli.main(['peer', '--help']))"
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "swarm: error: swarm's gradient averaging needs hivemind 1.1.12 (it uses private parts of it that other "
+        "versions change), but hivemind 1.2.0 is installed; run: pip install hivemind==1.1.12"
+    ]
+
+
 def test_averaging_refuses_another_hivemind_on_import():
     done = _python("import hivemind; hivemind.__version__ = '1.2.0'; import swarm.averaging")
     assert done.returncode != 0

@@ -136,7 +136,7 @@ def test_valid_loss_call_accumulates(peers, loop_thread):
     (before, grads_before), reply, (after, grads) = loop_thread.run(body())
     x = hidden().requires_grad_()
     loss = build_stage(MODEL, 1).loss(x, targets())
-    assert reply.meta.has_loss and reply.meta.loss == pytest.approx(float(loss), rel=1e-5)
+    assert reply.meta.has_loss and reply.meta.loss == pytest.approx(loss.item(), rel=1e-5)
     # The peer accumulates gradient sums: the loss weighted by the call's samples.
     expected = reference_gradients(1, lambda stage: stage.loss(x, targets()) * B)
     (grad_input,) = torch.autograd.grad(loss * B, x)

@@ -1,5 +1,5 @@
-"""The stage executor's speed bookkeeping (calibration, the emulated slow device used for fault injection) and
-its bound on gradients waiting for their commit."""
+"""The stage executor's speed bookkeeping (calibration, the emulated slow device used for fault injection), its
+bound on gradients waiting for their commit, its graph and input caches, abort, and exactly-once commits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from conftest import local_executor
 
 from swarm.config import RunConfig
-from swarm.errors import PeerOverloaded
+from swarm.errors import AlreadyApplied, NotCached, PeerOverloaded
 from swarm.model import ModelConfig
 from swarm.peer.executor import CacheConfig
 
@@ -83,3 +83,126 @@ def test_a_full_pending_queue_refuses_new_work_before_computing_and_loses_nothin
     assert last.microbatches_applied == first.microbatches_applied == 2
     last.forward_loss_backward("c", h["c"], targets, 2)
     assert last.commit("c")
+
+
+# ---------------------------------------------------------------- caches, abort, exactly once
+
+NO_STEP = RunConfig(model=MODEL, target_batch_size=10_000)  # gradients only accumulate
+B = 2
+
+
+def _tokens(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MODEL.vocab_size, (B, MODEL.seq_len), generator=g)  # (B, T)
+
+
+def _grad_output(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + seed)
+    return torch.randn(B, MODEL.seq_len, MODEL.d_model, generator=g)  # (B, T, D)
+
+
+def _grad_sums(ex) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in ex.snapshot(include_grads=True).items() if k.startswith("grad/")}
+
+
+def _assert_same_grads(a, b) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _train_first_stage(ex, ids: str, inputs_for: str = "") -> None:
+    """Backward and commit each microbatch of ``ids`` on a stage-0 executor (the inputs sent along for those
+    in ``inputs_for``)."""
+    for seed, mb in enumerate(ids):
+        inputs = _tokens(seed) if mb in inputs_for else None
+        assert ex.backward(mb, _grad_output(seed), inputs, B) is None  # stage 0: no input gradient
+        assert ex.commit(mb)
+
+
+def test_beyond_the_graph_cache_only_inputs_are_kept_and_backward_recomputes_the_same_gradients():
+    small = local_executor(NO_STEP, 0, cache=CacheConfig(graph_cache_size=1))
+    roomy = local_executor(NO_STEP, 0)
+    outs = [
+        [ex.forward(mb, _tokens(seed), keep=True) for seed, mb in enumerate("abc")]
+        for ex in (small, roomy)
+    ]
+    assert small.cached_microbatches == roomy.cached_microbatches == 3
+    assert small._graphs_kept() == 1 and roomy._graphs_kept() == 3
+    for kept, recomputed in zip(*outs):  # whether the graph was kept does not change the output
+        assert torch.equal(kept, recomputed)
+    _train_first_stage(small, "abc")
+    _train_first_stage(roomy, "abc")
+    assert small.cached_microbatches == roomy.cached_microbatches == 0
+    assert small.samples_accumulated == roomy.samples_accumulated == 3 * B
+    _assert_same_grads(_grad_sums(small), _grad_sums(roomy))
+
+
+def test_the_input_cache_evicts_the_oldest_first_and_a_backward_without_inputs_then_asks_for_them():
+    token_bytes = B * MODEL.seq_len * 8  # int64 token ids
+    ex = local_executor(NO_STEP, 0, cache=CacheConfig(input_cache_bytes=2 * token_bytes))
+    reference = local_executor(NO_STEP, 0)
+    for seed, mb in enumerate("abc"):
+        ex.forward(mb, _tokens(seed), keep=True)
+        reference.forward(mb, _tokens(seed), keep=True)
+    assert ex.cached_microbatches == 2
+    with pytest.raises(NotCached, match="microbatch a is not cached here"):
+        ex.backward("a", _grad_output(0), None, B)
+    assert ex.samples_accumulated == 0
+    # b and c are still cached; a is recomputed from its resent inputs, to the same gradients.
+    _train_first_stage(ex, "abc", inputs_for="a")
+    _train_first_stage(reference, "abc")
+    assert ex.samples_accumulated == 3 * B and ex.cached_microbatches == 0
+    _assert_same_grads(_grad_sums(ex), _grad_sums(reference))
+
+
+def _last_stage_call(seed: int):
+    """A last-stage microbatch: hidden states (B, T, D) and targets (B, T)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, MODEL.seq_len, MODEL.d_model, generator=g)
+    return x, torch.randint(0, MODEL.vocab_size, (B, MODEL.seq_len), generator=g)
+
+
+def test_abort_drops_the_held_gradients_so_a_later_commit_adds_nothing():
+    last = local_executor(NO_STEP, 1)
+    x, targets = _last_stage_call(0)
+    loss, _ = last.forward_loss_backward("a", x, targets, B)
+    last.abort("a")
+    assert last.commit("a") is False
+    assert (last.microbatches_applied, last.samples_applied, last.samples_accumulated) == (0, 0, 0)
+    assert all(int(g.count_nonzero()) == 0 for g in _grad_sums(last).values())
+    # The caller retries: the peer computes afresh and counts the microbatch once.
+    assert last.forward_loss_backward("a", x, targets, B)[0] == loss
+    assert last.commit("a") and last.samples_accumulated == B
+
+
+def test_a_retried_call_returns_the_same_reply_and_counts_once_even_after_its_reply_left_the_cache():
+    last = local_executor(NO_STEP, 1, cache=CacheConfig(reply_cache_size=1))
+    calls = {mb: _last_stage_call(seed) for seed, mb in enumerate("ab")}
+    reply_a = last.forward_loss_backward("a", *calls["a"], B)
+    assert last.commit("a")
+    once = _grad_sums(last)
+    # The reply was lost on the way: the retry gets the same reply and holds nothing new.
+    assert last.forward_loss_backward("a", *calls["a"], B) is reply_a
+    assert last.commit("a") is False
+    reply_b = last.forward_loss_backward("b", *calls["b"], B)
+    assert last.commit("b")
+    both = _grad_sums(last)
+    # a's reply left the one-reply cache: a retry is refused, never recomputed and counted again.
+    with pytest.raises(AlreadyApplied, match="microbatch a was already applied .* it counts once"):
+        last.forward_loss_backward("a", *calls["a"], B)
+    assert last.forward_loss_backward("b", *calls["b"], B) is reply_b
+    assert last.commit("b") is False
+    assert (last.microbatches_applied, last.samples_accumulated) == (2, 2 * B)
+    _assert_same_grads(_grad_sums(last), both)
+    assert any(not torch.equal(once[k], both[k]) for k in once)
+
+
+def test_a_retried_stage0_backward_whose_reply_is_none_still_counts_once():
+    first = local_executor(NO_STEP, 0)
+    _train_first_stage(first, "a", inputs_for="a")
+    once = _grad_sums(first)
+    assert first.backward("a", _grad_output(0), _tokens(0), B) is None
+    assert first.commit("a") is False
+    assert (first.microbatches_applied, first.samples_accumulated) == (1, B)
+    _assert_same_grads(_grad_sums(first), once)

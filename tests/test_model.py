@@ -321,34 +321,67 @@ def test_stage_state_dicts_round_trip_and_mismatch_is_rejected():
         FullModel.from_stage_states(wider, states)
 
 
-def test_generate_returns_requested_number_of_bytes():
+def _next_byte_logits(model: FullModel, text: bytes) -> torch.Tensor:
+    """The model's logits (V,) for the byte after ``text``, seeing its last ``seq_len`` bytes."""
+    context = torch.tensor(list(text[-model.config.seq_len :]))[None]  # (1, T)
+    with torch.no_grad():
+        return model(context)[0, -1]
+
+
+PROMPT = b"def f(x):"  # with 20 new bytes, longer than SMALL's seq_len: the context is cropped
+
+
+def _sampled(model, seed: int, **settings) -> bytes:
+    settings = {"temperature": 1.0, "top_k": 10, **settings}
+    return generate(model, PROMPT, 20, generator=torch.Generator().manual_seed(seed), **settings)
+
+
+def test_greedy_generation_takes_the_models_most_likely_byte_every_time():
     model = build_full_model(SMALL)
-    out = generate(
-        model,
-        b"def f(x):",
-        20,
-        temperature=1.0,
-        top_k=10,
-        generator=torch.Generator().manual_seed(0),
-    )
-    assert isinstance(out, bytes) and len(out) == 20  # prompt + 20 > seq_len: context is cropped
-    again = generate(
-        model,
-        b"def f(x):",
-        20,
-        temperature=1.0,
-        top_k=10,
-        generator=torch.Generator().manual_seed(0),
-    )
-    assert out == again
-    greedy = generate(model, b"x", 5, temperature=0)
-    assert greedy == generate(model, b"x", 5, temperature=0) and len(greedy) == 5
-    assert generate(model, b"x", 0) == b""
+    greedy = generate(model, PROMPT, 20, temperature=0)
+    assert len(greedy) == 20
+    for i, byte in enumerate(greedy):
+        assert byte == int(_next_byte_logits(model, PROMPT + greedy[:i]).argmax()), i
+    # top_k=1 leaves only that byte to sample, whatever the temperature
+    assert _sampled(model, seed=0, temperature=2.0, top_k=1) == greedy
     assert model.training  # mode restored
+
+
+def test_sampled_generation_is_fixed_by_its_seed_and_draws_only_from_the_top_k():
+    model = build_full_model(SMALL)
+    out = _sampled(model, seed=0)
+    assert _sampled(model, seed=0) == out and _sampled(model, seed=1) != out
+    for i, byte in enumerate(out):
+        top10 = torch.topk(_next_byte_logits(model, PROMPT + out[:i]), 10).indices.tolist()
+        assert byte in top10, (i, byte, top10)
+    assert generate(model, b"x", 0) == b""
     with pytest.raises(ValueError, match="non-empty bytes prompt"):
         generate(model, b"", 3)
     with pytest.raises(ValueError, match=r"top_k must be None or in 1..256, got 0"):
         generate(model, b"x", 3, top_k=0)
+
+
+def test_swarm_generate_prints_the_prompt_then_the_models_continuation(tmp_path, capsys):
+    from swarm import cli
+    from swarm.config import RunConfig
+    from swarm.coordinator.export import EXPORT_FORMAT
+
+    model = build_full_model(SMALL)
+    path = tmp_path / "model.pt"
+    export = {"format": EXPORT_FORMAT, "run": RunConfig(model=SMALL).to_dict(), "steps": [0, 0]}
+    torch.save({**export, "stages": model.stage_state_dicts()}, path)
+
+    def swarm_generate(seed: int) -> str:
+        argv = ["generate", "--checkpoint", str(path), "--prompt", "def ", "--max-new-tokens"]
+        assert cli.main([*argv, "12", "--top-k", "10", "--seed", str(seed)]) == 0
+        return capsys.readouterr().out
+
+    printed = swarm_generate(seed=3)
+    continuation = generate(
+        model, b"def ", 12, temperature=0.8, top_k=10, generator=torch.Generator().manual_seed(3)
+    )
+    assert printed == "def " + continuation.decode("utf-8", errors="replace") + "\n"
+    assert swarm_generate(seed=3) == printed and swarm_generate(seed=4) != printed
 
 
 def test_tiny_preset_overfits_a_fixed_batch():

@@ -1,17 +1,23 @@
-"""Stage optimizers without networking (schedule, AdamW groups, the single-process reference), and the fence
-around hivemind's private API: swarm.optim imports no hivemind; the fence refuses any other hivemind version."""
+"""Stage optimizers without networking (schedule, AdamW groups, per-stage clipping and the non-finite skip, the
+later-batches buffer, the single-process reference), and the fence around hivemind's private API: swarm.optim
+imports no hivemind; the fence refuses any other hivemind version."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+import time
+from dataclasses import replace
 
 import pytest
+import torch
+from torch import nn
 
 from swarm.config import RunConfig
 from swarm.data import ByteCorpus
 from swarm.model import ModelConfig, build_stage
-from swarm.optim import adamw_param_groups, learning_rate
+from swarm.optim import LaterBatches, adamw_param_groups, build_stage_optimizer, learning_rate
 from swarm.trainer.reference import train_reference
 
 SMALL = ModelConfig(d_model=32, n_heads=4, n_layers=3, seq_len=16, num_stages=2, seed=7)
@@ -39,6 +45,7 @@ def test_train_reference_reports_losses_and_throughput():
     corpus = ByteCorpus.from_bytes(text[:3000], text[3000:])
     run = RunConfig(model=SMALL, target_batch_size=8, lr=3e-3, warmup_steps=0)
     seen = []
+    started = time.perf_counter()
     result = train_reference(
         run,
         corpus,
@@ -48,11 +55,14 @@ def test_train_reference_reports_losses_and_throughput():
         eval_batches=2,
         on_step=lambda step, loss: seen.append(step),
     )
+    wall_s = time.perf_counter() - started
     assert len(result.losses) == 6 and seen == [1, 2, 3, 4, 5, 6]
     assert [step for step, _ in result.val_losses] == [3, 6]
     assert result.losses[-1] < result.losses[0]
     assert result.tokens == 6 * 8 * SMALL.seq_len
-    assert result.tokens_per_s > 0 and result.train_time_s > 0
+    # the training time is a part of the call's wall time (the evaluations are left out)
+    assert 0 < result.train_time_s < wall_s
+    assert result.tokens_per_s == result.tokens / result.train_time_s
     again = train_reference(run, corpus, steps=6, microbatch_size=4, eval_batches=0)
     assert again.losses == pytest.approx(result.losses, rel=1e-5) and again.val_losses == []
     stopped = train_reference(
@@ -60,6 +70,103 @@ def test_train_reference_reports_losses_and_throughput():
     )
     assert stopped.losses == pytest.approx(result.losses[:2], rel=1e-5)
     assert [step for step, _ in stopped.val_losses] == [2]
+
+
+# Four stages: each clips its own gradient to max_grad_norm / sqrt(4) = 0.5. No weight decay, so a step moves
+# a parameter by its AdamW update alone.
+CLIPPED = RunConfig(
+    model=ModelConfig(d_model=32, n_heads=4, n_layers=4, seq_len=16, num_stages=4),
+    max_grad_norm=1.0,
+    weight_decay=0.0,
+)
+
+
+def _gradients(module: nn.Module, norm: float, seed: int = 0) -> list[torch.Tensor]:
+    """Random gradients for ``module``'s parameters whose global L2 norm is ``norm``."""
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(p.shape, generator=g) for p in module.parameters()]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
+    return [x * (norm / total) for x in grads]
+
+
+def _step(optimizer, module: nn.Module, grads: list[torch.Tensor]):
+    for p, grad in zip(module.parameters(), grads):
+        p.grad = grad.clone()
+    return optimizer.step()
+
+
+@pytest.mark.parametrize(
+    ("max_grad_norm", "norm", "applied_norm"),
+    [
+        (1.0, 10.0, 0.5),  # above the stage's threshold: scaled down to exactly 1 / sqrt(4)
+        (1.0, 0.3, 0.3),  # below it: untouched
+        (0.0, 1000.0, 1000.0),  # 0 turns clipping off
+    ],
+)
+def test_a_stage_clips_its_gradient_to_max_grad_norm_over_sqrt_num_stages(
+    max_grad_norm, norm, applied_norm
+):
+    module = nn.Linear(3, 2)
+    optimizer = build_stage_optimizer(module, replace(CLIPPED, max_grad_norm=max_grad_norm))
+    grads = _gradients(module, norm)
+    _step(optimizer, module, grads)
+    assert optimizer.last_grad_norm == pytest.approx(norm, rel=1e-6)  # the norm before clipping
+    for p, grad in zip(module.parameters(), grads):
+        expected = grad * (applied_norm / norm)  # same direction, the applied norm
+        if applied_norm == norm:
+            assert torch.equal(p.grad, grad)
+        else:
+            torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=0)
+        # AdamW's first moment after one step from zero is (1 - beta1) x the gradient it used
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], 0.1 * expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_gradient_skips_the_step_and_the_next_finite_one_applies(bad):
+    module = nn.Linear(3, 2)
+    optimizer = build_stage_optimizer(module, CLIPPED, lr=0.1)
+    before = [p.detach().clone() for p in module.parameters()]
+    grads = _gradients(module, 0.3)
+    poisoned = [x.clone() for x in grads]
+    poisoned[0][1, 2] = bad
+    assert _step(optimizer, module, poisoned) is None
+    assert not math.isfinite(optimizer.last_grad_norm) and optimizer.skipped_steps == 1
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+    assert all(p.grad is None for p in module.parameters())  # the bad gradients are dropped
+    assert optimizer.state == {}  # no moment saw them
+    _step(optimizer, module, grads)
+    assert optimizer.skipped_steps == 1
+    for p, b, grad in zip(module.parameters(), before, grads):
+        assert int(optimizer.state[p]["step"]) == 1
+        # AdamW's first step moves each value by lr x sign(gradient) (to its epsilon)
+        torch.testing.assert_close(p.detach(), b - 0.1 * grad.sign(), rtol=0, atol=1e-5)
+
+
+def test_later_batches_sum_per_step_and_pop_the_oldest_due_step_first():
+    later = LaterBatches(max_ahead=4)
+    first = torch.tensor([1.0, 2.0])
+    later.add(2, 0, [first, None], 3)
+    later.add(1, 0, [torch.tensor([10.0, 0.0]), torch.tensor([5.0])], 1)
+    later.add(2, 0, [torch.tensor([0.5, 0.5]), torch.tensor([7.0])], 2)
+    assert torch.equal(first, torch.tensor([1.0, 2.0]))  # the caller's tensor is not summed into
+    assert later.pop_due(0) is None
+    sums, n = later.pop_due(2)
+    assert n == 1 and torch.equal(sums[0], torch.tensor([10.0, 0.0]))
+    assert torch.equal(sums[1], torch.tensor([5.0]))
+    sums, n = later.pop_due(2)
+    assert n == 5 and torch.equal(sums[0], torch.tensor([1.5, 2.5]))
+    assert torch.equal(sums[1], torch.tensor([7.0]))  # a None slot takes the first gradient it gets
+    assert later.pop_due(2) is None
+
+
+def test_later_batches_keep_a_step_beyond_max_ahead_with_the_furthest_step_allowed():
+    later = LaterBatches(max_ahead=2)
+    later.add(9, 3, [torch.tensor([1.0])], 4)  # 6 ahead of step 3: kept with step 5
+    later.add(5, 3, [torch.tensor([2.0])], 1)
+    assert later.pop_due(4) is None
+    sums, n = later.pop_due(5)
+    assert n == 5 and torch.equal(sums[0], torch.tensor([3.0]))
+    assert later.pop_due(100) is None
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig
 from swarm.errors import InvalidRequest, NotCached, WrongPeer
-from swarm.model import ModelConfig
+from swarm.model import ModelConfig, build_stage
 from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
 from swarm.proto import PROTOCOL_VERSION
@@ -107,20 +107,42 @@ async def loss_call(peer, mb_id, x=None):
     return reply
 
 
+def reference_gradients(stage_index: int, objective) -> dict[str, torch.Tensor]:
+    """Parameter gradients of ``objective(stage_module)`` on a fresh copy of the stage (the peers never step,
+    so theirs equal it), named as GetState names them."""
+    stage_module = build_stage(MODEL, stage_index)
+    objective(stage_module).backward()
+    return {f"grad/{n}": p.grad for n, p in stage_module.named_parameters() if p.grad is not None}
+
+
+def assert_accumulated(before: dict, after: dict, expected: dict) -> None:
+    """The accumulated gradients grew by exactly ``expected`` (to float32 summation)."""
+    assert expected.keys() <= after.keys()
+    for name, grad in after.items():
+        added = grad - before[name]
+        want = expected.get(name, torch.zeros_like(grad))
+        torch.testing.assert_close(added, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_valid_loss_call_accumulates(peers, loop_thread):
     _, last = peers
 
     async def body():
-        before, _ = await state(last)
+        before = await state(last)
         reply = await loss_call(last, "valid-1")
-        after, grads = await state(last)
-        return before, reply, after, grads
+        after = await state(last)
+        return before, reply, after
 
-    before, reply, after, grads = loop_thread.run(body())
-    assert reply.meta.has_loss and 4.0 < reply.meta.loss < 7.0  # ~ln(256) at init
-    assert reply.tensors["grad_input"].shape == (B, T, D)
+    (before, grads_before), reply, (after, grads) = loop_thread.run(body())
+    x = hidden().requires_grad_()
+    loss = build_stage(MODEL, 1).loss(x, targets())
+    assert reply.meta.has_loss and reply.meta.loss == pytest.approx(loss.item(), rel=1e-5)
+    # The peer accumulates gradient sums: the loss weighted by the call's samples.
+    expected = reference_gradients(1, lambda stage: stage.loss(x, targets()) * B)
+    (grad_input,) = torch.autograd.grad(loss * B, x)
+    torch.testing.assert_close(reply.tensors["grad_input"], grad_input, rtol=1e-4, atol=1e-6)
     assert after == before + B
-    assert any(g.abs().sum() > 0 for g in grads.values())
+    assert_accumulated(grads_before, grads, expected)
 
 
 def _bad_cases():
@@ -308,11 +330,13 @@ def test_forward_then_backward_uses_cache(peers, loop_thread):
     tokens = torch.randint(0, 256, (B, T))
 
     async def body():
+        before = await state(first)
         client = PeerClient(first.endpoint)
         out = await client.forward(
             meta(stage=0, microbatch_id="fb"), [("input", tokens)], NONE, timeout_s=10
         )
         h = out.tensors["output"]
+        # no inputs sent: the peer answers from what it kept at the forward
         reply = await client.backward(
             meta(stage=0, microbatch_id="fb"),
             [("grad_output", torch.ones_like(h))],
@@ -320,11 +344,13 @@ def test_forward_then_backward_uses_cache(peers, loop_thread):
             timeout_s=10,
         )
         await reply.committed
-        return h, reply
+        return before, h, reply, await state(first)
 
-    h, reply = loop_thread.run(body())
-    assert h.shape == (B, T, D)
+    (samples_before, grads_before), h, reply, (samples, grads) = loop_thread.run(body())
+    torch.testing.assert_close(h, build_stage(MODEL, 0)(tokens), rtol=1e-5, atol=1e-6)
     assert "grad_input" not in reply.tensors  # stage 0's input is token ids
+    assert samples == samples_before + B
+    assert_accumulated(grads_before, grads, reference_gradients(0, lambda s: s(tokens).sum()))
 
 
 def test_info_and_wrong_run(peers, loop_thread):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,14 +48,34 @@ def _assert_same(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
 
 
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return float(
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+    )
+
+
 def test_local_optimizer_applies_schedule_and_clipping():
-    ex = local_executor(RUN, 1)
+    run = replace(
+        RUN, max_grad_norm=0.2
+    )  # this batch's gradient norm is about 0.5: it gets clipped
+    threshold = 0.2 / math.sqrt(MODEL.num_stages)
+    ex = local_executor(run, 1)
     assert isinstance(ex.optimizer, LocalStageOptimizer)
+    # The same replica (same initial parameters) fed the same batch without stepping: its mean gradient.
+    accumulating = local_executor(replace(run, target_batch_size=10_000), 1)
+    _feed(accumulating, [1, 2, 3, 4])
+    mean = [g / run.target_batch_size for g in accumulating.optimizer.grad_sums()]
+    assert _norm(mean) > 0.2  # above the threshold, whether or not divided by sqrt(num_stages)
     _feed(ex, [1, 2, 3, 4])
     assert ex.step == 1 and ex.samples_accumulated == 0
-    assert ex.optimizer.optimizer.last_grad_norm > 0
-    assert ex.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate(RUN, 0))
-    assert stage_clip_norm(RUN) == pytest.approx(0.5 / 2**0.5)
+    adamw = ex.optimizer.optimizer
+    assert adamw.last_grad_norm == pytest.approx(_norm(mean), rel=1e-5)
+    # AdamW's first moment after one step from zero is (1 - beta1) x the (clipped) gradient it used.
+    for p, g in zip(ex.stage_module.parameters(), mean):
+        expected = 0.1 * g * (threshold / _norm(mean))
+        torch.testing.assert_close(adamw.state[p]["exp_avg"], expected, rtol=1e-4, atol=1e-9)
+    assert adamw.param_groups[0]["lr"] == pytest.approx(learning_rate(run, 0))
+    assert stage_clip_norm(run) == pytest.approx(threshold)
 
 
 def test_checkpoint_round_trip_resumes_step_and_state(tmp_path):

@@ -206,3 +206,16 @@ def test_a_retried_stage0_backward_whose_reply_is_none_still_counts_once():
     assert first.commit("a") is False
     assert (first.microbatches_applied, first.samples_accumulated) == (1, B)
     _assert_same_grads(_grad_sums(first), once)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"graph_cache_size": -1}, "cache sizes must be >= 0"),
+        ({"max_pending": 0}, r"max_pending \(0\) and applied_ids_size \(100000\) must be >= 1"),
+        ({"applied_ids_size": 0}, r"max_pending \(64\) and applied_ids_size \(0\) must be >= 1"),
+    ],
+)
+def test_cache_config_refuses_sizes_that_would_refuse_or_forget_everything(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(**kwargs)

@@ -24,7 +24,9 @@ from swarm.optim.schedule import set_learning_rate
 class StageOptimizer(Protocol):
     """What the executor needs. ``accumulate`` takes gradient SUMS over ``num_samples`` samples (one
     microbatch) in ``stage_module.parameters()`` order, toward optimizer step ``batch_step`` (None: the current
-    one), and returns True when the parameters changed. ``step`` counts the optimizer steps taken (the
+    one), and returns True when the stage's step ended (the parameters changed, or may have: a step whose
+    averaged gradient is not finite is skipped, yet its global batch is used up and ``step`` counts it, so
+    every replica and the schedule stay on the same step). ``step`` counts the optimizer steps taken (the
     index of the step the next global batch is for); ``maybe_step`` takes the next one if it is due."""
 
     step: int

@@ -42,6 +42,11 @@ class CacheConfig:
                 f"cache sizes must be >= 0, got graph_cache_size={self.graph_cache_size}, "
                 f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}"
             )
+        if self.max_pending < 1 or self.applied_ids_size < 1:
+            raise ValueError(
+                f"max_pending ({self.max_pending}) and applied_ids_size ({self.applied_ids_size}) must be "
+                f">= 1: with none, a peer would refuse every gradient or forget every applied microbatch"
+            )
 
 
 @dataclass

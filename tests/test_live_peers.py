@@ -140,23 +140,23 @@ def test_a_killed_peers_record_expires_within_its_ttl_and_is_no_longer_routed(pe
             await pipeline.refresh()
             assert set(pipeline.router.peers(0)) == {keeper.peer_id, victim.peer_id}
             killed_at = time.monotonic()
-            await (
-                victim.shutdown()
-            )  # killed, not drained: no goodbye, its last heartbeat stays in the DHT
+            # killed, not drained: no goodbye, its last heartbeat stays in the DHT
+            await victim.shutdown()
             still = await directory.stage_records(0)
             # Its record outlives it: the TTL, not the shutdown, is what removes it.
             assert still[victim.peer_id].state == PeerState.SERVING
-            await wait_for_records(directory, 0, lambda r: victim.peer_id not in r)
-            gone_after_s = time.monotonic() - killed_at
+            # The last heartbeat came before the kill and lives TTL_S: by TTL_S + HEARTBEAT_S the record must be
+            # gone. The claim is about that instant, so ask once it has come (a DHT read that starts then sees
+            # the record gone however long the read itself takes on a loaded machine).
+            await asyncio.sleep(killed_at + TTL_S + HEARTBEAT_S - time.monotonic())
+            after = await directory.stage_records(0)
             await pipeline.refresh()
-            return gone_after_s, set(pipeline.router.peers(0)), set(pipeline.records[0])
+            return set(after), set(pipeline.router.peers(0)), set(pipeline.records[0])
         finally:
             await pipeline.close()
 
-    gone_after_s, routed, known = loop_thread.run(body())
-    # The last heartbeat came at most HEARTBEAT_S before the kill and lives TTL_S (polling adds 50 ms).
-    assert gone_after_s <= TTL_S + HEARTBEAT_S + 0.1
-    assert routed == known == {keeper.peer_id}
+    listed, routed, known = loop_thread.run(body())
+    assert listed == routed == known == {keeper.peer_id}
 
 
 # ---------------------------------------------------------------------------------------------- status
@@ -166,6 +166,8 @@ STATUS_LINE = re.compile(
 )
 
 
+# Runs the CLI in a process of its own (seconds to import torch and join the DHT): out of the fast tier.
+@pytest.mark.slow
 def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
     peers, loop_thread, boot
 ):

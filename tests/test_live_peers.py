@@ -210,7 +210,7 @@ def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
             timeout=120,
         )
     finally:
-        drain.cancel()
+        loop_thread.loop.call_soon_threadsafe(drain.cancel)  # the task lives on the loop's thread
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == (
@@ -283,7 +283,7 @@ def test_export_takes_the_most_advanced_live_replica(peers, loop_thread, boot, t
     assert steps == [0, 1]
     assert_same_tensors(stage1, behind_params)
 
-    drain.cancel()
+    loop_thread.loop.call_soon_threadsafe(drain.cancel)  # the task lives on the loop's thread
     loop_thread.run(ahead.shutdown())  # dead: its record (draining, step 3) lingers until its TTL
     stage1, steps = loop_thread.run(gather())
     assert steps == [0, 1]

@@ -1,0 +1,386 @@
+"""What the README says about live peers, checked on real peers in this process (real DHT, real gRPC on port 0):
+a killed peer's record expires after its TTL and is no longer routed to, `swarm status` lists every peer, export
+takes the most advanced live replica, a moved peer loads its new stage's parameters, and a drain ends in time."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from swarm.compression import get_codec
+from swarm.config import RunConfig
+from swarm.coordinator.export import export_run, gather_stage_states, load_exported
+from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht, visible_addresses
+from swarm.errors import PeerDraining
+from swarm.model import ModelConfig, build_stage
+from swarm.peer.config import PeerConfig
+from swarm.peer.lifecycle import Peer
+from swarm.proto import PROTOCOL_VERSION
+from swarm.proto import swarm_pb2 as pb
+from swarm.states import PeerState
+from swarm.trainer.pipeline import Pipeline
+from swarm.transport.client import PeerClient
+
+MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, num_stages=2)
+B, T, D = 2, 16, 32
+# One committed loss call of B samples is one optimizer step of the replica that takes it (no warmup: every step
+# moves the parameters).
+RUN = RunConfig(model=MODEL, target_batch_size=B, warmup_steps=0)
+NONE = get_codec("none")
+HEARTBEAT_S, TTL_S = 0.3, 2.0
+
+
+@pytest.fixture(scope="module")
+def boot():
+    """A bootstrap DHT node for the module: every test joins it with its own run id."""
+    dht = start_dht(DHTConfig())
+    yield tuple(visible_addresses(dht))
+    dht.shutdown()
+
+
+@pytest.fixture
+def peers(loop_thread, boot):
+    """Start peers with ``start(run_id, stage, **PeerConfig fields)``; whatever is still running at the end is
+    shut down (no drain)."""
+    started: list[Peer] = []
+
+    def start(run_id: str, stage: int, **fields) -> Peer:
+        fields = {"heartbeat_s": HEARTBEAT_S, "ttl_s": TTL_S, "rebalance": False, **fields}
+        config = PeerConfig(run_id=run_id, stage=stage, dht=DHTConfig(initial_peers=boot), **fields)
+        peer = loop_thread.run(Peer.create(config, run=RUN))
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        if not peer.stopped.is_set():
+            loop_thread.run(peer.shutdown())
+
+
+def meta(peer: Peer, microbatch_id: str, **kw) -> pb.RequestMeta:
+    return pb.RequestMeta(
+        protocol_version=PROTOCOL_VERSION,
+        run_id=peer.run_id,
+        stage=peer.stage_index,
+        codec="none",
+        microbatch_id=microbatch_id,
+        num_samples=B,
+        **kw,
+    )
+
+
+def tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def hidden(seed: int) -> torch.Tensor:
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+async def step_last(peer: Peer, steps: int, *, seed: int = 0) -> None:
+    """``steps`` committed loss calls of B samples to a last-stage peer: each is one optimizer step there."""
+    client = PeerClient(peer.endpoint)
+    try:
+        for i in range(steps):
+            reply = await client.forward(
+                meta(peer, f"{peer.peer_id}-{seed}-{i}", compute_loss=True),
+                [("input", hidden(seed + i)), ("targets", tokens(seed + i))],
+                NONE,
+                timeout_s=30,
+            )
+            await reply.committed
+    finally:
+        await client.close()
+    assert peer.executor.step >= steps
+
+
+async def get_state(peer: Peer):
+    client = PeerClient(peer.endpoint)
+    try:
+        return await client.get_state(peer.run_id, timeout_s=30)
+    finally:
+        await client.close()
+
+
+def params(reply) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("param/"): v for k, v in reply.tensors.items() if k.startswith("param/")}
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+async def wait_for_records(directory: RunDirectory, stage: int, want, timeout_s: float = 10.0):
+    """Poll the DHT until ``want(records of stage)`` holds (the heartbeat carries the change); the records."""
+    deadline = time.monotonic() + timeout_s
+    while not want(records := await directory.stage_records(stage)):
+        assert time.monotonic() < deadline, records
+        await asyncio.sleep(0.05)  # the DHT has no watch: poll a real condition with a deadline
+    return records
+
+
+# ---------------------------------------------------------------------------------------------- TTL
+
+
+def test_a_killed_peers_record_expires_within_its_ttl_and_is_no_longer_routed(peers, loop_thread):
+    keeper, victim = peers("ttl", 0), peers("ttl", 0)
+
+    async def body():
+        directory = RunDirectory(keeper.dht, "ttl")
+        pipeline = Pipeline(directory, RUN)
+        try:
+            await pipeline.refresh()
+            assert set(pipeline.router.peers(0)) == {keeper.peer_id, victim.peer_id}
+            killed_at = time.monotonic()
+            # killed, not drained: no goodbye, its last heartbeat stays in the DHT
+            await victim.shutdown()
+            still = await directory.stage_records(0)
+            # Its record outlives it: the TTL, not the shutdown, is what removes it.
+            assert still[victim.peer_id].state == PeerState.SERVING
+            # The last heartbeat came before the kill and lives TTL_S: by TTL_S + HEARTBEAT_S the record must be
+            # gone. The claim is about that instant, so ask once it has come (a DHT read that starts then sees
+            # the record gone however long the read itself takes on a loaded machine).
+            await asyncio.sleep(killed_at + TTL_S + HEARTBEAT_S - time.monotonic())
+            after = await directory.stage_records(0)
+            await pipeline.refresh()
+            return set(after), set(pipeline.router.peers(0)), set(pipeline.records[0])
+        finally:
+            await pipeline.close()
+
+    listed, routed, known = loop_thread.run(body())
+    assert listed == routed == known == {keeper.peer_id}
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+STATUS_LINE = re.compile(
+    r"^  (\S+)\s+(\S+)\s+(\w+)\s+([\d.]+) samples/s\s+in flight (\d+)\s+step (\d+)$"
+)
+
+
+# Runs the CLI in a process of its own (seconds to import torch and join the DHT): out of the fast tier.
+@pytest.mark.slow
+def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
+    peers, loop_thread, boot
+):
+    # A draining peer stays listed while it announces "draining": its notice window outlasts the test.
+    first, leaving = (
+        peers("status", 0),
+        peers("status", 0, drain_notice_s=60.0, drain_timeout_s=90.0),
+    )
+    last = peers("status", 1)
+    directory = RunDirectory(first.dht, "status")
+
+    async def prepare():
+        await step_last(last, 3)
+        drain = asyncio.ensure_future(leaving.drain())
+        await wait_for_records(
+            directory,
+            0,
+            lambda r: r.get(leaving.peer_id, None) and r[leaving.peer_id].state == "draining",
+        )
+        await wait_for_records(
+            directory, 1, lambda r: r.get(last.peer_id) and r[last.peer_id].step == 3
+        )
+        return drain
+
+    drain = loop_thread.run(prepare())
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "swarm",
+                "status",
+                "--run-id",
+                "status",
+                "--initial-peers",
+                *boot,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        loop_thread.loop.call_soon_threadsafe(drain.cancel)  # the task lives on the loop's thread
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == (
+        f"run 'status': 2 stages, codec none, target batch {B} samples, config {RUN.fingerprint()}"
+    )
+    stage_of, listed = None, {}
+    for line in lines[1:]:
+        if header := re.match(r"^stage (\d+): (\d+) peer\(s\), ([\d.]+) samples/s serving$", line):
+            stage_of = int(header.group(1))
+            continue
+        row = STATUS_LINE.match(line)
+        assert row, line
+        peer_id, endpoint, state, _, _, step = row.groups()
+        listed[peer_id] = (stage_of, endpoint, state, int(step))
+    assert listed == {
+        first.peer_id: (0, first.endpoint, "serving", 0),
+        leaving.peer_id: (0, leaving.endpoint, "draining", 0),
+        last.peer_id: (1, last.endpoint, "serving", 3),
+    }
+    headers = [re.match(r"^stage (\d+): (\d+) peer\(s\)", line) for line in lines]
+    assert [h.groups() for h in headers if h] == [("0", "2"), ("1", "1")]
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def test_export_takes_the_most_advanced_live_replica(peers, loop_thread, boot, tmp_path):
+    """Replicas step alone here (no averaging), so the stage's two replicas hold different parameters: the
+    export must be the more advanced one's, exactly. Past it: a draining replica is passed over (it is leaving,
+    and a moving peer's state may already be another stage's), and a dead one (record still there or gone)
+    makes the export fall back on the next."""
+    first = peers("export", 0)
+    ahead = peers("export", 1, drain_notice_s=60.0, drain_timeout_s=90.0)
+    behind = peers("export", 1)
+    directory = RunDirectory(first.dht, "export")
+
+    async def prepare():
+        await step_last(ahead, 3, seed=100)
+        await step_last(behind, 1, seed=200)
+        await wait_for_records(
+            directory,
+            1,
+            lambda r: {p: x.step for p, x in r.items()} == {ahead.peer_id: 3, behind.peer_id: 1},
+        )
+        return [params(await get_state(p)) for p in (first, ahead, behind)]
+
+    first_params, ahead_params, behind_params = loop_thread.run(prepare())
+    assert not all(torch.equal(ahead_params[k], behind_params[k]) for k in ahead_params)
+
+    out = tmp_path / "model.pt"
+    message = loop_thread.run(export_run("export", DHTConfig(initial_peers=boot), str(out)))
+    assert "stages at optimizer steps [0, 3]" in message
+    run, _ = load_exported(str(out))
+    blob = torch.load(out, map_location="cpu", weights_only=True)
+    assert run.fingerprint() == RUN.fingerprint() and blob["steps"] == [0, 3]
+    assert_same_tensors(blob["stages"][0], first_params)
+    assert_same_tensors(blob["stages"][1], ahead_params)
+
+    async def gather():
+        states, steps = await gather_stage_states(directory, RUN, timeout_s=10)
+        return states[1], steps
+
+    async def drain_ahead():
+        drain = asyncio.ensure_future(ahead.drain())
+        await wait_for_records(directory, 1, lambda r: r[ahead.peer_id].state == PeerState.DRAINING)
+        return drain
+
+    drain = loop_thread.run(drain_ahead())
+    stage1, steps = loop_thread.run(gather())
+    assert steps == [0, 1]
+    assert_same_tensors(stage1, behind_params)
+
+    loop_thread.loop.call_soon_threadsafe(drain.cancel)  # the task lives on the loop's thread
+    loop_thread.run(ahead.shutdown())  # dead: its record (draining, step 3) lingers until its TTL
+    stage1, steps = loop_thread.run(gather())
+    assert steps == [0, 1]
+    assert_same_tensors(stage1, behind_params)
+
+
+# ---------------------------------------------------------------------------------------------- move
+
+
+def test_a_moved_peer_serves_the_new_stages_parameters(peers, loop_thread):
+    mover = peers("move", 0, drain_notice_s=0.1)
+    other = peers("move", 1)
+
+    async def body():
+        await step_last(other, 3)
+        await mover.move_to(1, expected_throughput=1.0)
+        return await get_state(mover), await get_state(other)
+
+    moved, source = loop_thread.run(body())
+    fresh = {k: v for k, v in build_stage(MODEL, 1).state_dict().items()}
+    # The replica it loads from has trained: its parameters are not what a fresh stage 1 would hold.
+    assert not all(torch.equal(fresh[k], v) for k, v in params(source).items())
+    assert mover.stage_index == 1 and mover.state == PeerState.SERVING
+    assert_same_tensors(params(moved), params(source))
+
+
+# ---------------------------------------------------------------------------------------------- drain
+
+
+async def forward_first(peer: Peer, microbatch_id: str, seed: int):
+    """A stage-0 forward that keeps what its backward needs: the peer now holds one cached microbatch."""
+    client = PeerClient(peer.endpoint)
+    try:
+        return await client.forward(
+            meta(peer, microbatch_id), [("input", tokens(seed))], NONE, timeout_s=30
+        )
+    finally:
+        await client.close()
+
+
+async def backward_first(peer: Peer, microbatch_id: str, grad: torch.Tensor):
+    client = PeerClient(peer.endpoint)
+    try:
+        reply = await client.backward(
+            meta(peer, microbatch_id), [("grad_output", grad)], NONE, timeout_s=30
+        )
+        await reply.committed
+        return reply
+    finally:
+        await client.close()
+
+
+def test_a_drain_serves_held_backwards_refuses_new_work_and_drops_the_rest_after_the_quiet_time(
+    peers, loop_thread
+):
+    idle_s, timeout_s = 1.0, 30.0
+    peer = peers("drain", 0, drain_notice_s=0.2, drain_idle_s=idle_s, drain_timeout_s=timeout_s)
+
+    async def body():
+        answered = await forward_first(peer, "answered", 1)
+        await forward_first(peer, "abandoned", 2)  # its caller is gone: its backward never comes
+        assert peer.executor.cached_microbatches == 2
+        started = time.monotonic()
+        drain = asyncio.ensure_future(peer.drain())
+        while peer.admission.accepts_new_work:  # the notice window
+            await asyncio.sleep(0.02)
+        with pytest.raises(PeerDraining):
+            await forward_first(peer, "new", 3)
+        reply = await backward_first(peer, "answered", torch.ones_like(answered.tensors["output"]))
+        last_call = time.monotonic()
+        await drain
+        return reply, time.monotonic() - started, time.monotonic() - last_call
+
+    reply, drain_s, after_last_call_s = loop_thread.run(body())
+    assert reply.meta.state == PeerState.DRAINING
+    # the held backward counted, once (a full batch here: the stage stepped on it)
+    assert (peer.executor.microbatches_applied, peer.executor.step) == (1, 1)
+    assert peer.executor.cached_microbatches == 1  # the abandoned one was given up on, not answered
+    # It waited for the quiet time after the last call (poll 0.2 s, settle 0.05 s), not the drain timeout.
+    assert idle_s <= after_last_call_s <= idle_s + 1.0
+    assert drain_s < timeout_s / 3
+
+
+def test_a_drain_ends_within_its_timeout_when_a_held_backward_never_comes(peers, loop_thread):
+    timeout_s = 3.0
+    # The quiet time alone would hold the drain for a minute: only the timeout can end it.
+    peer = peers(
+        "drain-timeout", 0, drain_notice_s=0.2, drain_idle_s=60.0, drain_timeout_s=timeout_s
+    )
+
+    async def body():
+        await forward_first(peer, "abandoned", 1)
+        started = time.monotonic()
+        await asyncio.wait_for(peer.drain(), timeout=timeout_s + 5)
+        return time.monotonic() - started
+
+    drain_s = loop_thread.run(body())
+    assert peer.executor.cached_microbatches == 1
+    # The drain keeps 1 s of its timeout for the checkpoint and the exit.
+    assert timeout_s - 1.5 <= drain_s <= timeout_s

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show the peers of every stage of a run")
     p.add_argument("--run-id", default="demo")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object instead of text (schema: swarm.coordinator.status, README)",
+    )
     add_config_args(p, DHTConfig)
 
     p = sub.add_parser(
@@ -91,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         required=True,
         help="file to write (a torch.save dict; see swarm.coordinator.export)",
+    )
+    p.add_argument(
+        "--allow-disagreement",
+        action="store_true",
+        help="export even if a stage's replicas at its highest step hold different parameters "
+        "(takes the most advanced replica's)",
     )
     add_config_args(p, DHTConfig)
 
@@ -279,7 +290,7 @@ def _status(args) -> int:
     from swarm.coordinator.status import print_status
     from swarm.discovery.dht import DHTConfig
 
-    return _run(print_status(args.run_id, config_from_args(DHTConfig, args)))
+    return _run(print_status(args.run_id, config_from_args(DHTConfig, args), as_json=args.json))
 
 
 def _demo(args) -> int:
@@ -292,7 +303,16 @@ def _export(args) -> int:
     from swarm.coordinator.export import export_run
     from swarm.discovery.dht import DHTConfig
 
-    print(_run(export_run(args.run_id, config_from_args(DHTConfig, args), args.out)))
+    print(
+        _run(
+            export_run(
+                args.run_id,
+                config_from_args(DHTConfig, args),
+                args.out,
+                allow_disagreement=args.allow_disagreement,
+            )
+        )
+    )
     return 0
 
 

@@ -60,6 +60,7 @@ def test_a_moving_peer_announces_both_stages_and_settles_on_the_new_one():
         in_flight=3,
         step=7,
         step_pause_s=0.2,
+        param_digest="0123456789abcdef",
     )
     ann, _ = announcer(serving=now)
     ann.heading_to(1, expected_throughput=9.0)
@@ -72,6 +73,9 @@ def test_a_moving_peer_announces_both_stages_and_settles_on_the_new_one():
         served.step,
         served.step_pause_s,
     ) == (0, PeerState.DRAINING, 12.5, 3, 7, 0.2)
+    # the digest of the parameters it serves; the stage it heads to has none of its own yet
+    assert (served.param_digest, target.param_digest) == ("0123456789abcdef", "")
+    assert StageRecord.from_wire(served.to_wire()) == served
     assert (target.stage, target.state, target.throughput, target.endpoint) == (
         1,
         PeerState.STARTING,

@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 
 from swarm.config import RunConfig
+from swarm.coordinator.agreement import describe_disagreement, step_groups
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
+from swarm.discovery.records import StageRecord
 from swarm.errors import StageUnavailable, SwarmError
-from swarm.model import FullModel, generate
+from swarm.model import FullModel, generate, state_digest
 from swarm.states import PeerState
 from swarm.transport.client import PeerClient
 
@@ -24,10 +26,26 @@ logger = logging.getLogger(__name__)
 EXPORT_FORMAT = 1
 
 
+class ReplicasDisagree(SwarmError):
+    """Serving replicas of a stage at the same optimizer step announce different parameters: which one is
+    "the" model is a choice the user makes (``--allow-disagreement`` takes the most advanced one)."""
+
+    retry_elsewhere = False
+
+
 async def gather_stage_states(
-    directory: RunDirectory, run: RunConfig, *, timeout_s: float
+    directory: RunDirectory,
+    run: RunConfig,
+    *,
+    timeout_s: float,
+    allow_disagreement: bool = False,
 ) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
-    """Parameters of every stage from its most advanced serving peer (the next one if a peer fails)."""
+    """Parameters of every stage from its most advanced serving peer (the next one if a peer fails).
+
+    Raises :class:`ReplicasDisagree` naming the peers when the serving replicas at a stage's highest step
+    announce different digests (unless ``allow_disagreement``), and :class:`StageUnavailable` when no peer
+    of a stage sent a state that hashes to what it announced.
+    """
     states, steps = [], []
     for stage, records in enumerate(await directory.all_stages(run.model.num_stages)):
         candidates = sorted(
@@ -38,39 +56,98 @@ async def gather_stage_states(
             ),
             key=lambda r: -r.step,
         )
+        _check_agreement(stage, candidates, run, allow_disagreement=allow_disagreement)
         for record in candidates:
-            client = PeerClient(record.endpoint)
-            try:
-                reply = await client.get_state(directory.run_id, timeout_s=timeout_s)
-            except SwarmError as e:
-                logger.warning(
-                    "stage %d: peer %s failed to send its state (%s); trying another",
-                    stage,
-                    record.peer_id,
-                    e,
-                )
-                continue
-            finally:
-                await client.close()
-            states.append(
-                {
-                    k.removeprefix("param/"): v
-                    for k, v in reply.tensors.items()
-                    if k.startswith("param/")
-                }
-            )
-            steps.append(int(reply.meta.step))
-            break
+            params, step = await _download(directory, stage, record, timeout_s=timeout_s)
+            if params is not None:
+                states.append(params)
+                steps.append(step)
+                break
         else:
             raise StageUnavailable(
-                f"no live peer of stage {stage} of run '{directory.run_id}' answered; start one "
-                f"and export again"
+                f"no live peer of stage {stage} of run '{directory.run_id}' sent a usable state (see the "
+                f"warnings above); start one and export again"
             )
     return states, steps
 
 
+def _check_agreement(
+    stage: int, candidates: list[StageRecord], run: RunConfig, *, allow_disagreement: bool
+) -> None:
+    if not candidates:
+        return
+    top = candidates[0].step
+    groups = step_groups(candidates, config_hash=run.fingerprint())
+    if len(groups.get(top, {})) <= 1:
+        return
+    where = f"stage {stage}'s serving replicas disagree {describe_disagreement(top, groups[top])}"
+    if not allow_disagreement:
+        raise ReplicasDisagree(
+            f"{where}; they were trained apart (no --average, or a failed all-reduce). Export with "
+            f"--allow-disagreement to take peer {candidates[0].peer_id}'s parameters anyway"
+        )
+    logger.warning("%s; exporting peer %s's, as asked", where, candidates[0].peer_id)
+
+
+async def _download(
+    directory: RunDirectory, stage: int, record: StageRecord, *, timeout_s: float
+) -> tuple[dict[str, torch.Tensor] | None, int]:
+    """The parameters and step ``record``'s peer sends, or (None, 0) if it failed or sent parameters that do not
+    hash to the digest it announced for that step. A peer that stepped since its record was read cannot be
+    checked against it (its new digest is not announced yet): its state is taken, with a warning, since a
+    training swarm steps every few seconds and a re-read would race the same way."""
+    client = PeerClient(record.endpoint)
+    try:
+        reply = await client.get_state(directory.run_id, timeout_s=timeout_s)
+    except SwarmError as e:
+        logger.warning(
+            "stage %d: peer %s failed to send its state (%s); trying another",
+            stage,
+            record.peer_id,
+            e,
+        )
+        return None, 0
+    finally:
+        await client.close()
+    params = {
+        k.removeprefix("param/"): v for k, v in reply.tensors.items() if k.startswith("param/")
+    }
+    step = int(reply.meta.step)
+    if not record.param_digest:
+        logger.warning(
+            "stage %d: peer %s announces no parameter digest (an older version?): its state is not checked",
+            stage,
+            record.peer_id,
+        )
+    elif step != record.step:
+        logger.warning(
+            "stage %d: peer %s stepped from %d to %d since its record was read: its state is not checked "
+            "against its digest",
+            stage,
+            record.peer_id,
+            record.step,
+            step,
+        )
+    elif (got := state_digest(params)) != record.param_digest:
+        logger.warning(
+            "stage %d: peer %s announced digest %s at step %d but sent parameters hashing to %s; trying another",
+            stage,
+            record.peer_id,
+            record.param_digest,
+            step,
+            got,
+        )
+        return None, 0
+    return params, step
+
+
 async def export_run(
-    run_id: str, dht_config: DHTConfig, out: str, *, timeout_s: float = 60.0
+    run_id: str,
+    dht_config: DHTConfig,
+    out: str,
+    *,
+    timeout_s: float = 60.0,
+    allow_disagreement: bool = False,
 ) -> str:
     dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
     try:
@@ -80,7 +157,9 @@ async def export_run(
             raise StageUnavailable(
                 f"no run '{run_id}' is published in this DHT (check --run-id and --initial-peers)"
             )
-        states, steps = await gather_stage_states(directory, run, timeout_s=timeout_s)
+        states, steps = await gather_stage_states(
+            directory, run, timeout_s=timeout_s, allow_disagreement=allow_disagreement
+        )
     finally:
         dht.shutdown()
     FullModel.from_stage_states(run.model, states)  # refuse to write something that does not load

@@ -1,11 +1,66 @@
-"""``swarm status``: what the DHT says about a run, stage by stage."""
+"""``swarm status``: what the DHT says about a run, stage by stage, as text or as one JSON document.
+
+The JSON document (``swarm status --json``)::
+
+    {"run_id": str, "config": str (RunConfig.fingerprint()), "num_stages": int,
+     "stages": [{"stage": int, "agree": true | false | null,
+                 "replicas": [{"peer_id", "endpoint", "state", "step", "param_digest", "throughput",
+                               "in_flight"}]}]}
+
+``agree`` (see :mod:`swarm.coordinator.agreement`): false if serving replicas at one step announce different
+parameter digests, true if at least two are comparable and all agree, null if none are.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
+from swarm.coordinator.agreement import agreement, describe_disagreement, step_groups
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.states import PeerState
+
+
+def status_document(run_id: str, run, stages) -> dict[str, Any]:
+    """The status of ``run`` as plain JSON-ready data (the schema in the module docstring)."""
+    out = []
+    for index, records in enumerate(stages):
+        groups = step_groups(records.values(), config_hash=run.fingerprint())
+        replicas = [
+            {
+                "peer_id": r.peer_id,
+                "endpoint": r.endpoint,
+                "state": PeerState(r.state).value,
+                "step": r.step,
+                "param_digest": r.param_digest,
+                "throughput": r.throughput,
+                "in_flight": r.in_flight,
+            }
+            for r in sorted(records.values(), key=lambda r: r.peer_id)
+        ]
+        out.append({"stage": index, "agree": agreement(groups), "replicas": replicas})
+    return {
+        "run_id": run_id,
+        "config": run.fingerprint(),
+        "num_stages": run.model.num_stages,
+        "stages": out,
+    }
+
+
+def _agreement_line(run, records) -> str:
+    groups = step_groups(records.values(), config_hash=run.fingerprint())
+    verdict = agreement(groups)
+    if verdict is None:
+        return "replicas: no two at one step to compare"
+    if verdict:
+        steps = sorted(s for s, d in groups.items() if len(next(iter(d.values()))) > 1)
+        return f"replicas agree (step {', '.join(map(str, steps))})"
+    return "replicas DISAGREE " + "; ".join(
+        describe_disagreement(step, by_digest)
+        for step, by_digest in sorted(groups.items())
+        if len(by_digest) > 1
+    )
 
 
 def format_status(run_id: str, run, stages) -> str:
@@ -15,16 +70,19 @@ def format_status(run_id: str, run, stages) -> str:
     ]
     for index, records in enumerate(stages):
         total = sum(r.throughput for r in records.values() if r.state == PeerState.SERVING)
-        lines.append(f"stage {index}: {len(records)} peer(s), {total:.1f} samples/s serving")
+        lines.append(
+            f"stage {index}: {len(records)} peer(s), {total:.1f} samples/s serving, "
+            f"{_agreement_line(run, records)}"
+        )
         for r in sorted(records.values(), key=lambda r: r.peer_id):
             lines.append(
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
-                f"in flight {r.in_flight:<3} step {r.step}"
+                f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
             )
     return "\n".join(lines)
 
 
-async def print_status(run_id: str, dht_config: DHTConfig) -> int:
+async def print_status(run_id: str, dht_config: DHTConfig, *, as_json: bool = False) -> int:
     dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
     try:
         directory = RunDirectory(dht, run_id)
@@ -34,7 +92,11 @@ async def print_status(run_id: str, dht_config: DHTConfig) -> int:
                 f"no run '{run_id}' is published in this DHT (check --run-id and --initial-peers)"
             )
             return 1
-        print(format_status(run_id, run, await directory.all_stages(run.model.num_stages)))
+        stages = await directory.all_stages(run.model.num_stages)
+        if as_json:
+            print(json.dumps(status_document(run_id, run, stages)))
+        else:
+            print(format_status(run_id, run, stages))
         return 0
     finally:
         dht.shutdown()

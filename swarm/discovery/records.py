@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from swarm.errors import SwarmError
+from swarm.model.digest import is_digest
 from swarm.schema import parse_dataclass
 from swarm.states import PeerState
 
@@ -55,6 +56,8 @@ class StageRecord:
     last_moved_s: float = 0.0
     # how long its optimizer steps (the all-reduce) hold its compute: calls wait that much more
     step_pause_s: float = 0.0
+    # swarm.model.state_digest of its parameters at `step` ("" = not known: an older peer, or not hashed yet)
+    param_digest: str = ""
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -79,5 +82,10 @@ class StageRecord:
             raise RecordError(
                 f"stage record of a {record.state} peer needs a host:port endpoint, got "
                 f"{record.endpoint!r}"
+            )
+        if record.param_digest and not is_digest(record.param_digest):
+            raise RecordError(
+                f"stage record's param_digest must be 16 lowercase hex characters or empty, got "
+                f"{record.param_digest[:40]!r}"
             )
         return record

@@ -36,6 +36,7 @@ class Serving:
     in_flight: int  # calls being handled
     step: int  # optimizer steps of its replica
     step_pause_s: float  # how long its optimizer steps hold its compute
+    param_digest: str = ""  # digest of its parameters at `step` ("" = not hashed yet)
 
 
 class Announcer:
@@ -85,6 +86,7 @@ class Announcer:
                     config_hash=config_hash,
                     last_moved_s=self.last_moved_s,
                     step_pause_s=serving.step_pause_s,
+                    param_digest=serving.param_digest,
                 )
             )
         if self._heading_to is not None:

@@ -18,7 +18,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.errors import AlreadyApplied, InvalidRequest, NotCached, PeerOverloaded
-from swarm.model import Stage
+from swarm.model import Stage, state_digest
 from swarm.optim import StageOptimizer
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,9 @@ class StageExecutor:
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0
+        # (step, digest of the parameters at that step), computed on demand and dropped whenever the parameters
+        # change (a step, a state load); None until computed again
+        self._digest: tuple[int, str] | None = None
 
     @property
     def stage_index(self) -> int:
@@ -380,10 +383,31 @@ class StageExecutor:
         return False
 
     def _after_step(self) -> None:
+        """The parameters changed (an optimizer step, a state load): drop what was computed from the old ones."""
+        self._digest = None
         # Kept graphs reference the parameters before this step (autograd would refuse them): keep only
         # the inputs, so pending backwards recompute against the new parameters.
         for entry in self._cache.values():
             entry.graph = None
+
+    def parameters_changed(self) -> None:
+        """Tell the executor that something else wrote its parameters (the optimizer downloading its peers'
+        state): its digest and kept graphs are stale."""
+        self._after_step()
+
+    def param_digest(self) -> str:
+        """:func:`swarm.model.state_digest` of ``stage_module.state_dict()``; hashes only if the parameters
+        changed since the last call (call it on the compute thread: it reads every parameter)."""
+        if self._digest is None:
+            self._digest = (self.step, state_digest(self.stage_module.state_dict()))
+        return self._digest[1]
+
+    def step_and_digest(self) -> tuple[int, str]:
+        """The optimizer step and the digest of the parameters at that step ("" if they changed since the last
+        :meth:`param_digest`). Never hashes: callable from any thread (the heartbeat, Info), and the pair is
+        consistent: a digest is never paired with a step it was not computed at."""
+        hashed, step = self._digest, self.step
+        return step, (hashed[1] if hashed is not None and hashed[0] == step else "")
 
     def _all_params(self, grads: list) -> list:
         """Gradients of requires_grad parameters -> one entry per ``stage.parameters()`` (None = no grad)."""

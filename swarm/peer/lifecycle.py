@@ -221,14 +221,16 @@ class Peer:
                 logger.info(
                     "stage %d resumed from checkpoint at step %d", stage_index, executor.step
                 )
-            if config.averaging.average and optimizer.sync_with_peers(peers_step):
+            synced = config.averaging.average and optimizer.sync_with_peers(peers_step)
+            if synced:
+                executor.parameters_changed()
                 logger.info(
                     "stage %d state downloaded from its peers: now at step %d",
                     stage_index,
                     executor.step,
                 )
-                return True
-            return False
+            executor.param_digest()  # announced from the first heartbeat on
+            return synced
 
         try:
             await self._worker.compute(executor.calibrate, config.calibration_batch)
@@ -251,8 +253,9 @@ class Peer:
         self._stack.push_async_callback(stop)
 
     async def _start_step_loop(self) -> None:
-        """Check periodically whether the stage's global batch is full (with --average), and save a
-        checkpoint every ``checkpoint_every_steps`` optimizer steps (and on drain, see :meth:`drain`)."""
+        """Check periodically whether the stage's global batch is full (with --average), rehash the parameters
+        if they changed (the digest the heartbeat announces), and save a checkpoint every
+        ``checkpoint_every_steps`` optimizer steps (and on drain, see :meth:`drain`)."""
         self._background(self._step_loop(), "steps")
 
     async def _step_loop(self) -> None:
@@ -261,6 +264,8 @@ class Peer:
             try:
                 if self.config.averaging.average:
                     await self._worker.compute_urgent(self.executor.maybe_step)
+                # rehash only if the parameters changed since the last check: the heartbeat never hashes
+                await self._worker.compute_urgent(self.executor.param_digest)
                 if self.executor.step >= self._saved_step + self.config.checkpoint_every_steps:
                     await self.save_checkpoint()
             except OSError as e:  # a full disk must not stop serving; say so and retry later
@@ -334,13 +339,16 @@ class Peer:
         ex = self.executor
         if ex is None:
             return None
+        # after a step and until the step loop rehashes, no digest
+        step, digest = ex.step_and_digest()
         return Serving(
             stage_index=self.stage_index,
             state=self.state,
             throughput=ex.throughput,
             in_flight=self.admission.in_flight,
-            step=ex.step,
+            step=step,
             step_pause_s=ex.optimizer.step_pause_s,
+            param_digest=digest,
         )
 
     async def drain(self) -> None:

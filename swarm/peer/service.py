@@ -192,6 +192,7 @@ class StageService(pb_grpc.StagePeerServicer):
         if request.run_id and request.run_id != self.ctx.run_id:
             raise WrongPeer(f"this peer serves run '{self.ctx.run_id}', not '{request.run_id}'")
         ex = self.executor
+        step, digest = ex.step_and_digest()
         return pb.InfoResponse(
             protocol_version=PROTOCOL_VERSION,
             run_id=self.ctx.run_id,
@@ -200,7 +201,8 @@ class StageService(pb_grpc.StagePeerServicer):
             state=self.ctx.state(),
             throughput=ex.throughput,
             in_flight=self.ctx.admission.in_flight,
-            step=ex.step,
+            step=step,
+            param_digest=digest,
             samples_accumulated=ex.samples_accumulated,
             microbatches_applied=ex.microbatches_applied,
             samples_applied=ex.samples_applied,

@@ -54,7 +54,7 @@ async def gather_stage_states(
                 for r in records.values()
                 if r.state == PeerState.SERVING and r.config_hash == run.fingerprint()
             ),
-            key=lambda r: -r.step,
+            key=lambda r: (-r.step, r.peer_id),  # ties: the same peer on every read
         )
         _check_agreement(stage, candidates, run, allow_disagreement=allow_disagreement)
         for record in candidates:

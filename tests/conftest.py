@@ -36,6 +36,21 @@ def ask_peers(endpoints, call):
     return asyncio.run(go())
 
 
+def record_wire(**overrides) -> dict:
+    """A valid stage record as the DHT carries it (a serving peer of stage 0 at step 3), with ``overrides``."""
+    base = dict(
+        peer_id="p",
+        endpoint="127.0.0.1:1",
+        stage=0,
+        state="serving",
+        throughput=10.0,
+        in_flight=0,
+        step=3,
+        config_hash="abc",
+    )
+    return {**base, **overrides}
+
+
 def local_executor(run, stage_index: int, **kwargs):
     """A StageExecutor of ``stage_index`` that steps alone, as one built outside a peer (``kwargs``: cache,
     slowdown)."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import record_wire
 
 from swarm.config import RunConfig
 from swarm.discovery.records import RecordError, StageRecord
@@ -58,22 +59,8 @@ def test_peer_and_trainer_configs_reject_bad_values():
         TrainerConfig(microbatch_size=0)
 
 
-def _record(**overrides):
-    base = dict(
-        peer_id="p",
-        endpoint="127.0.0.1:1",
-        stage=0,
-        state="serving",
-        throughput=10.0,
-        in_flight=0,
-        step=3,
-        config_hash="abc",
-    )
-    return {**base, **overrides}
-
-
 def test_stage_records_are_validated_and_forward_compatible():
-    record = StageRecord.from_wire(_record())
+    record = StageRecord.from_wire(record_wire())
     assert record.throughput == 10.0 and record.state is PeerState.SERVING
     # what the DHT stores: the state as its plain string, back to the same record
     wire = record.to_wire()
@@ -82,15 +69,15 @@ def test_stage_records_are_validated_and_forward_compatible():
         and wire["state"] == "serving"
         and StageRecord.from_wire(wire) == record
     )
-    assert StageRecord.from_wire(_record(extra="from a newer peer")).step == 3
-    assert StageRecord.from_wire(_record(throughput=7)).throughput == 7.0  # ints are fine
+    assert StageRecord.from_wire(record_wire(extra="from a newer peer")).step == 3
+    assert StageRecord.from_wire(record_wire(throughput=7)).throughput == 7.0  # ints are fine
     for bad, needle in [
-        (_record(throughput=math.nan), "'throughput' must be a finite float, got nan"),
-        (_record(throughput=-1.0), "out-of-range"),
-        (_record(state="dancing"), "state"),
-        (_record(step="3"), "'step' must be int"),
-        (_record(endpoint="nowhere"), "endpoint"),
-        ({k: v for k, v in _record().items() if k != "endpoint"}, "lacks field 'endpoint'"),
+        (record_wire(throughput=math.nan), "'throughput' must be a finite float, got nan"),
+        (record_wire(throughput=-1.0), "out-of-range"),
+        (record_wire(state="dancing"), "state"),
+        (record_wire(step="3"), "'step' must be int"),
+        (record_wire(endpoint="nowhere"), "endpoint"),
+        ({k: v for k, v in record_wire().items() if k != "endpoint"}, "lacks field 'endpoint'"),
         ("not a dict", "must be a dict"),
     ]:
         with pytest.raises(RecordError, match=needle):
@@ -207,7 +194,7 @@ def test_model_and_stage_records_follow_the_same_rule(fresh_warnings):
         d_model=64
     )
     for _ in range(5):  # heartbeats: the same record every few seconds
-        assert StageRecord.from_wire(_record(load_avg=0.5)).step == 3
+        assert StageRecord.from_wire(record_wire(load_avg=0.5)).step == 3
     warnings = [r.getMessage() for r in fresh_warnings.records]
     assert (
         len(warnings) == 2 and "colour, depth" in warnings[0] and "stage record" in warnings[1]

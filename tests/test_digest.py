@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import local_executor
+from conftest import local_executor, record_wire
 
 from swarm.config import RunConfig
 from swarm.coordinator.agreement import agreement, describe_disagreement, step_groups
@@ -98,30 +98,16 @@ def test_loading_a_state_changes_the_digest_to_the_states():
 # ---------------------------------------------------------------------------------------------- records
 
 
-def _record(**overrides):
-    base = dict(
-        peer_id="p",
-        endpoint="127.0.0.1:1",
-        stage=0,
-        state="serving",
-        throughput=10.0,
-        in_flight=0,
-        step=3,
-        config_hash="abc",
-    )
-    return {**base, **overrides}
-
-
 def test_a_record_carries_its_digest_an_older_peers_has_none_and_a_malformed_one_is_refused():
-    assert StageRecord.from_wire(_record()).param_digest == ""  # an older peer's record
-    record = StageRecord.from_wire(_record(param_digest="0123456789abcdef"))
+    assert StageRecord.from_wire(record_wire()).param_digest == ""  # an older peer's record
+    record = StageRecord.from_wire(record_wire(param_digest="0123456789abcdef"))
     assert StageRecord.from_wire(record.to_wire()) == record
     assert record.param_digest == "0123456789abcdef"
     for bad, needle in [
-        (_record(param_digest="0123456789ABCDEF"), "param_digest must be 16 lowercase hex"),
-        (_record(param_digest="zz" * 8), "param_digest must be 16 lowercase hex"),
-        (_record(param_digest="ab" * 500), "param_digest must be 16 lowercase hex"),
-        (_record(param_digest=123), "'param_digest' must be str"),
+        (record_wire(param_digest="0123456789ABCDEF"), "param_digest must be 16 lowercase hex"),
+        (record_wire(param_digest="zz" * 8), "param_digest must be 16 lowercase hex"),
+        (record_wire(param_digest="ab" * 500), "param_digest must be 16 lowercase hex"),
+        (record_wire(param_digest=123), "'param_digest' must be str"),
     ]:
         with pytest.raises(RecordError, match=needle):
             StageRecord.from_wire(bad)
@@ -133,7 +119,7 @@ def test_a_record_carries_its_digest_an_older_peers_has_none_and_a_malformed_one
 def _records(*rows, config_hash="abc"):
     return [
         StageRecord.from_wire(
-            _record(peer_id=p, step=step, param_digest=d, state=state, config_hash=config_hash)
+            record_wire(peer_id=p, step=step, param_digest=d, state=state, config_hash=config_hash)
         )
         for p, step, d, state in rows
     ]

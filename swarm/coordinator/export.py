@@ -115,7 +115,8 @@ async def _download(
     step = int(reply.meta.step)
     if not record.param_digest:
         logger.warning(
-            "stage %d: peer %s announces no parameter digest (an older version?): its state is not checked",
+            "stage %d: peer %s announces no parameter digest (an older version, or not hashed since its "
+            "last step): its state is not checked",
             stage,
             record.peer_id,
         )

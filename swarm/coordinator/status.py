@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Any
 
 from swarm.coordinator.agreement import agreement, describe_disagreement, step_groups
@@ -88,8 +89,11 @@ async def print_status(run_id: str, dht_config: DHTConfig, *, as_json: bool = Fa
         directory = RunDirectory(dht, run_id)
         run = await directory.get_run()
         if run is None:
+            # stderr: stdout holds only the status (a script reading --json sees no stray text)
             print(
-                f"no run '{run_id}' is published in this DHT (check --run-id and --initial-peers)"
+                f"swarm status: no run '{run_id}' is published in this DHT (check --run-id and "
+                f"--initial-peers)",
+                file=sys.stderr,
             )
             return 1
         stages = await directory.all_stages(run.model.num_stages)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import sys
 import time
 import uuid
@@ -95,6 +96,42 @@ class TrainSummary:
             f"{self.final_loss:.3f} | validation loss {self.val_loss:.3f} | {self.tokens_per_s:,.0f} tokens/s"
             f" | {self.failed_calls} calls retried elsewhere, {self.unconfirmed_commits} unconfirmed commits"
         )
+
+    @classmethod
+    def parse(cls, text: str) -> TrainSummary:
+        """The summary in ``text`` (a line :meth:`describe` wrote, or a whole log holding one; the last wins).
+        Its fields at the precision printed (losses to 3 decimals, seconds and tokens/s whole); ``losses``
+        is empty, the line does not carry it. ValueError if ``text`` holds no summary line."""
+        matches = list(_SUMMARY_LINE.finditer(text))
+        if not matches:
+            raise ValueError(f"no trainer summary line in {text[-300:]!r}")
+        found = matches[-1]
+        ints = {name: int(found[name]) for name in _SUMMARY_INTS}
+        floats = {name: float(found[name]) for name in _SUMMARY_FLOATS}
+        return cls(
+            **ints, **floats, tokens_per_s=float(found["tokens_per_s"].replace(",", "")), losses=[]
+        )
+
+
+# The parser of TrainSummary.describe's line: change both together (tests/test_trainer_summary.py checks
+# the round trip). Losses may be "nan" (a run that trained no step).
+_NUMBER = r"(?:[\d.]+|nan)"
+_SUMMARY_LINE = re.compile(
+    r"trained (?P<steps>\d+) steps \((?P<samples>\d+) samples, (?P<microbatches>\d+)/"
+    r"(?P<microbatches_started>\d+) microbatches completed\) in (?P<seconds>\d+)s \| "
+    rf"initial loss (?P<initial_loss>{_NUMBER}) -> final loss (?P<final_loss>{_NUMBER}) \| "
+    rf"validation loss (?P<val_loss>{_NUMBER}) \| (?P<tokens_per_s>[\d,]+) tokens/s \| "
+    r"(?P<failed_calls>\d+) calls retried elsewhere, (?P<unconfirmed_commits>\d+) unconfirmed commits"
+)
+_SUMMARY_INTS = (
+    "steps",
+    "samples",
+    "microbatches",
+    "microbatches_started",
+    "failed_calls",
+    "unconfirmed_commits",
+)
+_SUMMARY_FLOATS = ("initial_loss", "final_loss", "val_loss", "seconds")
 
 
 class _Tally:

@@ -1,0 +1,69 @@
+"""The trainer's summary line: one printer (TrainSummary.describe), one parser (TrainSummary.parse), and the
+parser reads back every printed field, so the tests and benchmarks that read a trainer's log see what it said."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from swarm.trainer.trainer import TrainSummary
+
+
+def _summary(**fields) -> TrainSummary:
+    # values at the precision describe() prints, so the round trip is exact
+    base = dict(
+        steps=40,
+        samples=640,
+        microbatches=79,
+        microbatches_started=80,
+        failed_calls=3,
+        unconfirmed_commits=1,
+        initial_loss=5.612,
+        final_loss=3.07,
+        val_loss=3.125,
+        tokens_per_s=12345.0,
+        seconds=61.0,
+        losses=[],
+    )
+    return TrainSummary(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        dict(failed_calls=0, unconfirmed_commits=0, tokens_per_s=7.0, seconds=0.0),
+        dict(steps=100000, samples=3_200_000, tokens_per_s=1_234_567.0, seconds=86400.0),
+    ],
+)
+def test_parse_reads_back_every_field_describe_prints(fields):
+    summary = _summary(**fields)
+    assert TrainSummary.parse(summary.describe()) == summary
+
+
+def test_parse_finds_the_line_in_a_log_and_takes_the_last():
+    first, last = _summary(steps=1), _summary(steps=2, val_loss=2.5)
+    log = f"step 1/2 | loss 5.6\n{first.describe()}\nnoise\n{last.describe()}\nbye\n"
+    assert TrainSummary.parse(log) == last
+
+
+def test_parse_rounds_as_printed():
+    exact = _summary(initial_loss=5.61234, tokens_per_s=999.6, seconds=2.4, losses=[5.6, 5.5])
+    parsed = TrainSummary.parse(exact.describe())
+    assert parsed == dataclasses.replace(
+        exact, initial_loss=5.612, tokens_per_s=1000.0, seconds=2.0, losses=[]
+    )
+
+
+def test_parse_reads_nan_losses_of_a_run_without_steps():
+    parsed = TrainSummary.parse(
+        _summary(steps=0, initial_loss=math.nan, final_loss=math.nan).describe()
+    )
+    assert parsed.steps == 0 and math.isnan(parsed.initial_loss) and math.isnan(parsed.final_loss)
+
+
+def test_parse_refuses_text_without_a_summary():
+    with pytest.raises(ValueError, match="no trainer summary line"):
+        TrainSummary.parse("step 3/40 | loss 4.1 | 900 tokens/s\n")

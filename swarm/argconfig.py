@@ -116,3 +116,39 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any):
             value = getattr(args, field.name)
             kwargs[field.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)
+
+
+def _flags_of(cls: type) -> dict[str, tuple[str, str]]:
+    """{field name: (flag, kind)} of ``cls`` and its nested configs, as add_config_args makes them."""
+    out: dict[str, tuple[str, str]] = {}
+    for field in dataclasses.fields(cls):
+        nested = _nested(field)
+        if nested is not None:
+            out.update(_flags_of(nested))
+            continue
+        flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
+        out[field.name] = (flag, _base_type(field.type)[0])
+    return out
+
+
+def config_argv(cls: type, **options: Any) -> list[str]:
+    """The command-line flags that set ``options`` (field names of ``cls`` or its nested configs) on the
+    command whose flags add_config_args built from ``cls``: the inverse of config_from_args, so a caller
+    that starts a command builds its argv from the config's names. None leaves a field at its default.
+    ValueError names an option that is no field."""
+    flags = _flags_of(cls)
+    unknown = sorted(set(options) - set(flags))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}")
+    argv: list[str] = []
+    for name, value in options.items():
+        flag, kind = flags[name]
+        if value is None:
+            continue
+        if kind == "bool":
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif kind == "tuple":
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv

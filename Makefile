@@ -23,9 +23,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The in-process tiers only (no multi-process swarm, no namespaces): under a minute, for development.
+# The unit and integration tiers (no multi-process swarm, no namespaces; see tests/conftest.py): under 2 minutes.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not netns"
+	$(PY) -m pytest -q -m "unit or integration"
 
 # What CI checks before the tests: the tree is formatted and passes the linter (configuration in pyproject.toml).
 lint: $(STAMP)

@@ -39,16 +39,23 @@ from common import (
     plot_loss_curves,  # noqa: E402
     write_result,
 )
-from swarmrun import Where, read_metrics, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
 
 from swarm.config import RunConfig  # noqa: E402
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+from swarm.coordinator.localswarm import (  # noqa: E402
+    Where,
+    finished,
+    read_metrics,
+    start_bootstrap,
+    start_peer,
+    start_trainer,
+    wait_ready,
+)
 from swarm.data import ByteCorpus, DataConfig  # noqa: E402
 from swarm.model import MODEL_PRESETS  # noqa: E402
 from swarm.trainer.reference import train_reference  # noqa: E402
 
 TARGET = 0.03  # |val(swarm) - val(one process)| / val(one process) must stay within this
-SUMMARY = r"validation loss ([\d.]+) \| ([\d,]+) tokens/s"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,22 +133,6 @@ def run_swarm(cfg: ConvergenceConfig, workdir: Path, *, sync: bool, label: str) 
         for proc in peers:
             wait_ready(proc)
         metrics_path = workdir / f"{run_id}.jsonl"
-        flags = [
-            "--microbatch-size",
-            cfg.microbatch_size,
-            "--in-flight",
-            1 if sync else cfg.in_flight,
-            "--eval-every-steps",
-            cfg.eval_every_steps,
-            "--eval-batches",
-            cfg.eval_batches,
-            "--seed",
-            cfg.seed,
-            "--log-every-s",
-            10,
-            "--max-batches-ahead",
-            0 if sync else 2,
-        ]
         trainer = start_trainer(
             group,
             "trainer",
@@ -149,11 +140,15 @@ def run_swarm(cfg: ConvergenceConfig, workdir: Path, *, sync: bool, label: str) 
             addr_file=addr_file,
             metrics_path=metrics_path,
             steps=cfg.steps,
-            flags=[str(f) for f in flags],
+            microbatch_size=cfg.microbatch_size,
+            in_flight=1 if sync else cfg.in_flight,
+            eval_every_steps=cfg.eval_every_steps,
+            eval_batches=cfg.eval_batches,
+            seed=cfg.seed,
+            log_every_s=10,
+            max_batches_ahead=0 if sync else 2,
         )
-        if trainer.popen.wait(timeout=3600) != 0:
-            raise RuntimeError(f"the trainer of {run_id} failed; see {trainer.log_path}")
-        tokens_per_s = float(trainer.wait_for(SUMMARY, timeout_s=10).group(2).replace(",", ""))
+        tokens_per_s = finished(trainer, timeout_s=3600).tokens_per_s
     metrics = read_metrics(metrics_path)
     return Curve(
         label=label,

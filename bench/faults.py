@@ -24,11 +24,10 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
 
-from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+from swarm.coordinator.localswarm import LocalSwarm, wait_ready  # noqa: E402
 
 PEER_FLAGS = [
     "--preset",
@@ -39,10 +38,8 @@ PEER_FLAGS = [
     "0.5",
     "--ttl-s",
     "3",
-    "--threads",
-    "1",
+    "--no-rebalance",
 ]
-READY = r"serves stage \d+ of run '[^']+' at (\S+)"
 
 
 def steps(path: Path) -> list[dict]:
@@ -74,41 +71,23 @@ def main() -> int:
     )
     workdir = Path(tempfile.mkdtemp(prefix="swarm-bench-faults-"))
     metrics = workdir / "metrics.jsonl"
-    addr = workdir / "bootstrap.addr"
     events: list[tuple[float, str]] = []
-    with ProcessGroup(workdir) as group:
-        group.swarm("bootstrap", "dht", "--address-file", str(addr))
-        common = ["--run-id", "faults", "--initial-peers", f"@{addr}"]
+    with LocalSwarm(workdir) as swarm:
+        group = swarm.group
         peers = {
-            name: group.swarm(
-                name,
-                "peer",
-                "--stage",
-                stage,
-                "--no-rebalance",
-                *common,
-                *PEER_FLAGS,
-                env={"OMP_NUM_THREADS": "1"},
-            )
-            for name, stage in [("s0-a", "0"), ("s0-b", "0"), ("s1-a", "1"), ("s1-b", "1")]
+            name: swarm.peer(name, stage, *PEER_FLAGS, run_id="faults", wait=False)
+            for name, stage in [("s0-a", 0), ("s0-b", 0), ("s1-a", 1), ("s1-b", 1)]
         }
         for proc in peers.values():
-            proc.wait_for(READY, timeout_s=180)
-        trainer = group.swarm(
+            wait_ready(proc)
+        trainer = swarm.trainer(
             "trainer",
-            "train",
-            *common,
-            "--steps",
-            "0",
-            "--microbatch-size",
-            "8",
-            "--in-flight",
-            "4",
-            "--log-every-s",
-            "0",
-            "--metrics-path",
-            str(metrics),
-            env={"OMP_NUM_THREADS": "1"},
+            run_id="faults",
+            steps=0,
+            microbatch_size=8,
+            in_flight=4,
+            log_every_s=0,
+            metrics_path=metrics,
         )
         trainer.wait_for(r"^step 1\b", timeout_s=180)
         start = steps(metrics)[0]["wall_time"]
@@ -124,18 +103,9 @@ def main() -> int:
         phase("SIGKILL peer s0-b (stage 0)", lambda: peers["s0-b"].signal(signal.SIGKILL))
         joined = phase(
             "new peer s0-c joins stage 0",
-            lambda: group.swarm(
-                "s0-c",
-                "peer",
-                "--stage",
-                "0",
-                "--no-rebalance",
-                *common,
-                *PEER_FLAGS,
-                env={"OMP_NUM_THREADS": "1"},
-            ),
+            lambda: swarm.peer("s0-c", 0, *PEER_FLAGS, run_id="faults", wait=False),
         )
-        group.procs["s0-c"].wait_for(READY, timeout_s=180)
+        wait_ready(group.procs["s0-c"])
         events.append(
             (
                 log_time(

@@ -21,7 +21,6 @@ link or the CPUs were the bottleneck.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import tempfile
@@ -31,18 +30,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, RunInfo, load_average, markdown_table, write_result  # noqa: E402
-from swarmrun import (
-    Progress,
-    Where,
-    read_metrics,
-    start_bootstrap,
-    start_peer,
-    start_trainer,  # noqa: E402
-    wait_ready,
-)
 
 from deploy.netns import EmulatedHost, EmulatedNetwork, have_netns  # noqa: E402
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+from swarm.coordinator.localswarm import (  # noqa: E402
+    Progress,
+    Where,
+    publish_run_at,
+    read_metrics,
+    start_bootstrap,
+    start_peer,
+    start_trainer,
+    wait_ready,
+)
 
 MICROBATCH = 8  # sequences per microbatch (the demo's)
 IN_FLIGHT = 4  # microbatches in the pipeline at once (the demo's)
@@ -194,24 +194,7 @@ def measure_setup(
         started = time.monotonic()
         start_bootstrap(group, addr_file, where=Where.on(boot))
         run_id = f"net-{setup.name}".replace("+", "-")
-        # the checkout's swarm package, not an installed one
-        bench_dir = Path(__file__).resolve().parent
-        boot.run(
-            [
-                sys.executable,
-                "-c",
-                f"import sys; sys.path[:0] = [{str(bench_dir.parent)!r}, {str(bench_dir)!r}]; "
-                "import swarmrun; sys.exit(swarmrun.main())",
-                "publish",
-                "--addr-file",
-                str(addr_file),
-                "--run-id",
-                run_id,
-                "--config-json",
-                json.dumps(setup.run_config().to_dict()),
-            ],
-            timeout_s=timeout_s,
-        )
+        publish_run_at(Where.on(boot), addr_file, run_id, setup.run_config(), timeout_s=timeout_s)
         peers = [
             start_peer(
                 group,
@@ -233,20 +216,12 @@ def measure_setup(
             metrics_path=metrics,
             steps=0,
             where=Where.on(trainer_host),
-            flags=[
-                "--microbatch-size",
-                str(MICROBATCH),
-                "--in-flight",
-                str(IN_FLIGHT),
-                "--eval-every-steps",
-                "0",
-                "--eval-batches",
-                "1",
-                "--log-every-s",
-                "10",
-                "--max-bytes",
-                str(MAX_DATA_BYTES),
-            ],
+            microbatch_size=MICROBATCH,
+            in_flight=IN_FLIGHT,
+            eval_every_steps=0,
+            eval_batches=1,
+            log_every_s=10,
+            max_bytes=MAX_DATA_BYTES,
         )
         _wait_progress(metrics, after_step=0, trainer=trainer, timeout_s=timeout_s)
         print(

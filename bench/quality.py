@@ -32,12 +32,19 @@ from common import (
     plot_loss_curves,  # noqa: E402
     write_result,
 )
-from swarmrun import Where, read_metrics, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
 
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+from swarm.coordinator.localswarm import (  # noqa: E402
+    Where,
+    finished,
+    read_metrics,
+    start_bootstrap,
+    start_peer,
+    start_trainer,
+    wait_ready,
+)
 
 TARGET = 0.02  # |val(int8) - val(none)| / val(none) must stay within this
-SUMMARY = r"validation loss ([\d.]+) \| ([\d,]+) tokens/s"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,22 +147,6 @@ def run_codec(
     for proc in peers:
         wait_ready(proc)
     metrics_path = workdir / f"{run_id}.jsonl"
-    flags = [
-        "--microbatch-size",
-        cfg.microbatch_size,
-        "--in-flight",
-        cfg.in_flight,
-        "--eval-every-steps",
-        cfg.eval_every_steps,
-        "--eval-batches",
-        cfg.eval_batches,
-        "--seed",
-        cfg.seed,
-        "--log-every-s",
-        10,
-    ]
-    if cfg.max_data_bytes is not None:
-        flags += ["--max-bytes", cfg.max_data_bytes]
     trainer = start_trainer(
         group,
         f"{run_id}-trainer",
@@ -163,12 +154,15 @@ def run_codec(
         addr_file=addr_file,
         metrics_path=metrics_path,
         steps=cfg.steps,
-        flags=[str(f) for f in flags],
+        microbatch_size=cfg.microbatch_size,
+        in_flight=cfg.in_flight,
+        eval_every_steps=cfg.eval_every_steps,
+        eval_batches=cfg.eval_batches,
+        seed=cfg.seed,
+        log_every_s=10,
+        max_bytes=cfg.max_data_bytes,
     )
-    code = trainer.popen.wait(timeout=cfg.run_timeout_s)
-    if code != 0:
-        raise RuntimeError(f"trainer of run '{run_id}' exited with {code}; see {trainer.log_path}")
-    tokens_per_s = float(trainer.wait_for(SUMMARY, timeout_s=10).group(2).replace(",", ""))
+    tokens_per_s = finished(trainer, timeout_s=cfg.run_timeout_s).tokens_per_s
     for proc in peers:
         group.stop(proc.name)
     metrics = read_metrics(metrics_path)

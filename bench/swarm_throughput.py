@@ -36,6 +36,7 @@ from common import RESULTS_DIR, RunInfo, load_average, markdown_table, write_res
 
 from swarm.config import RunConfig  # noqa: E402
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
+from swarm.coordinator.localswarm import LocalSwarm, wait_ready  # noqa: E402
 from swarm.data import ByteCorpus, DataConfig  # noqa: E402
 from swarm.model import MODEL_PRESETS  # noqa: E402
 from swarm.trainer.reference import train_reference  # noqa: E402
@@ -44,7 +45,6 @@ MICROBATCH = 8  # sequences per microbatch (BENCHMARKS.md)
 IN_FLIGHT = 4  # microbatches in the pipeline at once (the demo's default)
 TARGET_BATCH = 32  # samples per optimizer step of each stage (the demo's default)
 LR = 3e-4  # BENCHMARKS.md
-PEER_READY = r"serves stage \d+ of run '[^']+' at (\S+)"
 TRAINER_PROGRESS = r"^\r?step \d+"
 CONFIGS = {"tiny": [2], "w1": [1, 2]}  # preset -> peers per stage to measure, in increasing order
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -159,29 +159,18 @@ def measure_swarm(
     num_stages = MODEL_PRESETS[preset].num_stages
     run_id = f"bench-{preset}"
     results = []
-    with ProcessGroup(workdir) as group:
-        addr_file = workdir / "bootstrap.addr"
-        group.swarm("bootstrap", "dht", "--address-file", str(addr_file))
-        common = ["--run-id", run_id, "--initial-peers", f"@{addr_file}"]
-        run_flags = ["--preset", preset, "--target-batch-size", str(TARGET_BATCH), "--lr", str(LR)]
+    with LocalSwarm(workdir) as swarm:
+        group = swarm.group
+        run_flags = ["--preset", preset, "--target-batch-size", TARGET_BATCH, "--lr", LR]
         running = 0
         for count in peer_counts:
             started = [
-                group.swarm(
-                    f"peer-s{stage}-{replica}",
-                    "peer",
-                    "--stage",
-                    str(stage),
-                    "--threads",
-                    "1",
-                    *common,
-                    *run_flags,
-                )
+                swarm.peer(f"peer-s{stage}-{replica}", stage, *run_flags, run_id=run_id, wait=False)
                 for replica in range(running, count)
                 for stage in range(num_stages)
             ]
             for proc in started:
-                proc.wait_for(PEER_READY, timeout_s=180)
+                wait_ready(proc)
             running = count
             metrics = workdir / f"metrics-x{count}.jsonl"
             name = f"trainer-x{count}"
@@ -189,23 +178,15 @@ def measure_swarm(
                 f"  {preset}: {num_stages} stages x {count} peers up; training for {warmup_s + seconds:.0f}s",
                 flush=True,
             )
-            trainer = group.swarm(
+            trainer = swarm.trainer(
                 name,
-                "train",
-                *common,
-                "--steps",
-                "0",
-                "--microbatch-size",
-                str(MICROBATCH),
-                "--in-flight",
-                str(IN_FLIGHT),
-                "--eval-every-steps",
-                "0",
-                "--eval-batches",
-                "1",
-                "--metrics-path",
-                str(metrics),
-                env={"OMP_NUM_THREADS": "1"},
+                run_id=run_id,
+                steps=0,
+                microbatch_size=MICROBATCH,
+                in_flight=IN_FLIGHT,
+                eval_every_steps=0,
+                eval_batches=1,
+                metrics_path=metrics,
             )
             trainer.wait_for(TRAINER_PROGRESS, timeout_s=180)
             # A benchmark's measuring period, not a wait for an event: training runs for a fixed time.

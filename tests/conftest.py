@@ -1,21 +1,88 @@
-"""Shared fixtures: an event loop thread for in-process servers, and local multi-process swarms."""
+"""Shared fixtures and the suite's rules: tiers, root-only tests, an event loop thread for in-process servers,
+and local multi-process swarms (swarm.coordinator.localswarm, the harness the benchmarks and `swarm demo` use)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-import signal
+import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from swarm.coordinator.launcher import ProcessGroup
+from swarm.coordinator.localswarm import LocalSwarm
 
 # Tests run several processes on 2 cores: keep each one's torch to a single thread, whatever the caller
 # exported (the throughput and timing figures the tests compare assume it).
 os.environ["OMP_NUM_THREADS"] = "1"
+
+# --- tiers ------------------------------------------------------------------------------------------------
+# Every test is in exactly one tier (README "Three test tiers"), which its module names with
+# `pytestmark = pytest.mark.TIER`; a module that names none is unit:
+#   unit         pure code in this process: codecs, routing math, configs, the simulator;
+#   integration  servers, DHT nodes or short CLI subprocesses, started and stopped by the test itself;
+#   swarm        several swarm processes (a local swarm) or emulated hosts: seconds to minutes each.
+# `make test-fast` runs unit and integration. `slow` (the older name) means swarm; a test that builds network
+# namespaces (`netns`) is in the swarm tier whatever its module; a test that starts a local swarm must be in it.
+TIERS = ("unit", "integration", "swarm")
+SWARM_FIXTURES = {"local_swarm", "module_swarm", "measuring_swarm"}
+
+
+def _tier_of(item) -> str:
+    marked = {m.name for m in item.iter_markers() if m.name in (*TIERS, "slow")}
+    if "slow" in marked:
+        marked = (marked - {"slow"}) | {"swarm"}
+    if item.get_closest_marker("netns") is not None:
+        marked = (marked - {"unit", "integration"}) | {"swarm"}
+    tier = marked.pop() if len(marked) == 1 else "unit" if not marked else None
+    if tier is None:
+        raise pytest.UsageError(
+            f"{item.nodeid} is marked {sorted(marked)}: a test is in exactly one tier"
+        )
+    if tier != "swarm" and SWARM_FIXTURES & set(getattr(item, "fixturenames", ())):
+        raise pytest.UsageError(
+            f"{item.nodeid} starts a local swarm but is in the {tier} tier: mark its module "
+            "`pytestmark = pytest.mark.swarm`"
+        )
+    return tier
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        tier = _tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
+
+
+# CI runs as root: there a test that needs network namespaces must run, and one that cannot is a failure,
+# not a green skip (the slow-link claim rests on tests/test_netswarm.py). Elsewhere it skips with the reason.
+REQUIRE_ROOT_ENV = "SWARM_REQUIRE_ROOT_TESTS"
+
+
+@functools.cache
+def netns_unavailable() -> str | None:
+    """Why this process cannot build network namespaces (None when it can); asked once per session."""
+    if sys.platform != "linux":
+        return "needs Linux"
+    from deploy.netns import have_netns
+
+    available, why = have_netns()
+    return None if available else why
+
+
+def require_root_tests() -> bool:
+    return os.environ.get(REQUIRE_ROOT_ENV, "") not in ("", "0")
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("netns") is None or (why := netns_unavailable()) is None:
+        return
+    reason = f"network namespaces unavailable: {why}"
+    if require_root_tests():
+        pytest.fail(f"{reason} ({REQUIRE_ROOT_ENV} is set: CI must run this test)", pytrace=False)
+    pytest.skip(reason)
 
 
 def ask_peers(endpoints, call):
@@ -88,50 +155,6 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.close()
 
 
-class LocalSwarm:
-    """A bootstrap DHT node and peers as separate processes; every process is stopped at teardown."""
-
-    def __init__(self, workdir: Path):
-        self.group = ProcessGroup(workdir)
-        self.addr_file = workdir / "bootstrap.addr"
-        self.group.swarm("bootstrap", "dht", "--address-file", str(self.addr_file))
-
-    @property
-    def initial_peers(self) -> list[str]:
-        return ["--initial-peers", f"@{self.addr_file}"]
-
-    def peer(self, name: str, stage: int, *args: str, run_id: str = "test", wait: bool = True):
-        proc = self.group.swarm(
-            name, "peer", "--run-id", run_id, "--stage", str(stage), *self.initial_peers, *args
-        )
-        if wait:
-            self.wait_ready(proc)
-        return proc
-
-    @staticmethod
-    def wait_ready(proc, timeout_s: float = 120.0) -> str:
-        """Wait for the peer's ready line; return its gRPC endpoint."""
-        return proc.wait_for(
-            r"serves stage \d+ of run '[^']+' at (\S+)", timeout_s=timeout_s
-        ).group(1)
-
-    def addresses(self) -> list[str]:
-        self.group.procs["bootstrap"].wait_for("DHT node is up", timeout_s=60)
-        return [line.strip() for line in self.addr_file.read_text().splitlines() if line.strip()]
-
-    def stop_peers(self) -> None:
-        """Stop every process but the bootstrap node, together (a frozen one is resumed first so it can drain)."""
-        names = [
-            name for name, proc in self.group.procs.items() if name != "bootstrap" and proc.alive()
-        ]
-        for name in names:
-            self.group.procs[name].signal(signal.SIGCONT)
-        self.group.stop_all(names, timeout_s=30)
-
-    def close(self) -> None:
-        self.group.close()
-
-
 @pytest.fixture(scope="module")
 def module_swarm(tmp_path_factory) -> Iterator[LocalSwarm]:
     """One bootstrap node for a whole test module (starting one costs seconds)."""
@@ -195,3 +218,13 @@ def relative_error(original, decoded) -> float:
     """||original - decoded|| / ||original||, in float64."""
     original, decoded = original.double(), decoded.double()
     return float((original - decoded).norm() / original.norm())
+
+
+def even_split_lower_bound(draws: int, sigmas: float = 3.0) -> float:
+    """The share one of two peers gets from ``draws`` fair coin flips, less ``sigmas`` standard deviations:
+    0.5 - sigmas * sqrt(0.25 / draws). Work routed by speed between two peers is a sequence of weighted
+    draws; a share below this bound says "clearly less than half" with the chance of a fair coin doing it by
+    luck under 0.14% (3 sigmas, normal approximation), whatever the machine's load did to the timings."""
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    return 0.5 - sigmas * (0.25 / draws) ** 0.5

@@ -11,7 +11,9 @@ import pytest
 import torch
 from conftest import ask_peers
 
-pytestmark = pytest.mark.slow
+from swarm.coordinator.localswarm import finished
+
+pytestmark = pytest.mark.swarm
 
 RUN_ID = "replicas"
 FLAGS = [
@@ -62,26 +64,16 @@ def test_replicas_agree_and_one_that_joins_mid_run_ends_in_the_same_state(local_
     replicas = [local_swarm.peer(f"s1-{i}", 1, *FLAGS, run_id=RUN_ID, wait=False) for i in range(2)]
     local_swarm.wait_ready(first)
     endpoints = [local_swarm.wait_ready(p) for p in replicas]
-    trainer = local_swarm.group.swarm(
+    trainer = local_swarm.trainer(
         "trainer",
-        "train",
-        "--run-id",
-        RUN_ID,
-        *local_swarm.initial_peers,
-        "--steps",
-        str(STEPS),
-        "--microbatch-size",
-        "8",
-        "--in-flight",
-        "4",
-        "--max-batches-ahead",
-        "2",
-        "--eval-every-steps",
-        "0",
-        "--eval-batches",
-        "2",
-        "--log-every-s",
-        "0",
+        run_id=RUN_ID,
+        steps=STEPS,
+        microbatch_size=8,
+        in_flight=4,
+        max_batches_ahead=2,
+        eval_every_steps=0,
+        eval_batches=2,
+        log_every_s=0,
     )
     trainer.wait_for(r"^step 2/", timeout_s=300)
     # The trainer's step counts batches sent, not the stage's steps: on a loaded machine stage 1's first all-reduce
@@ -101,7 +93,7 @@ def test_replicas_agree_and_one_that_joins_mid_run_ends_in_the_same_state(local_
         )
     )
     assert 0 < joined_at < STEPS - 4
-    assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
+    finished(trainer, timeout_s=300)
     # One optimizer step per global batch the trainer sent: no batch split or merged, none lost.
     assert _wait_for_step(endpoints, STEPS) == [STEPS] * 3
     _assert_same_state(endpoints, STEPS)

@@ -8,7 +8,9 @@ import pytest
 import torch
 from conftest import ask_peers
 
-pytestmark = pytest.mark.slow
+from swarm.coordinator.localswarm import finished
+
+pytestmark = pytest.mark.swarm
 
 
 def _state(endpoints, run_id):
@@ -40,20 +42,10 @@ def test_restart_from_checkpoints_resumes_the_saved_step(local_swarm, tmp_path):
         return procs, [local_swarm.wait_ready(p) for p in procs]
 
     def train(tag, steps):
-        trainer = local_swarm.group.swarm(
-            f"{tag}-trainer",
-            "train",
-            "--run-id",
-            run_id,
-            *local_swarm.initial_peers,
-            "--steps",
-            str(steps),
-            "--eval-every-steps",
-            "0",
-            "--eval-batches",
-            "1",
+        trainer = local_swarm.trainer(
+            f"{tag}-trainer", run_id=run_id, steps=steps, eval_every_steps=0, eval_batches=1
         )
-        assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-2000:]
+        finished(trainer, timeout_s=300)
 
     procs, endpoints = start_peers("first")
     train("first", 6)  # 6 global batches of 16 samples: each stage steps 6 times
@@ -100,21 +92,10 @@ def test_export_then_generate_matches_the_swarm(local_swarm, tmp_path):
     ]
     for p in procs:
         local_swarm.wait_ready(p)
-    trainer = local_swarm.group.swarm(
-        "exp-trainer",
-        "train",
-        "--run-id",
-        run_id,
-        *local_swarm.initial_peers,
-        "--steps",
-        "8",
-        "--eval-every-steps",
-        "0",
-        "--eval-batches",
-        "4",
+    trainer = local_swarm.trainer(
+        "exp-trainer", run_id=run_id, steps=8, eval_every_steps=0, eval_batches=4
     )
-    assert trainer.popen.wait(timeout=300) == 0
-    swarm_val = float(trainer.wait_for(r"validation loss ([\d.]+)", timeout_s=5).group(1))
+    swarm_val = finished(trainer, timeout_s=300).val_loss
 
     out = tmp_path / "model.pt"
     cli = [sys.executable, "-m", "swarm"]

@@ -15,6 +15,8 @@ from swarm.discovery.records import RecordError, StageRecord
 from swarm.model import MODEL_PRESETS, ModelConfig
 from swarm.states import PeerState
 
+pytestmark = pytest.mark.integration
+
 
 def test_run_config_validation_names_the_numbers():
     with pytest.raises(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.swarm
 
 
 def _sessions_alive(sessions: set[int]) -> list[str]:

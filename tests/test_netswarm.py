@@ -2,33 +2,30 @@
 
 Every process (bootstrap, 2 peers, trainer) runs in its own network namespace (deploy/netns/) behind a tbf
 limit. The trainer relays every activation and gradient, so its uplink qdisc must have carried the int8
-encoding of them: at least 1 byte per element, well under the 4 of fp32. Needs root; skips otherwise.
+encoding of them: at least 1 byte per element, well under the 4 of fp32. Needs root (marker netns).
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-from swarmrun import Where, start_bootstrap, start_peer, start_trainer, wait_ready  # noqa: E402
+from deploy.netns import EmulatedHost, EmulatedNetwork
+from swarm.coordinator.launcher import ProcessGroup
+from swarm.coordinator.localswarm import (
+    Where,
+    finished,
+    start_bootstrap,
+    start_peer,
+    start_trainer,
+    wait_ready,
+)
+from swarm.model import MODEL_PRESETS
 
-from deploy.netns import EmulatedHost, EmulatedNetwork, have_netns  # noqa: E402
-from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
-from swarm.model import MODEL_PRESETS  # noqa: E402
-
-_AVAILABLE, _WHY = have_netns() if sys.platform == "linux" else (False, "needs Linux")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.netns,
-    pytest.mark.skipif(not _AVAILABLE, reason=f"network namespaces unavailable: {_WHY}"),
-]
+# Needs root for the namespaces: skipped without, a failure in CI (SWARM_REQUIRE_ROOT_TESTS, tests/conftest.py).
+pytestmark = [pytest.mark.swarm, pytest.mark.netns]
 
 RATE_MBIT = 20
 MICROBATCH, TARGET_BATCH, STEPS = 8, 16, 3
@@ -95,19 +92,13 @@ def test_int8_swarm_trains_through_20_mbit_links(tmp_path):
             steps=STEPS,
             metrics_path=tmp_path / "metrics.jsonl",
             where=Where.on(trainer_host),
-            flags=[
-                "--microbatch-size",
-                str(MICROBATCH),
-                "--eval-every-steps",
-                "0",
-                "--eval-batches",
-                "1",
-                "--max-bytes",
-                "2000000",
-            ],
+            microbatch_size=MICROBATCH,
+            eval_every_steps=0,
+            eval_batches=1,
+            max_bytes=2_000_000,
         )
-        assert trainer.popen.wait(timeout=90) == 0, trainer.log_path.read_text()[-3000:]
-        trainer.wait_for(rf"trained {STEPS} steps \({STEPS * TARGET_BATCH} samples", timeout_s=5)
+        summary = finished(trainer, timeout_s=90)
+        assert (summary.steps, summary.samples) == (STEPS, STEPS * TARGET_BATCH)
         _, sent_after = _tbf_sent_bytes(trainer_host)
     assert not _names_left(names), "the network left namespaces or links behind"
     assert rate == f"{RATE_MBIT}Mbit"

@@ -20,6 +20,8 @@ from swarm.model import ModelConfig, build_stage
 from swarm.optim import LaterBatches, adamw_param_groups, build_stage_optimizer, learning_rate
 from swarm.trainer.reference import train_reference
 
+pytestmark = pytest.mark.integration
+
 SMALL = ModelConfig(d_model=32, n_heads=4, n_layers=3, seq_len=16, num_stages=2, seed=7)
 
 

@@ -21,6 +21,8 @@ from swarm.transport.channel import GRPC_OPTIONS
 from swarm.transport.client import PeerClient
 from swarm.transport.tensors import tensor_frames
 
+pytestmark = pytest.mark.integration
+
 MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, num_stages=2)
 RUN = RunConfig(model=MODEL, target_batch_size=10_000)  # never steps: gradients only accumulate
 B, T, D = 2, 16, 32

@@ -2,7 +2,11 @@
 
 from pathlib import Path
 
+import pytest
+
 from swarm.proto import generate
+
+pytestmark = pytest.mark.integration
 
 
 def test_regeneration_changes_nothing(tmp_path: Path):

@@ -10,21 +10,18 @@ import pytest
 import torch
 
 from swarm.config import RunConfig
+from swarm.coordinator.localswarm import finished
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.model import ModelConfig, build_full_model
 from swarm.trainer.pipeline import Pipeline
 from swarm.transport.client import PeerClient
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.swarm
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
-    from conftest import LocalSwarm
-
-    s = LocalSwarm(tmp_path_factory.mktemp("swarm"))
-    yield s
-    s.close()
+def swarm(module_swarm):
+    return module_swarm
 
 
 @pytest.fixture(scope="module")
@@ -108,30 +105,18 @@ def test_two_stages_two_peers_each_train_and_loss_falls(swarm, tmp_path):
     ]
     endpoints = [swarm.wait_ready(p) for p in procs]
     metrics = tmp_path / "metrics.jsonl"
-    trainer = swarm.group.swarm(
+    trainer = swarm.trainer(
         "trainer",
-        "train",
-        "--run-id",
-        run_id,
-        *swarm.initial_peers,
-        "--steps",
-        "30",
-        "--microbatch-size",
-        "8",
-        "--in-flight",
-        "4",
-        "--eval-every-steps",
-        "0",
-        "--eval-batches",
-        "2",
-        "--metrics-path",
-        str(metrics),
+        run_id=run_id,
+        steps=30,
+        microbatch_size=8,
+        in_flight=4,
+        eval_every_steps=0,
+        eval_batches=2,
+        metrics_path=metrics,
     )
-    assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
-    summary = trainer.wait_for(
-        r"initial loss ([\d.]+) -> final loss ([\d.]+) \| validation loss ([\d.]+)", timeout_s=5
-    )
-    initial, final, val = map(float, summary.groups())
+    summary = finished(trainer, timeout_s=300)
+    initial, final, val = summary.initial_loss, summary.final_loss, summary.val_loss
     assert 5.0 < initial < 6.0  # ~ln(256) for an untrained byte model
     assert final < 0.8 * initial and val < 0.85 * initial
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -31,6 +31,8 @@ from swarm.transport.client import PeerClient
 from swarm.transport.server import start_server, stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
 
+pytestmark = pytest.mark.integration
+
 MiB = 1 << 20
 
 

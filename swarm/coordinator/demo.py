@@ -7,14 +7,13 @@ Logs of every process land in ``workdir``. Ctrl-C stops everything too.
 
 from __future__ import annotations
 
-import re
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.coordinator.launcher import ProcessGroup
+from swarm.coordinator.localswarm import LocalSwarm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,96 +37,75 @@ class DemoConfig:
             )
 
 
-SUMMARY = re.compile(
-    r"initial loss (?P<initial>[\d.]+) -> final loss (?P<final>[\d.]+) \| validation loss "
-    r"(?P<val>[\d.]+) \| (?P<tps>[\d,]+) tokens/s"
-)
-
-
 def run_demo(config: DemoConfig) -> int:
     from swarm.model import MODEL_PRESETS
+    from swarm.trainer.trainer import TrainSummary
 
     if config.preset not in MODEL_PRESETS:
         raise ValueError(f"unknown preset '{config.preset}'; choose one of {sorted(MODEL_PRESETS)}")
     num_stages = MODEL_PRESETS[config.preset].num_stages
     workdir = Path(config.workdir or tempfile.mkdtemp(prefix="swarm-demo-"))
-    addr_file = workdir / "bootstrap.addr"
-    addr_file.unlink(missing_ok=True)
     print(
         f"swarm demo: 1 bootstrap node, {num_stages} stages x {config.peers_per_stage} peers, 1 trainer "
         f"(logs in {workdir})",
         flush=True,
     )
     started = time.monotonic()
-    with ProcessGroup(workdir) as group:
-        try:
-            group.swarm("bootstrap", "dht", "--address-file", str(addr_file))
-            common = ["--run-id", config.run_id, "--initial-peers", f"@{addr_file}"]
-            run_flags = [
-                "--preset",
-                config.preset,
-                "--codec",
-                config.codec,
-                "--target-batch-size",
-                str(config.target_batch_size),
-                "--lr",
-                str(config.lr),
-                "--total-steps",
-                str(config.steps),
+    run_flags = [
+        "--preset",
+        config.preset,
+        "--codec",
+        config.codec,
+        "--target-batch-size",
+        config.target_batch_size,
+        "--lr",
+        config.lr,
+        "--total-steps",
+        config.steps,
+    ]
+    try:
+        with LocalSwarm(workdir) as swarm:
+            peers = [
+                swarm.peer(
+                    f"peer-s{stage}-{replica}", stage, *run_flags, run_id=config.run_id, wait=False
+                )
+                for stage in range(num_stages)
+                for replica in range(config.peers_per_stage)
             ]
-            peers = []
-            for stage in range(num_stages):
-                for replica in range(config.peers_per_stage):
-                    name = f"peer-s{stage}-{replica}"
-                    peers.append(
-                        group.swarm(
-                            name,
-                            "peer",
-                            "--stage",
-                            str(stage),
-                            "--threads",
-                            "1",
-                            *common,
-                            *run_flags,
-                        )
-                    )
             for proc in peers:
-                proc.wait_for(r"serves stage \d+", timeout_s=120)
+                swarm.wait_ready(proc, timeout_s=120)
                 print(f"  {proc.name} is up (pid {proc.pid})", flush=True)
-            trainer = group.swarm(
+            trainer = swarm.trainer(
                 "trainer",
-                "train",
-                *common,
-                "--steps",
-                str(config.steps),
-                "--microbatch-size",
-                str(config.microbatch_size),
-                "--in-flight",
-                str(config.in_flight),
-                "--eval-every-steps",
-                str(config.eval_every_steps),
+                run_id=config.run_id,
+                steps=config.steps,
+                microbatch_size=config.microbatch_size,
+                in_flight=config.in_flight,
+                eval_every_steps=config.eval_every_steps,
                 echo=True,
-                env={"OMP_NUM_THREADS": "1"},
             )
             code = trainer.popen.wait()
             trainer.reader.join(timeout=10)
-        except KeyboardInterrupt:
-            print("\nswarm demo: interrupted, stopping every process", flush=True)
-            return 130
+    except KeyboardInterrupt:
+        print("\nswarm demo: interrupted, stopping every process", flush=True)
+        return 130
     elapsed = time.monotonic() - started
-    match = next((m for line in reversed(trainer.lines) if (m := SUMMARY.search(line))), None)
-    if code != 0 or match is None:
+    try:
+        summary = TrainSummary.parse("".join(trainer.lines)) if code == 0 else None
+    except ValueError:
+        summary = None
+    if summary is None:
         print(
             f"swarm demo: the trainer failed (exit code {code}); see {workdir}/trainer.log and the peer "
             f"logs next to it",
             file=sys.stderr,
         )
         return 1
-    initial, final = float(match["initial"]), float(match["final"])
+    initial, final = summary.initial_loss, summary.final_loss
     print(
         f"\nswarm demo finished in {elapsed:.0f}s: training loss {initial:.3f} -> {final:.3f} "
-        f"({100 * final / initial:.0f}% of initial), validation loss {float(match['val']):.3f}, "
-        f"{match['tps']} tokens/s; all processes stopped",
+        f"({100 * final / initial:.0f}% of initial), validation loss {summary.val_loss:.3f}, "
+        f"{summary.tokens_per_s:,.0f} tokens/s; all processes stopped",
         flush=True,
     )
     return 0

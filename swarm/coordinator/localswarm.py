@@ -1,9 +1,12 @@
-"""Start a swarm's processes (bootstrap, peers, trainer) for a benchmark or test, on loopback or on emulated hosts.
+"""Start a swarm's processes (bootstrap, peers, trainers) on this machine: one harness for ``swarm demo``, the
+tests and the benchmarks, on loopback or on emulated hosts.
 
-Shared by ``bench/netswarm.py``, ``bench/quality.py`` and their tests. Every process is started through a
-``ProcessGroup`` (logs per process, wait for a line with a deadline, always stopped); ``Where`` says which
-address it binds and how its argv is wrapped, so the same code runs a process on 127.0.0.1 or inside an
-emulated host's network namespace (``Where.on(host)`` with a ``deploy.netns.EmulatedHost``).
+Every process is started through a ``ProcessGroup`` (logs per process, wait for a line with a deadline, always
+stopped); ``Where`` says which address it binds and how its argv is wrapped, so the same code runs a process
+on 127.0.0.1 or inside an emulated host's network namespace (``Where.on(host)`` with a
+``deploy.netns.EmulatedHost``). The trainer's command line is built here alone, from ``TrainerConfig`` field
+names (:func:`trainer_argv`); its summary line is read back with ``TrainSummary.parse`` (:func:`finished`).
+:class:`LocalSwarm` bundles a bootstrap node with its peers and trainers for the common loopback case.
 
 The trainer's ``--metrics-path`` file (one JSON line per step: cumulative ``tokens_per_s`` and ``time_s`` since
 training began, and one per validation) is the measurement source: :func:`read_metrics` parses it and
@@ -14,17 +17,22 @@ snapshots taken at step boundaries.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from swarm.argconfig import config_argv
 from swarm.coordinator.launcher import Proc, ProcessGroup
 
-PEER_READY = r"serves stage \d+ of run '[^']+' at (\S+)"
-TRAINER_STEP = r"step \d+"
+if TYPE_CHECKING:
+    from swarm.trainer.trainer import TrainSummary
+
+PEER_READY = r"serves stage (\d+) of run '[^']+' at (\S+)"
 BOOTSTRAP_READY = "DHT node is up"
-# Every role shares a few cores with the others: one torch thread each, as `swarm demo` does.
+# Every role shares a few cores with the others: one torch thread each.
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -74,14 +82,16 @@ def start_peer(
     group: ProcessGroup,
     name: str,
     *,
-    stage: int,
+    stage: int | None,
     run_id: str,
     addr_file: Path,
     where: Where = Where(),
-    run_flags: Sequence[str] = (),
+    run_flags: Sequence[Any] = (),
 ) -> Proc:
-    """``swarm peer`` for ``stage`` (1 torch thread); ``run_flags`` (``--preset``, ``--codec``, ...) publish the
-    run if it is new. Does not wait: call :func:`wait_ready` so that several peers start in parallel."""
+    """``swarm peer`` for ``stage`` (None: the peer picks one on arrival), with 1 torch thread; ``run_flags``
+    (``--preset``, ``--codec``, ...) publish the run if it is new. Does not wait: call :func:`wait_ready` so
+    that several peers start in parallel."""
+    stage_flags = () if stage is None else ("--stage", stage)
     return group.start(
         name,
         _swarm_argv(
@@ -89,8 +99,7 @@ def start_peer(
             "peer",
             "--run-id",
             run_id,
-            "--stage",
-            stage,
+            *stage_flags,
             "--threads",
             1,
             "--host",
@@ -105,7 +114,35 @@ def start_peer(
 
 def wait_ready(proc: Proc, *, timeout_s: float = 180.0) -> str:
     """Wait for a peer's ready line; returns its gRPC endpoint."""
-    return proc.wait_for(PEER_READY, timeout_s=timeout_s).group(1)
+    return proc.wait_for(PEER_READY, timeout_s=timeout_s).group(2)
+
+
+def served_stage(proc: Proc, *, timeout_s: float = 180.0) -> int:
+    """Wait for a peer's ready line; returns the stage it serves."""
+    return int(proc.wait_for(PEER_READY, timeout_s=timeout_s).group(1))
+
+
+def trainer_argv(
+    *, run_id: str, addr_file: Path, where: Where = Where(), **options: Any
+) -> list[str]:
+    """The one ``swarm train`` command line: ``options`` are TrainerConfig field names (nested ones too, e.g.
+    ``max_bytes``), turned into its flags by the same table that builds the CLI, so a misspelt or removed
+    option fails here rather than as an unknown flag in a child's log."""
+    # Imported here: the trainer module imports torch, which a harness that only starts processes does not
+    # need, and which fixes the caller's torch thread count before it could set OMP_NUM_THREADS.
+    from swarm.trainer.trainer import TrainerConfig
+
+    return _swarm_argv(
+        where,
+        "train",
+        *config_argv(
+            TrainerConfig,
+            run_id=run_id,
+            host=where.address,
+            initial_peers=(f"@{addr_file}",),
+            **options,
+        ),
+    )
 
 
 def start_trainer(
@@ -114,32 +151,100 @@ def start_trainer(
     *,
     run_id: str,
     addr_file: Path,
-    metrics_path: Path,
-    steps: int,
     where: Where = Where(),
-    flags: Sequence[str] = (),
+    echo: bool | None = None,
+    **options: Any,
 ) -> Proc:
-    """``swarm train`` writing ``metrics_path`` (``steps`` 0 = until SIGINT); ``flags`` add trainer options."""
-    metrics_path.unlink(missing_ok=True)
+    """``swarm train`` with ``options`` (TrainerConfig field names, see :func:`trainer_argv`; ``steps`` 0 =
+    until SIGINT). A ``metrics_path`` left from an earlier run is removed first."""
+    if options.get("metrics_path") is not None:
+        Path(options["metrics_path"]).unlink(missing_ok=True)
     return group.start(
         name,
-        _swarm_argv(
-            where,
-            "train",
-            "--run-id",
-            run_id,
-            "--host",
-            where.address,
-            "--initial-peers",
-            f"@{addr_file}",
-            "--steps",
-            steps,
-            "--metrics-path",
-            metrics_path,
-            *flags,
-        ),
+        trainer_argv(run_id=run_id, addr_file=addr_file, where=where, **options),
         env=SINGLE_THREAD_ENV,
+        echo=echo,
     )
+
+
+def finished(trainer: Proc, *, timeout_s: float) -> TrainSummary:
+    """Wait for a trainer to exit; its summary line, parsed. AssertionError with the log's tail if it exits
+    with an error or prints no summary."""
+    from swarm.trainer.trainer import TrainSummary
+
+    code = trainer.popen.wait(timeout=timeout_s)
+    if trainer.reader is not None:
+        trainer.reader.join(timeout=10)  # every line read before the summary is looked for
+    tail = trainer.log_path.read_text()[-3000:]
+    assert code == 0, f"{trainer.name} exited with {code}:\n{tail}"
+    try:
+        return TrainSummary.parse("".join(trainer.lines))
+    except ValueError as e:
+        raise AssertionError(f"{trainer.name}: {e}") from None
+
+
+class LocalSwarm:
+    """A bootstrap DHT node on loopback and the peers and trainers started against it, as separate processes
+    in one ProcessGroup (logs in ``workdir``); ``close()`` (or the context) stops every one."""
+
+    def __init__(self, workdir: Path, *, echo: bool = False, wait_s: float = 120.0):
+        self.group = ProcessGroup(workdir, echo=echo)
+        self.addr_file = Path(workdir) / "bootstrap.addr"
+        try:
+            start_bootstrap(self.group, self.addr_file, wait_s=wait_s)
+        except BaseException:
+            self.group.close()
+            raise
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def initial_peers(self) -> list[str]:
+        """The flags that point a ``swarm`` command at this swarm's bootstrap node."""
+        return ["--initial-peers", f"@{self.addr_file}"]
+
+    def peer(
+        self, name: str, stage: int | None, *flags: Any, run_id: str = "test", wait: bool = True
+    ) -> Proc:
+        """``swarm peer`` for ``stage`` (None: it picks one) with extra ``flags``; waits until it serves
+        unless ``wait`` is False (then :meth:`wait_ready` it, so that several peers start in parallel)."""
+        proc = start_peer(
+            self.group, name, stage=stage, run_id=run_id, addr_file=self.addr_file, run_flags=flags
+        )
+        if wait:
+            wait_ready(proc)
+        return proc
+
+    wait_ready = staticmethod(wait_ready)
+
+    def trainer(
+        self, name: str, *, run_id: str = "test", echo: bool | None = None, **options
+    ) -> Proc:
+        """``swarm train`` against this swarm; ``options`` are TrainerConfig field names."""
+        return start_trainer(
+            self.group, name, run_id=run_id, addr_file=self.addr_file, echo=echo, **options
+        )
+
+    def addresses(self) -> list[str]:
+        """The bootstrap node's multiaddrs."""
+        return [line.strip() for line in self.addr_file.read_text().splitlines() if line.strip()]
+
+    def stop_peers(self) -> None:
+        """Stop every process but the bootstrap node, together (a frozen one is resumed first so it can
+        drain)."""
+        names = [
+            name for name, proc in self.group.procs.items() if name != "bootstrap" and proc.alive()
+        ]
+        for name in names:
+            self.group.procs[name].signal(signal.SIGCONT)
+        self.group.stop_all(names, timeout_s=30)
+
+    def close(self) -> None:
+        self.group.close()
 
 
 @dataclass
@@ -205,14 +310,43 @@ def publish_run(addr_file: Path, run_id: str, run, *, ttl_s: float = 3600.0) -> 
         node.shutdown()
 
 
+def publish_run_at(
+    where: Where, addr_file: Path, run_id: str, run, *, timeout_s: float = 120.0
+) -> None:
+    """:func:`publish_run` from a process run where ``where`` says (e.g. inside an emulated host, which reaches
+    the bootstrap node where this process may not); the same swarm package the other processes run."""
+    import subprocess
+
+    argv = where.wrap(
+        [
+            sys.executable,
+            "-m",
+            "swarm.coordinator.localswarm",
+            "publish",
+            "--addr-file",
+            str(addr_file),
+            "--run-id",
+            run_id,
+            "--config-json",
+            json.dumps(run.to_dict()),
+        ]
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"publishing run '{run_id}' failed ({done.returncode}): {done.stderr[-2000:]}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python bench/swarmrun.py publish --addr-file F --run-id R --config-json J``: publish a run config from
-    wherever this runs (e.g. inside an emulated host's namespace, where the bootstrap node is reachable)."""
+    """``python -m swarm.coordinator.localswarm publish --addr-file F --run-id R --config-json J``: publish a
+    run config from wherever this runs (e.g. inside an emulated host's namespace, where the bootstrap node is
+    reachable)."""
     import argparse
 
     from swarm.config import RunConfig
 
-    parser = argparse.ArgumentParser(prog="bench/swarmrun.py")
+    parser = argparse.ArgumentParser(prog="python -m swarm.coordinator.localswarm")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser(
         "publish", help="publish a RunConfig (JSON of RunConfig.to_dict()) under a run id"

@@ -1,7 +1,8 @@
 """The network-emulation harness (deploy/netns/): rates, run-time changes, teardown.
 
-Tests that build namespaces need root and iproute2 (CI runs as root); without them they
-are skipped with the reason have_netns() gives. Config checks run everywhere.
+Tests that build namespaces need root and iproute2 (marker `netns`): without them they are skipped with the
+reason have_netns() gives, or fail with it when SWARM_REQUIRE_ROOT_TESTS=1 (CI, as root; see tests/conftest.py).
+Config checks run everywhere.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ from pathlib import Path
 
 import pytest
 
+from deploy import netns
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # deploy/ is not an installed package
 
-from deploy import netns  # noqa: E402
-
-_AVAILABLE, _WHY = netns.have_netns() if sys.platform == "linux" else (False, "needs Linux")
-needs_netns = pytest.mark.skipif(not _AVAILABLE, reason=f"network namespaces unavailable: {_WHY}")
-
-# A 20 Mbit/s tbf counts Ethernet frames (1514 bytes for 1448 bytes of TCP payload with
-# timestamps), so TCP payload arrives at ~19.1 Mbit/s; measured 19.2 here. The band allows
-# for the initial bucket, scheduling noise on a loaded 2-core CI box, and nothing more.
-LIMITED_BAND_MBIT = (14.0, 22.0)
-UNLIMITED_FLOOR_MBIT = 200.0  # 10x the limit; veths on this machine do ~16 Gbit/s
+# A 20 Mbit/s tbf counts Ethernet frames (1514 bytes for 1448 bytes of TCP payload with timestamps), so TCP
+# payload arrives at ~19.1 Mbit/s when the machine is idle (measured 19.2 here); the rate itself is a speed, and
+# bench/netswarm.py and `python -m deploy.netns selftest` report it. What holds on a loaded machine is the cap:
+# load only slows the probe, and nothing passes a tbf faster than its rate plus one bucket (32 KiB over the
+# 1.5 s window: +0.2 Mbit/s), so 22 leaves room for timer granularity only. The floor is a quarter of the
+# rate: a shaped link still carries data when the two probe processes wait 4x for a core, and a wrong rate
+# (2 Mbit/s for 20) fails.
+LIMITED_BAND_MBIT = (5.0, 22.0)
+# "No limit": 10x the limit, ~80x below what veths carry here (~16 Gbit/s), so load does not reach it.
+UNLIMITED_FLOOR_MBIT = 200.0
 MEASURE_S = 1.5
 
 
@@ -83,7 +85,6 @@ def test_config_per_host_rates():
 # --- namespaces: root only -------------------------------------------------------------------
 
 
-@needs_netns
 @pytest.mark.netns
 def test_limited_pair_measures_the_rate_in_both_directions():
     with netns.EmulatedNetwork(num_hosts=2, rate_mbit=20) as net:
@@ -95,7 +96,6 @@ def test_limited_pair_measures_the_rate_in_both_directions():
             assert lo <= res.mbit_per_s <= hi, f"{src.address}->{dst.address}: {res}"
 
 
-@needs_netns
 @pytest.mark.netns
 def test_unlimited_pair_is_far_faster():
     with netns.EmulatedNetwork(num_hosts=2, rate_mbit=None) as net:
@@ -105,7 +105,6 @@ def test_unlimited_pair_is_far_faster():
         assert res.mbit_per_s >= UNLIMITED_FLOOR_MBIT, res
 
 
-@needs_netns
 @pytest.mark.netns
 def test_set_rate_changes_each_direction_at_run_time():
     with netns.EmulatedNetwork(num_hosts=2, rate_mbit=20) as net:
@@ -126,7 +125,6 @@ _IGNORE_SIGTERM = (
 )
 
 
-@needs_netns
 @pytest.mark.netns
 def test_exit_removes_everything_and_stops_processes():
     with netns.EmulatedNetwork(num_hosts=3, terminate_timeout_s=0.5) as net:
@@ -148,7 +146,6 @@ def test_exit_removes_everything_and_stops_processes():
     assert not os.path.exists(f"/proc/{stray_pid}") or _is_zombie(stray_pid)
 
 
-@needs_netns
 @pytest.mark.netns
 def test_exception_in_body_still_cleans_up():
     with pytest.raises(RuntimeError, match="boom"):
@@ -160,7 +157,6 @@ def test_exception_in_body_still_cleans_up():
     _assert_dead(proc)
 
 
-@needs_netns
 @pytest.mark.netns
 def test_parallel_networks_get_distinct_names():
     with netns.EmulatedNetwork(num_hosts=1) as n1, netns.EmulatedNetwork(num_hosts=1) as n2:
@@ -168,7 +164,6 @@ def test_parallel_networks_get_distinct_names():
         assert all(len(name) <= netns.MAX_IFNAME_CHARS for name in n1.created_names())
 
 
-@needs_netns
 @pytest.mark.netns
 def test_cleanup_stale_removes_only_dead_runs():
     # A finished child gives a pid that is certainly dead (and not ours).
@@ -206,7 +201,6 @@ def test_cleanup_stale_removes_only_dead_runs():
         netns.cleanup_stale("swt")
 
 
-@needs_netns
 @pytest.mark.netns
 def test_selftest_cli():
     out = subprocess.run(

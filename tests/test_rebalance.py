@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
-from datetime import datetime
 
 import pytest
-from conftest import ask_peers
+from conftest import ask_peers, even_split_lower_bound
 
-pytestmark = pytest.mark.slow
+from swarm.coordinator.localswarm import served_stage
+
+pytestmark = pytest.mark.swarm
 
 # Replicas step on their own (--no-average): these tests measure where peers go and the throughput that
 # follows, which an all-reduce every 16 samples would drown.
@@ -32,26 +32,17 @@ def swarm(measuring_swarm):
     return measuring_swarm
 
 
-def served_stage(swarm, proc) -> int:
-    swarm.wait_ready(proc)
-    return int(proc.wait_for(r"serves stage (\d+)", timeout_s=5).group(1))
-
-
 def test_arrivals_fill_the_empty_then_the_weakest_stage(swarm):
     # The two stages differ in cost (the last one holds the head and the loss), so the margins below are
     # wide: at least 40% between the capacities a newcomer compares.
     run = ["--no-rebalance", "--arrival-max-delay-s", "0.5"]
     # a weak peer: a third of the speed
-    a = swarm.peer("arr-a", 0, *COMMON, *run, "--slowdown", "3", run_id="arrive")
-    assert served_stage(swarm, a) == 0
+    a = swarm.peer("arr-a", 0, *COMMON, *run, "--slowdown", "3", run_id="arrive", wait=False)
+    assert served_stage(a) == 0
 
     def newcomer(name):
-        proc = swarm.group.swarm(
-            name, "peer", "--run-id", "arrive", *swarm.initial_peers, *COMMON, *run
-        )
-        return served_stage(swarm, proc), proc.wait_for(
-            r"stage capacities \[.*\]", timeout_s=5
-        ).group(0)
+        proc = swarm.peer(name, None, *COMMON, *run, run_id="arrive", wait=False)
+        return served_stage(proc), proc.wait_for(r"stage capacities \[.*\]", timeout_s=5).group(0)
 
     # Stage 1 is empty: the first newcomer must take it.
     stage, seen = newcomer("arr-b")
@@ -64,14 +55,14 @@ def test_arrivals_fill_the_empty_then_the_weakest_stage(swarm):
     assert stage == 1, seen
 
 
-def _log_time(line: str) -> float:
-    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+PERIOD_S = 4.0
+COOLDOWN_PERIODS = 3
+MOVED = r"moved from stage (\d) to stage (\d)"
 
 
 def test_bottleneck_gets_a_peer_without_oscillation(swarm):
-    period = 4.0
-    # Every peer emulates a device 10x slower (it sleeps 9x each call's compute), so the 2-core machine is not
-    # the limit and a stage's capacity really is the sum of its peers'.
+    # Every peer emulates a device 10x slower (it sleeps 9x each call's compute, counted in CPU time), so a
+    # stage's capacity is the sum of its peers' even when this machine is busy.
     # Global batches of 256: each optimizer step makes a peer drop the autograd graphs it holds (their backward
     # then recomputes the forward); with small batches that extra work would make stage 0 the bottleneck
     # after the move.
@@ -82,88 +73,109 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm):
         "--slowdown",
         "10",
         "--period-s",
-        str(period),
+        str(PERIOD_S),
         "--cooldown-periods",
-        "3",
+        str(COOLDOWN_PERIODS),
     ]
 
     def peer(name, stage):
         return swarm.peer(f"reb-{name}", stage, *flags, run_id="rebal", wait=False)
 
     # Phase 1: 2 + 1 peers. Stage 1 is the bottleneck, but moving a stage-0 peer would only swap the
-    # bottleneck (no gain), so nobody moves; this measures the 1-peer bottleneck's throughput.
+    # bottleneck (no gain), so nobody moves.
     peers = [peer("a", 0), peer("b", 0), peer("d", 1)]
     endpoints = [swarm.wait_ready(p) for p in peers]
-    trainer = swarm.group.swarm(
+    trainer = swarm.trainer(
         "reb-trainer",
-        "train",
-        "--run-id",
-        "rebal",
-        *swarm.initial_peers,
-        "--steps",
-        "10000",
-        "--microbatch-size",
-        "8",
-        "--in-flight",
-        "16",
-        "--eval-every-steps",
-        "0",
-        "--log-every-s",
-        "0",
+        run_id="rebal",
+        steps=10000,
+        microbatch_size=8,
+        in_flight=16,
+        eval_every_steps=0,
+        log_every_s=0,
     )
-    deadline = time.monotonic() + 120
-    # polling a remote counter: there is no event to wait on
-    while _last_stage_samples(endpoints) == 0:
+    # Training runs once the last stage has counted samples (polling a remote counter: no event to wait on).
+    deadline = time.monotonic() + 300
+    while _samples_by_stage(endpoints)[1] == 0:
         assert trainer.alive() and time.monotonic() < deadline, trainer.lines[-20:]
         time.sleep(0.5)
-    time.sleep(period)  # routing warm-up: the trainer measures its peers
-    before = _last_stage_rate(endpoints, 4 * period)
+    # Then 3 periods in which the peers see real throughputs and must not move: a wait for the move line
+    # that has to time out (any peer's; the mover would be one of the stage-0 peers).
+    for p in peers[:2]:
+        assert not _next_move(p, within_s=1.5 * PERIOD_S), _moves(peers)
     assert not _moves(peers), ("a peer moved before the swarm was unbalanced", _moves(peers))
     # Phase 2: a third peer joins stage 0 (3 + 1): now a move pays off.
     peers.append(peer("c", 0))
     endpoints.append(swarm.wait_ready(peers[-1]))
-    joined_at = time.time()
-    # Within 3 periods one of the stage-0 peers moves to stage 1 ...
-    moved = MOVED.format(0, 1)
-    deadline = joined_at + 3 * period + 15  # 3 periods, plus the drain and state load of the move
-    mover = None
-    while mover is None:
-        assert time.time() < deadline, (
-            "no peer moved to the bottleneck stage within 3 periods",
-            [line for p in peers for line in p.lines if "stage" in line],
-        )
-        for p in (peers[0], peers[1], peers[3]):
-            with contextlib.suppress(TimeoutError):
-                p.wait_for(moved, timeout_s=0.3)
-                mover = p
-    moved_at = _log_time(next(line for line in mover.lines if re.search(moved, line)))
-    # ... then 10 more periods in which nobody moves again (no back and forth); after one period to settle
-    # (routing learns the newcomer), they measure the throughput.
-    time.sleep(max(0.0, moved_at + period - time.time()))
-    after = _last_stage_rate(endpoints, moved_at + 10 * period - time.time())
+    # One of the stage-0 peers moves to stage 1. No tighter deadline than the configuration gives: the old
+    # peers may move at the next period, the newcomer after its cooldown; a move drains (at most the default
+    # --drain-timeout-s, 30 s) and loads the stage's state. Twice that, on a busy machine.
+    within_s = 2 * ((COOLDOWN_PERIODS + 2) * PERIOD_S + 30.0)
+    mover = _first_to_move([peers[0], peers[1], peers[3]], within_s=within_s)
+    assert mover is not None, (
+        f"no peer moved to the bottleneck stage within {within_s:.0f}s",
+        [line for p in peers for line in p.lines if "stage" in line],
+    )
+    assert _moves(peers) and re.search(MOVED, _moves(peers)[0]).groups() == ("0", "1"), _moves(
+        peers
+    )
+    # The bottleneck stage gained capacity: the mover serves stage 1 and the trainer sends it work there.
+    # Routing weighs both stage-1 peers by measured speed, and they are equal, so the mover's expected share
+    # of stage-1 work is one half; it must get more than an even split's lower 3-sigma bound over the
+    # microbatches counted (a routing that ignored the newcomer gives it none).
+    at_move = _samples_by_peer(endpoints)
+    # ... then 10 periods in which nobody moves again (no back and forth): waits for a second move that must
+    # time out.
+    assert not _next_move(mover, within_s=10 * PERIOD_S), _moves(peers)
+    after = _samples_by_peer(endpoints)
     assert trainer.alive(), trainer.lines[-20:]
     swarm.group.stop("reb-trainer")
     assert len(_moves(peers)) == 1, _moves(peers)
-    assert after >= 1.5 * before, (before, after)
-
-
-MOVED = r"moved from stage {} to stage {}"
+    stage1 = {e: after[e][1] - (at_move[e][1] if at_move[e][0] == 1 else 0) for e in after}
+    stage1 = {e: n for e, n in stage1.items() if after[e][0] == 1}
+    mover_endpoint = endpoints[peers.index(mover)]
+    assert set(stage1) == {mover_endpoint, endpoints[2]}, after
+    microbatches = sum(stage1.values()) // 8
+    assert microbatches >= 20, ("too little work after the move to compare shares", stage1)
+    assert stage1[mover_endpoint] / sum(stage1.values()) >= even_split_lower_bound(microbatches), (
+        stage1
+    )
 
 
 def _moves(peers) -> list[str]:
-    return [line for p in peers for line in p.lines if "moved from stage" in line]
+    return [line for p in peers for line in p.lines if re.search(MOVED, line)]
 
 
-def _last_stage_samples(endpoints) -> int:
-    """Samples the last stage's peers have counted in their gradients: every microbatch completes there."""
+def _next_move(proc, *, within_s: float) -> bool:
+    """Whether ``proc`` logs a move (after those it logged already) within ``within_s``: a wait on the
+    event itself, which returns as soon as it happens."""
+    seen = len(proc.lines)
+    try:
+        proc.wait_for(MOVED, timeout_s=within_s, after_line=seen)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _first_to_move(procs, *, within_s: float):
+    """The first of ``procs`` to log a move within ``within_s`` (None if none does); waits on each in turn in
+    short slices, so it returns soon after the move, whichever peer makes it."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if any(re.search(MOVED, line) for line in proc.lines) or _next_move(proc, within_s=0.3):
+                return proc
+    return None
+
+
+def _samples_by_peer(endpoints) -> dict[str, tuple[int, int]]:
+    """endpoint -> (stage it serves, samples counted in its gradients since it began serving that stage)."""
     infos = ask_peers(endpoints, lambda client: client.info("rebal", timeout_s=10))
-    return sum(info.samples_applied for info in infos if info.stage == 1)
+    return {e: (info.stage, info.samples_applied) for e, info in zip(endpoints, infos)}
 
 
-def _last_stage_rate(endpoints, seconds: float) -> float:
-    """The swarm's throughput (samples/s through the last stage) over a measurement window of ``seconds``,
-    from the peers' own counters (a peer that moves starts a new count, so no window may span a move)."""
-    t0, n0 = time.monotonic(), _last_stage_samples(endpoints)
-    time.sleep(seconds)
-    t1, n1 = time.monotonic(), _last_stage_samples(endpoints)
-    return (n1 - n0) / (t1 - t0)
+def _samples_by_stage(endpoints) -> dict[int, int]:
+    out = {0: 0, 1: 0}
+    for stage, samples in _samples_by_peer(endpoints).values():
+        out[stage] += samples
+    return out

@@ -20,7 +20,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 # --- tiers ------------------------------------------------------------------------------------------------
 # Every test is in exactly one tier (README "Three test tiers"), which its module names with
-# `pytestmark = pytest.mark.TIER`; a module that names none is unit:
+# `pytestmark = pytest.mark.TIER` (a test's own mark overrides it); a module that names none is unit:
 #   unit         pure code in this process: codecs, routing math, configs, the simulator;
 #   integration  servers, DHT nodes or short CLI subprocesses, started and stopped by the test itself;
 #   swarm        several swarm processes (a local swarm) or emulated hosts: seconds to minutes each.
@@ -31,16 +31,20 @@ SWARM_FIXTURES = {"local_swarm", "module_swarm", "measuring_swarm"}
 
 
 def _tier_of(item) -> str:
-    marked = {m.name for m in item.iter_markers() if m.name in (*TIERS, "slow")}
-    if "slow" in marked:
-        marked = (marked - {"slow"}) | {"swarm"}
+    """The tier marked closest to the test (its own, its class's, its module's); unit if none."""
+    tier = "unit"
+    for node in reversed(item.listchain()):
+        marked = {m.name for m in node.own_markers if m.name in (*TIERS, "slow")}
+        marked = {"swarm" if name == "slow" else name for name in marked}
+        if len(marked) > 1:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked {sorted(marked)}: a test is in exactly one tier"
+            )
+        if marked:
+            tier = marked.pop()
+            break
     if item.get_closest_marker("netns") is not None:
-        marked = (marked - {"unit", "integration"}) | {"swarm"}
-    tier = marked.pop() if len(marked) == 1 else "unit" if not marked else None
-    if tier is None:
-        raise pytest.UsageError(
-            f"{item.nodeid} is marked {sorted(marked)}: a test is in exactly one tier"
-        )
+        tier = "swarm"
     if tier != "swarm" and SWARM_FIXTURES & set(getattr(item, "fixturenames", ())):
         raise pytest.UsageError(
             f"{item.nodeid} starts a local swarm but is in the {tier} tier: mark its module "

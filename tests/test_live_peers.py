@@ -34,6 +34,9 @@ from swarm.states import PeerState
 from swarm.trainer.pipeline import Pipeline
 from swarm.transport.client import PeerClient
 
+# real peers, a DHT and gRPC servers in this process: the integration tier (tests/conftest.py)
+pytestmark = pytest.mark.integration
+
 MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, num_stages=2)
 B, T, D = 2, 16, 32
 # One committed loss call of B samples is one optimizer step of the replica that takes it (no warmup: every step

@@ -41,16 +41,7 @@ from common import (
 )
 
 from swarm.config import RunConfig  # noqa: E402
-from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
-from swarm.coordinator.localswarm import (  # noqa: E402
-    Where,
-    finished,
-    read_metrics,
-    start_bootstrap,
-    start_peer,
-    start_trainer,
-    wait_ready,
-)
+from swarm.coordinator.localswarm import LocalSwarm, finished, read_metrics, wait_ready  # noqa: E402
 from swarm.data import ByteCorpus, DataConfig  # noqa: E402
 from swarm.model import MODEL_PRESETS  # noqa: E402
 from swarm.trainer.reference import train_reference  # noqa: E402
@@ -115,29 +106,18 @@ def run_swarm(cfg: ConvergenceConfig, workdir: Path, *, sync: bool, label: str) 
         str(cfg.matchmaking_s),
         "--no-rebalance",
     ]
-    with ProcessGroup(workdir / run_id) as group:
-        addr_file = workdir / run_id / "bootstrap.addr"
-        start_bootstrap(group, addr_file, where=Where())
+    with LocalSwarm(workdir / run_id) as swarm:
         peers = [
-            start_peer(
-                group,
-                f"s{stage}-{replica}",
-                stage=stage,
-                run_id=run_id,
-                addr_file=addr_file,
-                run_flags=run_flags,
-            )
+            swarm.peer(f"s{stage}-{replica}", stage, *run_flags, run_id=run_id, wait=False)
             for stage in range(run.model.num_stages)
             for replica in range(cfg.peers_per_stage)
         ]
         for proc in peers:
             wait_ready(proc)
         metrics_path = workdir / f"{run_id}.jsonl"
-        trainer = start_trainer(
-            group,
+        trainer = swarm.trainer(
             "trainer",
             run_id=run_id,
-            addr_file=addr_file,
             metrics_path=metrics_path,
             steps=cfg.steps,
             microbatch_size=cfg.microbatch_size,

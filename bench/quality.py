@@ -35,7 +35,6 @@ from common import (
 
 from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
 from swarm.coordinator.localswarm import (  # noqa: E402
-    Where,
     finished,
     read_metrics,
     start_bootstrap,
@@ -186,7 +185,7 @@ def run_all(cfg: QualityConfig, workdir: Path, *, repeat_none: bool = False) -> 
     results = []
     with ProcessGroup(workdir) as group:
         addr_file = workdir / "bootstrap.addr"
-        start_bootstrap(group, addr_file, where=Where())
+        start_bootstrap(group, addr_file)
         for i, (codec, label) in enumerate(plan):
             print(f"  run {i + 1}/{len(plan)}: codec {label}, {cfg.steps} steps", flush=True)
             result = run_codec(

@@ -159,6 +159,11 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.close()
 
 
+# The trainer options the swarm tests share (TrainerConfig names): microbatches of 8, validation only at the
+# end, and a progress line per step, which tests wait on ("step N/").
+TEST_TRAINER = dict(microbatch_size=8, eval_every_steps=0, log_every_s=0)
+
+
 @pytest.fixture(scope="module")
 def module_swarm(tmp_path_factory) -> Iterator[LocalSwarm]:
     """One bootstrap node for a whole test module (starting one costs seconds)."""

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import ask_peers
+from conftest import TEST_TRAINER, ask_peers
 
 from swarm.coordinator.localswarm import finished
 
@@ -67,13 +67,11 @@ def test_replicas_agree_and_one_that_joins_mid_run_ends_in_the_same_state(local_
     trainer = local_swarm.trainer(
         "trainer",
         run_id=RUN_ID,
+        **TEST_TRAINER,
         steps=STEPS,
-        microbatch_size=8,
         in_flight=4,
         max_batches_ahead=2,
-        eval_every_steps=0,
         eval_batches=2,
-        log_every_s=0,
     )
     trainer.wait_for(r"^step 2/", timeout_s=300)
     # The trainer's step counts batches sent, not the stage's steps: on a loaded machine stage 1's first all-reduce

@@ -6,7 +6,7 @@ import signal
 import time
 
 import pytest
-from conftest import ask_peers, even_split_lower_bound
+from conftest import TEST_TRAINER, ask_peers, even_split_lower_bound
 
 from swarm.coordinator.localswarm import finished
 
@@ -52,12 +52,10 @@ def start_trainer(swarm, run_id, *, steps, in_flight=4):
     return swarm.trainer(
         f"{run_id}-trainer",
         run_id=run_id,
+        **TEST_TRAINER,
         steps=steps,
-        microbatch_size=8,
         in_flight=in_flight,
-        eval_every_steps=0,
         eval_batches=2,
-        log_every_s=0,
     )
 
 

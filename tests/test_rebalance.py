@@ -6,7 +6,7 @@ import re
 import time
 
 import pytest
-from conftest import ask_peers, even_split_lower_bound
+from conftest import TEST_TRAINER, ask_peers, even_split_lower_bound
 
 from swarm.coordinator.localswarm import served_stage
 
@@ -88,11 +88,9 @@ def test_bottleneck_gets_a_peer_without_oscillation(swarm):
     trainer = swarm.trainer(
         "reb-trainer",
         run_id="rebal",
+        **TEST_TRAINER,
         steps=10000,
-        microbatch_size=8,
         in_flight=16,
-        eval_every_steps=0,
-        log_every_s=0,
     )
     # Training runs once the last stage has counted samples (polling a remote counter: no event to wait on).
     deadline = time.monotonic() + 300

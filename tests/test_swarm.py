@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from conftest import TEST_TRAINER
 
 from swarm.config import RunConfig
 from swarm.coordinator.localswarm import finished
@@ -108,10 +109,9 @@ def test_two_stages_two_peers_each_train_and_loss_falls(swarm, tmp_path):
     trainer = swarm.trainer(
         "trainer",
         run_id=run_id,
+        **TEST_TRAINER,
         steps=30,
-        microbatch_size=8,
         in_flight=4,
-        eval_every_steps=0,
         eval_batches=2,
         metrics_path=metrics,
     )

@@ -10,24 +10,23 @@ import pytest
 
 from swarm.trainer.trainer import TrainSummary
 
+LINE = (
+    "trained 40 steps (640 samples, 79/80 microbatches completed) in 61s | initial loss 5.612 -> final loss "
+    "3.070 | validation loss 3.125 | 12,345 tokens/s | 3 calls retried elsewhere, 1 unconfirmed commits"
+)
+
 
 def _summary(**fields) -> TrainSummary:
-    # values at the precision describe() prints, so the round trip is exact
-    base = dict(
-        steps=40,
-        samples=640,
-        microbatches=79,
-        microbatches_started=80,
-        failed_calls=3,
-        unconfirmed_commits=1,
-        initial_loss=5.612,
-        final_loss=3.07,
-        val_loss=3.125,
-        tokens_per_s=12345.0,
-        seconds=61.0,
-        losses=[],
-    )
-    return TrainSummary(**{**base, **fields})
+    """LINE's summary with ``fields`` changed (values at the precision describe() prints)."""
+    return dataclasses.replace(TrainSummary.parse(LINE), **fields)
+
+
+def test_parse_reads_each_field_from_its_place():
+    s = TrainSummary.parse(LINE)
+    assert (s.steps, s.samples, s.microbatches, s.microbatches_started) == (40, 640, 79, 80)
+    assert (s.seconds, s.initial_loss, s.final_loss, s.val_loss) == (61.0, 5.612, 3.07, 3.125)
+    assert (s.tokens_per_s, s.failed_calls, s.unconfirmed_commits) == (12345.0, 3, 1)
+    assert s.losses == [] and s.describe() == LINE
 
 
 @pytest.mark.parametrize(

@@ -4,14 +4,17 @@ plots both curves.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from swarm.config import RunConfig
+from swarm.coordinator.localswarm import finished, read_metrics
 from swarm.data import ByteCorpus, DataConfig
 from swarm.model import MODEL_PRESETS
 from swarm.trainer.reference import train_reference
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.swarm
 
 RUN = RunConfig(
     model=MODEL_PRESETS["tiny"], target_batch_size=64, lr=3e-3, warmup_steps=2, total_steps=8
@@ -39,6 +42,29 @@ PEER_FLAGS = [
 MICROBATCH, EVAL_BATCHES = 8, 4
 
 
+# What a replica logs when it repairs a departure from lockstep (swarm/averaging/optimizer.py): it missed its
+# stage's all-reduce or got part of it, or fell behind, and loaded its peers' state. The run then leaves the
+# one-process trajectory (the README counts 1 to 4 such misses per averaging run on a loaded machine).
+REPAIRS = (
+    r"reloading the stage's state from its peers|is behind its peers|downloaded the state of step"
+)
+# Relative validation-loss gap to one process (full precision, from the metrics file). Measured on 8 batches
+# (2 x 2 averaging peers, lockstep): below 0.0005% on a run without a repair (3.6185 both), and 0.01% on 2
+# earlier runs, read from the summary line's 3 decimals (within its rounding, 0.014%); fp32 summation order is
+# the only difference. One earlier run ended 0.18% apart; its logs were gone before its repairs could be
+# counted. What the bound must tell apart: per-stage against exact global clipping moves the same 8 batches by
+# 0.26% (train_reference with clipping="stage" vs "global": 3.6185 vs 3.6091); replicas clipping each stage
+# to max_grad_norm instead of max_grad_norm / sqrt(2) end 0.56% apart. 0.05% is 100x the clean gap and 5x
+# below the smaller of those.
+CLEAN_GAP = 0.0005
+# A run with a repair trains some stage on fewer than the global batch once or more; the bound is then the
+# one the long run measured with a repaired partial all-reduce (0.88% after 60 batches, bench/results/
+# convergence.md), still 15x below what stale parameters cost (pipelined, 15%). Such a run cannot tell the
+# clipping errors above from a repair's effect; it says so in the printed line (the repairs it saw), and the
+# next clean run catches them.
+REPAIRED_GAP = 0.01
+
+
 def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm):
     peers = [
         local_swarm.peer(f"s{stage}-{i}", stage, *PEER_FLAGS, run_id="parity", wait=False)
@@ -47,32 +73,25 @@ def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm):
     ]
     for proc in peers:
         local_swarm.wait_ready(proc)
-    trainer = local_swarm.group.swarm(
+    trainer = local_swarm.trainer(
         "trainer",
-        "train",
-        "--run-id",
-        "parity",
-        *local_swarm.initial_peers,
-        "--steps",
-        str(RUN.total_steps),
-        "--microbatch-size",
-        str(MICROBATCH),
-        "--in-flight",
-        "4",
-        "--max-batches-ahead",
-        "0",
-        "--seed",
-        "0",
-        "--eval-every-steps",
-        "0",
-        "--eval-batches",
-        str(EVAL_BATCHES),
-        "--log-every-s",
-        "0",
+        run_id="parity",
+        steps=RUN.total_steps,
+        microbatch_size=MICROBATCH,
+        in_flight=4,
+        max_batches_ahead=0,
+        seed=0,
+        eval_every_steps=0,
+        eval_batches=EVAL_BATCHES,
+        log_every_s=0,
+        metrics_path=local_swarm.group.workdir / "metrics.jsonl",
     )
-    assert trainer.popen.wait(timeout=300) == 0, trainer.log_path.read_text()[-3000:]
+    finished(trainer, timeout_s=300)
+    swarm_val = read_metrics(local_swarm.group.workdir / "metrics.jsonl").validations[-1][
+        "val_loss"
+    ]
     first_loss = float(trainer.wait_for(r"^step 1/\d+ \| loss ([\d.]+)", timeout_s=5).group(1))
-    swarm_val = float(trainer.wait_for(r"validation loss ([\d.]+)", timeout_s=5).group(1))
+    repairs = [line for p in peers for line in p.lines if re.search(REPAIRS, line)]
 
     reference = train_reference(
         RUN,
@@ -88,6 +107,6 @@ def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm):
     gap = abs(swarm_val - one_process_val) / one_process_val
     print(
         f"validation loss after {RUN.total_steps} batches: swarm {swarm_val:.4f}, one process "
-        f"{one_process_val:.4f} ({gap:.2%} apart)"
+        f"{one_process_val:.4f} ({gap:.3%} apart, {len(repairs)} repairs)"
     )
-    assert gap <= 0.03
+    assert gap <= (REPAIRED_GAP if repairs else CLEAN_GAP), repairs

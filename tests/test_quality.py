@@ -8,26 +8,27 @@ microbatch in flight the two runs differ only by the codec, so the validation-lo
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from quality import TARGET, QualityConfig, relative_gap, run_codec  # noqa: E402
-from swarmrun import publish_run, start_bootstrap  # noqa: E402
+from bench.quality import QualityConfig, relative_gap, run_codec
+from swarm.config import RunConfig
+from swarm.coordinator.launcher import ProcessGroup
+from swarm.coordinator.localswarm import publish_run, start_bootstrap
+from swarm.model import ModelConfig
 
-from swarm.config import RunConfig  # noqa: E402
-from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
-from swarm.model import ModelConfig  # noqa: E402
-
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.swarm
 
 MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=32, num_stages=2, seed=0)
 STEPS = 25  # x 16 samples = 400 samples per run
+# |val(int8) - val(none)| / val(none). Measured 0.0001% here (3.82425 vs 3.82424; one microbatch in flight
+# makes the runs deterministic, so it is the same each run); the codec bench measures 0.02% on the larger run.
+# What the bound must catch: the same int8 codec with 4-bit levels (_QMAX 7 instead of 127) ends 0.098% apart
+# (3.82799). 0.01% is 100x the measured gap and 10x below that. (The previous 2% passed the 4-bit codec too.)
+INT8_GAP = 0.0001
 
 
-def test_int8_validation_loss_within_2_percent_of_none(tmp_path):
+def test_int8_validation_loss_close_to_none(tmp_path):
     cfg = QualityConfig(
         codecs=("none", "int8"),
         preset=None,
@@ -66,4 +67,8 @@ def test_int8_validation_loss_within_2_percent_of_none(tmp_path):
     assert none.final_val < 0.8 * math.log(256), none.val_curve
     # int8 really went over the wire: quantisation noise makes the runs differ, if only slightly.
     assert int8.final_val != none.final_val
-    assert relative_gap(int8, none) <= TARGET, (none.final_val, int8.final_val)
+    gap = relative_gap(int8, none)
+    print(
+        f"validation loss: none {none.final_val:.5f}, int8 {int8.final_val:.5f} ({gap:.4%} apart)"
+    )
+    assert gap <= INT8_GAP, (none.final_val, int8.final_val)

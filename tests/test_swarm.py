@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import TEST_TRAINER
+from conftest import TEST_TRAINER, ask_peers
 
 from swarm.config import RunConfig
 from swarm.coordinator.localswarm import finished
@@ -122,15 +122,8 @@ def test_two_stages_two_peers_each_train_and_loss_falls(swarm, tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 31))
 
-    async def infos():
-        out = []
-        for endpoint in endpoints:
-            client = PeerClient(endpoint)
-            out.append(await client.info(run_id, timeout_s=10))
-            await client.close()
-        return out
-
-    applied = [info.microbatches_applied for info in asyncio.run(infos())]
+    infos = ask_peers(endpoints, lambda client: client.info(run_id, timeout_s=10))
+    applied = [info.microbatches_applied for info in infos]
     # 30 steps x 2 microbatches each went through both stages; randomized wiring spreads them over replicas.
     assert sum(applied[:2]) == 60 and sum(applied[2:]) == 60
     assert all(n > 0 for n in applied), applied

@@ -237,3 +237,41 @@ def even_split_lower_bound(draws: int, sigmas: float = 3.0) -> float:
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
     return 0.5 - sigmas * (0.25 / draws) ** 0.5
+
+
+# ---- real peers in the test process (tests/test_live_peers.py, tests/test_live_replicas.py)
+
+
+@pytest.fixture(scope="module")
+def boot():
+    """A bootstrap DHT node for the module: every test joins it with its own run id."""
+    from swarm.discovery.dht import DHTConfig, start_dht, visible_addresses
+
+    dht = start_dht(DHTConfig())
+    yield tuple(visible_addresses(dht))
+    dht.shutdown()
+
+
+@pytest.fixture
+def peers(loop_thread, boot):
+    """Start peers with ``start(run_id, stage, **PeerConfig fields)``; whatever is still running at the end is
+    shut down (no drain). The peers run ``livepeers.RUN`` (tests/livepeers.py holds the helpers)."""
+    from livepeers import HEARTBEAT_S, RUN, TTL_S
+
+    from swarm.discovery.dht import DHTConfig
+    from swarm.peer.config import PeerConfig
+    from swarm.peer.lifecycle import Peer
+
+    started: list[Peer] = []
+
+    def start(run_id: str, stage: int, **fields) -> Peer:
+        fields = {"heartbeat_s": HEARTBEAT_S, "ttl_s": TTL_S, "rebalance": False, **fields}
+        config = PeerConfig(run_id=run_id, stage=stage, dht=DHTConfig(initial_peers=boot), **fields)
+        peer = loop_thread.run(Peer.create(config, run=RUN))
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        if not peer.stopped.is_set():
+            loop_thread.run(peer.shutdown())

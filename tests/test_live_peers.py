@@ -1,8 +1,10 @@
 """What the README says about live peers, checked on real peers in this process (real DHT, real gRPC on port 0):
-a killed peer's record expires after its TTL and is no longer routed to, `swarm status` lists every peer, export
-takes the most advanced live replica, a moved peer loads its new stage's parameters, and a drain ends in time."""
+a killed peer's record expires after its TTL and is no longer routed to, `swarm status` lists every peer and says
+whether the replicas at one step agree, export takes the most advanced serving replica and refuses replicas that
+disagree, a moved peer loads its new stage's parameters, and a drain ends in time.
 
-from __future__ import annotations
+The tests that move and drain peers come last: when they ran first, in another module of the same pytest run,
+the next module's first Peer.create hung until its 120 s timeout (reproduced twice, not yet understood)."""
 
 import asyncio
 import json
@@ -13,9 +15,22 @@ import time
 
 import pytest
 import torch
+from livepeers import (
+    HEARTBEAT_S,
+    MODEL,
+    NONE,
+    RUN,
+    TTL_S,
+    B,
+    assert_same_tensors,
+    get_state,
+    meta,
+    params,
+    step_last,
+    tokens,
+    wait_for_records,
+)
 
-from swarm.compression import get_codec
-from swarm.config import RunConfig
 from swarm.coordinator.export import (
     ReplicasDisagree,
     export_run,
@@ -23,118 +38,16 @@ from swarm.coordinator.export import (
     load_exported,
 )
 from swarm.coordinator.status import format_status, print_status, status_document
-from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht, visible_addresses
+from swarm.discovery.dht import DHTConfig, RunDirectory
 from swarm.errors import PeerDraining, StageUnavailable
-from swarm.model import ModelConfig, build_stage
-from swarm.peer.config import PeerConfig
+from swarm.model import build_stage
 from swarm.peer.lifecycle import Peer
-from swarm.proto import PROTOCOL_VERSION
-from swarm.proto import swarm_pb2 as pb
 from swarm.states import PeerState
 from swarm.trainer.pipeline import Pipeline
 from swarm.transport.client import PeerClient
 
 # real peers, a DHT and gRPC servers in this process: the integration tier (tests/conftest.py)
 pytestmark = pytest.mark.integration
-
-MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, num_stages=2)
-B, T, D = 2, 16, 32
-# One committed loss call of B samples is one optimizer step of the replica that takes it (no warmup: every step
-# moves the parameters).
-RUN = RunConfig(model=MODEL, target_batch_size=B, warmup_steps=0)
-NONE = get_codec("none")
-HEARTBEAT_S, TTL_S = 0.3, 2.0
-
-
-@pytest.fixture(scope="module")
-def boot():
-    """A bootstrap DHT node for the module: every test joins it with its own run id."""
-    dht = start_dht(DHTConfig())
-    yield tuple(visible_addresses(dht))
-    dht.shutdown()
-
-
-@pytest.fixture
-def peers(loop_thread, boot):
-    """Start peers with ``start(run_id, stage, **PeerConfig fields)``; whatever is still running at the end is
-    shut down (no drain)."""
-    started: list[Peer] = []
-
-    def start(run_id: str, stage: int, **fields) -> Peer:
-        fields = {"heartbeat_s": HEARTBEAT_S, "ttl_s": TTL_S, "rebalance": False, **fields}
-        config = PeerConfig(run_id=run_id, stage=stage, dht=DHTConfig(initial_peers=boot), **fields)
-        peer = loop_thread.run(Peer.create(config, run=RUN))
-        started.append(peer)
-        return peer
-
-    yield start
-    for peer in started:
-        if not peer.stopped.is_set():
-            loop_thread.run(peer.shutdown())
-
-
-def meta(peer: Peer, microbatch_id: str, **kw) -> pb.RequestMeta:
-    return pb.RequestMeta(
-        protocol_version=PROTOCOL_VERSION,
-        run_id=peer.run_id,
-        stage=peer.stage_index,
-        codec="none",
-        microbatch_id=microbatch_id,
-        num_samples=B,
-        **kw,
-    )
-
-
-def tokens(seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def hidden(seed: int) -> torch.Tensor:
-    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
-
-
-async def step_last(peer: Peer, steps: int, *, seed: int = 0) -> None:
-    """``steps`` committed loss calls of B samples to a last-stage peer: each is one optimizer step there."""
-    client = PeerClient(peer.endpoint)
-    try:
-        for i in range(steps):
-            reply = await client.forward(
-                meta(peer, f"{peer.peer_id}-{seed}-{i}", compute_loss=True),
-                [("input", hidden(seed + i)), ("targets", tokens(seed + i))],
-                NONE,
-                timeout_s=30,
-            )
-            await reply.committed
-    finally:
-        await client.close()
-    assert peer.executor.step >= steps
-
-
-async def get_state(peer: Peer):
-    client = PeerClient(peer.endpoint)
-    try:
-        return await client.get_state(peer.run_id, timeout_s=30)
-    finally:
-        await client.close()
-
-
-def params(reply) -> dict[str, torch.Tensor]:
-    return {k.removeprefix("param/"): v for k, v in reply.tensors.items() if k.startswith("param/")}
-
-
-def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
-
-
-async def wait_for_records(directory: RunDirectory, stage: int, want, timeout_s: float = 10.0):
-    """Poll the DHT until ``want(records of stage)`` holds (the heartbeat carries the change); the records."""
-    deadline = time.monotonic() + timeout_s
-    while not want(records := await directory.stage_records(stage)):
-        assert time.monotonic() < deadline, records
-        await asyncio.sleep(0.05)  # the DHT has no watch: poll a real condition with a deadline
-    return records
 
 
 # ---------------------------------------------------------------------------------------------- TTL

@@ -14,7 +14,7 @@ import pytest
 from bench.quality import QualityConfig, relative_gap, run_codec
 from swarm.config import RunConfig
 from swarm.coordinator.launcher import ProcessGroup
-from swarm.coordinator.localswarm import publish_run, start_bootstrap
+from swarm.coordinator.localswarm import Where, publish_run_at, start_bootstrap
 from swarm.model import ModelConfig
 
 pytestmark = pytest.mark.swarm
@@ -47,7 +47,10 @@ def test_int8_validation_loss_close_to_none(tmp_path):
         start_bootstrap(group, addr_file)
         for codec in cfg.codecs:
             run_id = f"q-{codec}"
-            publish_run(
+            # From a child process: a DHT node forked from this test process (which has run gRPC servers and
+            # torch threads in earlier tests) once spun at 100% CPU instead of starting.
+            publish_run_at(
+                Where(),
                 addr_file,
                 run_id,
                 RunConfig(

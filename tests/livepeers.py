@@ -1,0 +1,88 @@
+"""Real peers in the test process (a real DHT, real gRPC on port 0) and the helpers the live-peer tests share
+(tests/test_live_peers.py, tests/test_live_replicas.py)."""
+
+import asyncio
+import time
+
+import torch
+
+from swarm.compression import get_codec
+from swarm.config import RunConfig
+from swarm.discovery.dht import RunDirectory
+from swarm.model import ModelConfig
+from swarm.peer.lifecycle import Peer
+from swarm.proto import PROTOCOL_VERSION
+from swarm.proto import swarm_pb2 as pb
+from swarm.transport.client import PeerClient
+
+MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, num_stages=2)
+B, T, D = 2, 16, 32
+# One committed loss call of B samples is one optimizer step of the replica that takes it (no warmup: every step
+# moves the parameters).
+RUN = RunConfig(model=MODEL, target_batch_size=B, warmup_steps=0)
+NONE = get_codec("none")
+HEARTBEAT_S, TTL_S = 0.3, 2.0
+
+
+def meta(peer: Peer, microbatch_id: str, **kw) -> pb.RequestMeta:
+    return pb.RequestMeta(
+        protocol_version=PROTOCOL_VERSION,
+        run_id=peer.run_id,
+        stage=peer.stage_index,
+        codec="none",
+        microbatch_id=microbatch_id,
+        num_samples=B,
+        **kw,
+    )
+
+
+def tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def hidden(seed: int) -> torch.Tensor:
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+async def step_last(peer: Peer, steps: int, *, seed: int = 0) -> None:
+    """``steps`` committed loss calls of B samples to a last-stage peer: each is one optimizer step there."""
+    client = PeerClient(peer.endpoint)
+    try:
+        for i in range(steps):
+            reply = await client.forward(
+                meta(peer, f"{peer.peer_id}-{seed}-{i}", compute_loss=True),
+                [("input", hidden(seed + i)), ("targets", tokens(seed + i))],
+                NONE,
+                timeout_s=30,
+            )
+            await reply.committed
+    finally:
+        await client.close()
+    assert peer.executor.step >= steps
+
+
+async def get_state(peer: Peer):
+    client = PeerClient(peer.endpoint)
+    try:
+        return await client.get_state(peer.run_id, timeout_s=30)
+    finally:
+        await client.close()
+
+
+def params(reply) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("param/"): v for k, v in reply.tensors.items() if k.startswith("param/")}
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+async def wait_for_records(directory: RunDirectory, stage: int, want, timeout_s: float = 10.0):
+    """Poll the DHT until ``want(records of stage)`` holds (the heartbeat carries the change); the records."""
+    deadline = time.monotonic() + timeout_s
+    while not want(records := await directory.stage_records(stage)):
+        assert time.monotonic() < deadline, records
+        await asyncio.sleep(0.05)  # the DHT has no watch: poll a real condition with a deadline
+    return records

@@ -159,6 +159,21 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.close()
 
 
+# The run of the multi-process swarm tests whose replicas step on their own (--no-average): batches of 16
+# samples are too small to pay for an all-reduce each; tests/test_averaging.py covers replicas that average.
+SOLO_PEER_FLAGS = [
+    "--preset",
+    "tiny",
+    "--target-batch-size",
+    "16",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "5",
+    "--no-average",
+]
+
+
 # The trainer options the swarm tests share (TrainerConfig names): microbatches of 8, validation only at the
 # end, and a progress line per step, which tests wait on ("step N/").
 TEST_TRAINER = dict(microbatch_size=8, eval_every_steps=0, log_every_s=0)

@@ -6,30 +6,15 @@ import signal
 import time
 
 import pytest
-from conftest import TEST_TRAINER, ask_peers, even_split_lower_bound
+from conftest import SOLO_PEER_FLAGS, TEST_TRAINER, ask_peers, even_split_lower_bound
 
 from swarm.coordinator.localswarm import finished
 
 pytestmark = pytest.mark.swarm
 
 # Fast failure detection for tests: announce often, expire quickly. These tests measure routing around
-# faults, so replicas step on their own (--no-average): an all-reduce every 16 samples would dominate the
-# time; tests/test_averaging.py covers faults of averaging replicas.
-PEER_FLAGS = [
-    "--preset",
-    "tiny",
-    "--target-batch-size",
-    "16",
-    "--lr",
-    "3e-3",
-    "--warmup-steps",
-    "5",
-    "--heartbeat-s",
-    "0.5",
-    "--ttl-s",
-    "3",
-    "--no-average",
-]
+# faults, so replicas step on their own; tests/test_averaging.py covers faults of averaging replicas.
+PEER_FLAGS = [*SOLO_PEER_FLAGS, "--heartbeat-s", "0.5", "--ttl-s", "3"]
 
 
 @pytest.fixture

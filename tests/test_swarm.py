@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import TEST_TRAINER, ask_peers
+from conftest import SOLO_PEER_FLAGS, TEST_TRAINER, ask_peers
 
 from swarm.config import RunConfig
 from swarm.coordinator.localswarm import finished
@@ -88,17 +88,7 @@ def test_two_stages_two_peers_each_train_and_loss_falls(swarm, tmp_path):
     The replicas step on their own here (--no-average): batches of 16 samples are too small to pay for an
     all-reduce each; tests/test_averaging.py covers the replicas that average."""
     run_id = "train"
-    flags = [
-        "--preset",
-        "tiny",
-        "--target-batch-size",
-        "16",
-        "--lr",
-        "3e-3",
-        "--warmup-steps",
-        "5",
-        "--no-average",
-    ]
+    flags = SOLO_PEER_FLAGS
     procs = [
         swarm.peer(f"train-s{k}-{r}", k, *flags, run_id=run_id, wait=False)
         for k in (0, 1)

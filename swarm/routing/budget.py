@@ -52,7 +52,3 @@ class RetryBudget:
             raise RetriesExhausted(
                 self.stage, len(self._failed), self._last_error
             ) from self._last_error
-
-    def exhausted_error(self) -> RetriesExhausted:
-        """The error to raise when the caller gives up early (e.g. no peers left to try)."""
-        return RetriesExhausted(self.stage, len(self._failed), self._last_error)

@@ -9,12 +9,19 @@ Detection time of the frozen peer: from SIGSTOP to the trainer's first call to i
 after which routing bans it and sends the work elsewhere; recovery: from SIGSTOP until a time bucket is back
 at >= 80% of the throughput before the freeze.
 
-    .venv/bin/python bench/faults.py [--phase-s 20] [--bucket-s 2]
+A second part measures a slow peer (the figures tests/test_faults.py orders but does not time): stage 0
+served by two peers at a quarter speed ("even"), then by one at a quarter and one at a sixteenth ("uneven"),
+the same trainer on each; the slow peer's share of stage 0's microbatches against its capacity share (1/5),
+and the uneven swarm's tokens/s against the even one's (5/8 if routing matched capacity; 1/4 if work were split
+evenly, the slow peer then setting the pace).
+
+    .venv/bin/python bench/faults.py [--phase-s 20] [--bucket-s 2] [--slow-steps 60]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import signal
 import sys
@@ -27,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
 
-from swarm.coordinator.localswarm import LocalSwarm, wait_ready  # noqa: E402
+from swarm.coordinator.localswarm import LocalSwarm, finished, wait_ready  # noqa: E402
+from swarm.transport.client import PeerClient  # noqa: E402
 
 PEER_FLAGS = [
     "--preset",
@@ -58,16 +66,88 @@ def log_time(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
+async def microbatches_applied(endpoint: str, run_id: str) -> int:
+    client = PeerClient(endpoint)
+    try:
+        return (await client.info(run_id, timeout_s=10)).microbatches_applied
+    finally:
+        await client.close()
+
+
+def slow_peer_run(label: str, slowdowns: dict[str, float], steps: int) -> tuple[float, dict]:
+    """One swarm: stage-0 peers with the given ``--slowdown`` each, one stage-1 peer; a trainer of ``steps``
+    steps with 16 microbatches in flight (both stage-0 peers always have work queued). Returns its tokens/s
+    and each stage-0 peer's microbatches applied."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"swarm-bench-slow-{label}-"))
+    with LocalSwarm(workdir) as swarm:
+        procs = {
+            name: swarm.peer(
+                name, 0, *PEER_FLAGS, "--slowdown", f"{factor:g}", run_id=label, wait=False
+            )
+            for name, factor in slowdowns.items()
+        }
+        procs["s1-a"] = swarm.peer("s1-a", 1, *PEER_FLAGS, run_id=label, wait=False)
+        endpoints = {name: wait_ready(proc) for name, proc in procs.items()}
+        trainer = swarm.trainer(
+            "trainer", run_id=label, steps=steps, microbatch_size=8, in_flight=16, log_every_s=0
+        )
+        summary = finished(trainer, timeout_s=1800)
+        applied = {
+            name: asyncio.run(microbatches_applied(endpoints[name], label)) for name in slowdowns
+        }
+    return summary.tokens_per_s, applied
+
+
+def slow_peer_section(steps: int) -> str:
+    even_tps, _ = slow_peer_run("even", {"s0-a": 4, "s0-b": 4}, steps)
+    uneven_tps, applied = slow_peer_run("uneven", {"s0-fast": 4, "s0-slow": 16}, steps)
+    share = applied["s0-slow"] / max(sum(applied.values()), 1)
+    table = markdown_table(
+        ["measure", "value", "if routing matched capacity"],
+        [
+            ["tokens/s, even (both stage-0 peers at 1/4 speed)", f"{even_tps:,.0f}", ""],
+            ["tokens/s, uneven (one at 1/4, one at 1/16)", f"{uneven_tps:,.0f}", ""],
+            ["uneven / even", f"{uneven_tps / even_tps:.2f}", "0.62 (an even split: 0.25)"],
+            [
+                "slow peer's share of stage 0's microbatches",
+                f"{share:.2f} ({applied['s0-slow']} of {sum(applied.values())})",
+                "0.20 (an even split: 0.50)",
+            ],
+        ],
+        right_align_from=1,
+    )
+    print(table)
+    return "\n".join(
+        [
+            "## A slow peer",
+            "",
+            f"2 stages (`tiny`), stage 0 served by two peers slowed with `--slowdown` (sleeps a multiple of each "
+            f"call's CPU time), stage 1 by one; a trainer of {steps} steps (microbatch 8, 16 in flight). "
+            "tests/test_faults.py checks only the ordering (the slow peer's share below an even split's "
+            "3-sigma bound); the figures are here.",
+            "",
+            table,
+        ]
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase-s", type=float, default=20.0, help="seconds between two faults")
     parser.add_argument(
         "--bucket-s", type=float, default=2.0, help="seconds per row of the time series"
     )
+    parser.add_argument(
+        "--slow-steps",
+        type=int,
+        default=60,
+        help="trainer steps of each slow-peer run (0: skip it)",
+    )
     args = parser.parse_args()
     info = RunInfo(
         command="python bench/faults.py"
         + (f" --phase-s {args.phase_s:g}" if args.phase_s != 20 else "")
+        + (f" --slow-steps {args.slow_steps}" if args.slow_steps != 60 else "")
     )
     workdir = Path(tempfile.mkdtemp(prefix="swarm-bench-faults-"))
     metrics = workdir / "metrics.jsonl"
@@ -120,6 +200,7 @@ def main() -> int:
         phase("SIGCONT peer s1-b", lambda: peers["s1-b"].signal(signal.SIGCONT))
         wait_until(trainer, metrics, time.time() + args.phase_s)
         group.stop("trainer", sig=signal.SIGINT)
+    slow_section = slow_peer_section(args.slow_steps) if args.slow_steps else ""
     info.finish()
 
     records = steps(metrics)
@@ -179,6 +260,8 @@ def main() -> int:
             f"Time series ({args.bucket_s:g} s buckets):",
             "",
             markdown_table(["seconds", "tokens/s", "event"], rows, right_align_from=1),
+            "",
+            slow_section,
         ]
     )
     path = write_result(

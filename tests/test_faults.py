@@ -106,7 +106,7 @@ def test_slow_peer_gets_less_work_and_no_microbatch_is_lost(swarm):
     # with probability < 0.14% (0.5 - 3 sigma of 120 fair draws = 0.363); its expected 0.2 sits 4.5 sigma (of
     # 120 draws at p = 0.2) below that bound. How close the share comes to the measured capacities, and the
     # throughput the swarm keeps, are speeds on a shared machine: not checked here (a ±0.08 band around the
-    # capacity share, ~1.8 sigma of ~80 draws, failed by chance on a loaded machine).
+    # capacity share, ~1.8 sigma of ~80 draws, failed by chance on a loaded machine); bench/faults.py measures them.
     share = applied["s0-slow"] / sum(applied.values())
     assert share < even_split_lower_bound(sum(applied.values())), applied
 

@@ -38,7 +38,15 @@ def _children(pid: int) -> set[int]:
     return {int(p) for p in out.split()}
 
 
-def _start_demo(tmp_path, *args):
+def _kill_sessions(sessions: set[int]) -> None:
+    for session in sessions:
+        try:
+            os.killpg(session, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _start_demo(tmp_path, *args, preexec_fn=None):
     return subprocess.Popen(
         [
             sys.executable,
@@ -55,6 +63,7 @@ def _start_demo(tmp_path, *args):
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=preexec_fn,
     )
 
 
@@ -71,14 +80,16 @@ def test_demo_trains_reports_and_cleans_up(tmp_path):
     demo = _start_demo(
         tmp_path, "--steps", "12", "--eval-every-steps", "6", "--target-batch-size", "16"
     )
+    sessions: set[int] = set()
     try:
         lines = _read_until(demo, r"^step \d+/12")
         sessions = _children(demo.pid)
         assert len(sessions) >= 4  # bootstrap, 2 peers, trainer
-        lines += demo.stdout.readlines()
-        assert demo.wait(timeout=300) == 0, "".join(lines)
+        lines.append(demo.communicate(timeout=300)[0])
+        assert demo.returncode == 0, "".join(lines)
     finally:
         demo.kill()
+        _kill_sessions(sessions)
     text = "".join(lines)
     m = re.search(
         r"training loss ([\d.]+) -> ([\d.]+) \(\d+% of initial\), validation loss ([\d.]+)", text
@@ -90,15 +101,25 @@ def test_demo_trains_reports_and_cleans_up(tmp_path):
     assert _sessions_alive(sessions) == []
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
-    demo = _start_demo(tmp_path, "--steps", "100000")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, sig):
+    # Started with SIGINT ignored, as a command run in the background of a script is: the demo still stops
+    # on it (Python alone would leave it ignored).
+    demo = _start_demo(
+        tmp_path,
+        "--steps",
+        "100000",
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    sessions: set[int] = set()
     try:
         _read_until(demo, r"^step \d+/")
         sessions = _children(demo.pid)
-        demo.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground process
-        out = demo.stdout.read()
-        assert demo.wait(timeout=120) == 130, out
+        demo.send_signal(sig)  # SIGINT: what Ctrl-C in a terminal sends to the foreground process
+        out, _ = demo.communicate(timeout=120)
     finally:
         demo.kill()
+        _kill_sessions(sessions)  # a demo that failed to stop them must not leave them running
+    assert demo.returncode == 130, out
     assert "interrupted, stopping every process" in out
     assert _sessions_alive(sessions) == []

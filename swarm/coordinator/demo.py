@@ -7,6 +7,7 @@ Logs of every process land in ``workdir``. Ctrl-C stops everything too.
 
 from __future__ import annotations
 
+import signal
 import sys
 import tempfile
 import time
@@ -37,7 +38,16 @@ class DemoConfig:
             )
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(config: DemoConfig) -> int:
+    # Ctrl-C (SIGINT) and SIGTERM stop every process of the demo. Set here because a process started in the
+    # background of a script inherits SIGINT ignored, and Python then leaves it ignored: the demo would keep
+    # running, its children with it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     from swarm.model import MODEL_PRESETS
     from swarm.trainer.trainer import TrainSummary
 

@@ -52,6 +52,14 @@ class AlreadyApplied(SwarmError):
     retry_elsewhere = False
 
 
+class GradientsDropped(SwarmError):
+    """A commit found no gradients held for its microbatch: they were dropped (the commit came after the
+    peer's hold ran out, or the call ended before its reply was sent) or never computed here. Nothing was
+    counted; the caller computes this stage's gradient again, here or at another peer."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class PeerDraining(SwarmError):
     """The peer is shutting down (preemption) and takes no new work."""
 
@@ -91,6 +99,7 @@ WIRE_ERRORS: tuple[type[SwarmError], ...] = (
     WrongPeer,
     NotCached,
     AlreadyApplied,
+    GradientsDropped,
     PeerDraining,
     PeerOverloaded,
     StageUnavailable,
@@ -107,6 +116,7 @@ _BY_CODE: dict[grpc.StatusCode, type[SwarmError]] = {
     grpc.StatusCode.NOT_FOUND: WrongPeer,
     grpc.StatusCode.FAILED_PRECONDITION: NotCached,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyApplied,
+    grpc.StatusCode.ABORTED: GradientsDropped,
     grpc.StatusCode.RESOURCE_EXHAUSTED: PeerOverloaded,
 }
 

@@ -10,7 +10,7 @@ import torch
 from conftest import local_executor
 
 from swarm.config import RunConfig
-from swarm.errors import AlreadyApplied, NotCached, PeerOverloaded
+from swarm.errors import AlreadyApplied, GradientsDropped, NotCached, PeerOverloaded
 from swarm.model import ModelConfig
 from swarm.peer.executor import CacheConfig
 
@@ -170,7 +170,9 @@ def test_abort_drops_the_held_gradients_so_a_later_commit_adds_nothing():
     x, targets = _last_stage_call(0)
     loss, _ = last.forward_loss_backward("a", x, targets, B)
     last.abort("a")
-    assert last.commit("a") is False
+    # The late commit is told, never answered OK: its caller computes the gradient again.
+    with pytest.raises(GradientsDropped, match="nothing counted .the call ended before its reply"):
+        last.commit("a")
     assert (last.microbatches_applied, last.samples_applied, last.samples_accumulated) == (0, 0, 0)
     assert all(int(g.count_nonzero()) == 0 for g in _grad_sums(last).values())
     # The caller retries: the peer computes afresh and counts the microbatch once.
@@ -210,9 +212,63 @@ def test_a_retried_stage0_backward_whose_reply_is_none_still_counts_once():
     _assert_same_grads(_grad_sums(first), once)
 
 
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    """The commit ledger's clock, moved by hand."""
+    import swarm.peer.ledger
+
+    fake = FakeClock()
+    monkeypatch.setattr(swarm.peer.ledger, "time", fake)
+    return fake
+
+
+def test_held_gradients_wait_for_their_commit_only_the_hold_then_a_commit_is_refused(clock):
+    last = local_executor(NO_STEP, 1, cache=CacheConfig(commit_hold_s=10.0, max_pending=1))
+    calls = {mb: _last_stage_call(seed) for seed, mb in enumerate("ab")}
+    last.forward_loss_backward("a", *calls["a"], B)
+    clock.now += 9.9  # within the hold: the commit (say, through the Commit RPC after a broken stream) counts
+    assert last.commit("a") is True
+    assert (
+        last.commit("a") is False
+    )  # idempotent: asked again, answered "applied before", counted once
+    once = _grad_sums(last)
+    last.forward_loss_backward("b", *calls["b"], B)
+    # The one held gradient fills max_pending: new gradient work is refused, nothing is evicted for it.
+    with pytest.raises(PeerOverloaded):
+        last.forward_loss_backward("c", *calls["a"], B)
+    clock.now += (
+        10.0  # the hold is over: the gradient is dropped, and a commit can no longer count it
+    )
+    with pytest.raises(
+        GradientsDropped, match=r"no commit came within the 10s hold after its reply"
+    ):
+        last.commit("b")
+    assert (last.microbatches_applied, last.samples_accumulated) == (1, B)
+    _assert_same_grads(_grad_sums(last), once)
+    # The expired hold made room; the caller's recompute of b counts once.
+    last.forward_loss_backward("b", *calls["b"], B)
+    assert last.commit("b") is True and last.microbatches_applied == 2
+
+
+def test_a_commit_for_gradients_never_computed_here_is_refused_and_counts_nothing():
+    last = local_executor(NO_STEP, 1)
+    with pytest.raises(GradientsDropped, match="none were computed here"):
+        last.commit("never")
+    assert (last.microbatches_applied, last.samples_accumulated) == (0, 0)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
+        ({"commit_hold_s": 0}, "commit_hold_s must be > 0"),
         ({"graph_cache_size": -1}, "cache sizes must be >= 0"),
         ({"max_pending": 0}, r"max_pending \(0\) and applied_ids_size \(100000\) must be >= 1"),
         ({"applied_ids_size": 0}, r"max_pending \(64\) and applied_ids_size \(0\) must be >= 1"),

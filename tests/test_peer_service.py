@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig
-from swarm.errors import InvalidRequest, NotCached, WrongPeer
+from swarm.errors import GradientsDropped, InvalidRequest, NotCached, WrongPeer
 from swarm.model import ModelConfig, build_stage
 from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
@@ -19,7 +21,7 @@ from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.states import PeerState
 from swarm.transport.channel import GRPC_OPTIONS
 from swarm.transport.client import PeerClient
-from swarm.transport.tensors import tensor_frames
+from swarm.transport.tensors import FrameReader, tensor_frames
 
 pytestmark = pytest.mark.integration
 
@@ -216,8 +218,14 @@ def _bad_cases():
             grpc.StatusCode.INVALID_ARGUMENT,
             "announces 9 tensors",
         ),
+        # Its own id: the gradients it computed stay held for a commit (Commit RPC) until the hold ends, and a
+        # call with the same id meanwhile is taken for a retry of this one.
         "no commit": (
-            lambda: frames_of(meta(compute_loss=True), ("input", x), ("targets", targets())),
+            lambda: frames_of(
+                meta(microbatch_id="no-commit", compute_loss=True),
+                ("input", x),
+                ("targets", targets()),
+            ),
             grpc.StatusCode.INVALID_ARGUMENT,
             "commit",
         ),
@@ -365,3 +373,63 @@ def test_info_and_wrong_run(peers, loop_thread):
     assert got.stage == 1 and got.state == PeerState.SERVING and "int8" in got.codecs
     with pytest.raises(WrongPeer, match="serves run 't', not 'nope'"):
         loop_thread.run(info("nope"))
+
+
+async def reply_then_break(peer: Peer, microbatch_id: str, x: torch.Tensor):
+    """A last-stage loss call whose caller reads the whole reply, then loses the call before its commit
+    frame leaves (the stream is cancelled). Returns the reply's meta."""
+    frames = await frames_of(
+        meta(microbatch_id=microbatch_id, compute_loss=True, num_samples=B),
+        ("input", x),
+        ("targets", targets()),
+    )
+    lost = asyncio.Event()
+
+    async def gen():
+        for f in frames:
+            yield f
+        await lost.wait()  # the commit frame never comes
+
+    async with grpc.aio.insecure_channel(peer.endpoint, options=GRPC_OPTIONS) as channel:
+        call = pb_grpc.StagePeerStub(channel).Forward(gen(), timeout=30)
+        reader = FrameReader(call)
+        got = await reader.reply()
+        assert set(await reader.tensors(got.num_tensors)) == {"grad_input"}
+        call.cancel()
+        lost.set()  # the request stream ends too (no task of it left pending)
+    return got
+
+
+def test_a_call_lost_after_its_reply_commits_once_through_the_commit_rpc(peers, loop_thread):
+    _, last = peers
+    x = hidden(7)
+
+    async def body():
+        samples_before, grads_before = await state(last)
+        got = await reply_then_break(last, "lost", x)
+        not_yet = await state(last)
+        client = PeerClient(last.endpoint)
+        try:
+            first = await client.commit("t", 1, "lost", None, timeout_s=10)
+            again = await client.commit("t", 1, "lost", None, timeout_s=10)
+            with pytest.raises(GradientsDropped, match="none were computed here"):
+                await client.commit("t", 1, "never-computed", None, timeout_s=10)
+            with pytest.raises(WrongPeer, match="not stage 0"):
+                await client.commit("t", 0, "lost", None, timeout_s=10)
+        finally:
+            await client.close()
+        return samples_before, grads_before, got, not_yet, first, again, await state(last)
+
+    samples_before, grads_before, got, not_yet, first, again, (samples, grads) = loop_thread.run(
+        body()
+    )
+    # The reply states the hold the caller has to commit in; without a commit nothing counted yet.
+    assert got.commit_hold_s == last.config.cache.commit_hold_s > 0
+    assert not_yet[0] == samples_before
+    # The Commit RPC applied it (true), a repeat found it applied (false): counted once, exactly the
+    # microbatch's gradient.
+    assert (first, again) == (True, False)
+    assert samples == samples_before + B
+    assert_accumulated(
+        grads_before, grads, reference_gradients(1, lambda s: s.loss(x, targets()) * B)
+    )

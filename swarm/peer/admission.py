@@ -41,6 +41,7 @@ class Admission:
         drain_idle_s: float,
         fail_probability: float = 0.0,
         hang_after_calls: int = 0,
+        lose_commit_probability: float = 0.0,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -51,6 +52,7 @@ class Admission:
             drain_idle_s,
         )
         self.fail_probability, self.hang_after_calls = fail_probability, hang_after_calls
+        self.lose_commit_probability = lose_commit_probability
         self._rng, self._clock = rng or random.Random(), clock
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -98,6 +100,14 @@ class Admission:
             self._last_call_at = self._clock()
             if self._in_flight == 0:
                 self._idle.set()
+
+    def lose_commit(self) -> str | None:
+        """Fault injection (off by default): whether to lose this call's commit, and how, a third of the time
+        each: "before" it is applied (a broken stream), "after" (its confirmation lost), "late" (it came after
+        the hold: the gradients are dropped); None: not lost."""
+        if self.lose_commit_probability and self._rng.random() < self.lose_commit_probability:
+            return self._rng.choice(("before", "after", "late"))
+        return None
 
     async def _inject_faults(self) -> None:
         """Fault injection (off by default): fail or hang calls as configured, for tests and benchmarks."""

@@ -36,6 +36,9 @@ class PeerConfig:
     fail_probability: float = 0.0
     # fault injection: stop answering (hang) after this many calls (0 = off)
     hang_after_calls: int = 0
+    # fault injection: lose this share of the commits sent in calls: before applying them, after (the
+    # confirmation lost), or as if they came after the hold (the gradients dropped); 0 = off
+    lose_commit_probability: float = 0.0
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # save this peer's stage state here (periodically and on drain); resume from it
@@ -60,6 +63,10 @@ class PeerConfig:
             raise ValueError(
                 f"fail_probability must be in [0, 1] and hang_after_calls >= 0, got "
                 f"{self.fail_probability} and {self.hang_after_calls}"
+            )
+        if not 0 <= self.lose_commit_probability <= 1:
+            raise ValueError(
+                f"lose_commit_probability must be in [0, 1], got {self.lose_commit_probability}"
             )
         if not self.drain_idle_s > 0:
             raise ValueError(f"drain_idle_s must be > 0 seconds, got {self.drain_idle_s}")

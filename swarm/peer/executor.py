@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from swarm.config import RunConfig
-from swarm.errors import AlreadyApplied, InvalidRequest, NotCached, PeerOverloaded
+from swarm.errors import InvalidRequest, NotCached
 from swarm.model import Stage, state_digest
 from swarm.optim import StageOptimizer
+from swarm.peer.ledger import UNKNOWN, CommitLedger
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,23 @@ class CacheConfig:
     applied_ids_size: int = 100_000  # microbatch ids remembered as applied (never counted twice)
     # computed gradients waiting for their caller's commit (one gradient copy each)
     max_pending: int = 64
+    # Seconds a computed gradient waits for its caller's commit, from the moment its reply is ready; a commit
+    # after that is refused (GradientsDropped) and the caller computes it again. Callers that lost the call
+    # (a broken stream) commit through the Commit RPC within this time; one that hears nothing by then knows
+    # the gradient can no longer count here. Longer than a reply's transfer plus the commit's round trip.
+    commit_hold_s: float = 10.0
+    # dropped microbatch ids remembered with the reason, for the error a late commit gets
+    dropped_ids_size: int = 4096
 
     def __post_init__(self):
         if min(self.graph_cache_size, self.reply_cache_size) < 0 or self.input_cache_bytes < 0:
             raise ValueError(
                 f"cache sizes must be >= 0, got graph_cache_size={self.graph_cache_size}, "
                 f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}"
+            )
+        if not self.commit_hold_s > 0:
+            raise ValueError(
+                f"commit_hold_s must be > 0 (seconds a gradient waits for its commit), got {self.commit_hold_s}"
             )
         if self.max_pending < 1 or self.applied_ids_size < 1:
             raise ValueError(
@@ -54,9 +66,6 @@ class _Cached:
     inputs: torch.Tensor
     # (leaf input with requires_grad, output) while the graph is kept; None once dropped
     graph: tuple[torch.Tensor, torch.Tensor] | None
-
-
-_UNKNOWN = object()
 
 
 def _busy(method):
@@ -106,10 +115,13 @@ class StageExecutor:
         self.busy_s = 0.0
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_bytes = 0
-        self._replies: OrderedDict[str, object] = OrderedDict()
-        self._applied: OrderedDict[str, None] = OrderedDict()
-        # microbatch id -> (parameter gradients, reply, samples), computed but not yet committed
-        self._pending: OrderedDict[str, tuple[list, object, int]] = OrderedDict()
+        self._ledger = CommitLedger(
+            max_pending=cache.max_pending,
+            commit_hold_s=cache.commit_hold_s,
+            reply_cache_size=cache.reply_cache_size,
+            applied_ids_size=cache.applied_ids_size,
+            dropped_ids_size=cache.dropped_ids_size,
+        )
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0
@@ -234,9 +246,9 @@ class StageExecutor:
         """Last stage: loss and input gradient in one call. The parameter gradients are held until
         :meth:`commit` (or dropped by :meth:`abort`). Raises PeerOverloaded, before computing, when
         ``max_pending`` gradients already wait for their commit."""
-        if (known := self._known_reply(microbatch_id)) is not _UNKNOWN:
+        if (known := self._ledger.known_reply(microbatch_id)) is not UNKNOWN:
             return known
-        self._check_room(microbatch_id)
+        self._ledger.check_room(microbatch_id)
         self._check_input(x)
         self._check_targets(x, targets)
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
@@ -252,7 +264,7 @@ class StageExecutor:
             # is that of the mean loss over the global batch, however it was cut into microbatches.
             grads, grad_input = self._gradients(loss * num_samples, None, leaf)
             reply = (float(loss.detach()), grad_input)
-            self._hold(microbatch_id, grads, reply, num_samples)
+            self._ledger.hold(microbatch_id, grads, reply, num_samples)
         return reply
 
     @_busy
@@ -267,9 +279,9 @@ class StageExecutor:
         stage, whose input is token ids). Parameter gradients are held until :meth:`commit`. Raises
         NotCached if this peer holds neither the graph nor the inputs and none were sent, PeerOverloaded
         (before computing) when ``max_pending`` gradients already wait for their commit."""
-        if (known := self._known_reply(microbatch_id)) is not _UNKNOWN:
+        if (known := self._ledger.known_reply(microbatch_id)) is not UNKNOWN:
             return known
-        self._check_room(microbatch_id)
+        self._ledger.check_room(microbatch_id)
         cached = self._cache.get(microbatch_id)
         if cached is None and inputs is None:
             raise NotCached(
@@ -295,7 +307,7 @@ class StageExecutor:
                     out = self.stage_module(leaf)
             grads, grad_input = self._gradients(out, grad_output, leaf)
             self._forget(microbatch_id)
-            self._hold(microbatch_id, grads, grad_input, num_samples)
+            self._ledger.hold(microbatch_id, grads, grad_input, num_samples)
         return grad_input
 
     def _gradients(self, out: torch.Tensor, grad_output: torch.Tensor | None, leaf: torch.Tensor):
@@ -307,59 +319,37 @@ class StageExecutor:
 
     # ---------------------------------------------------------------- two-phase apply
 
-    def _known_reply(self, microbatch_id: str):
-        """The reply of a microbatch computed before (a retry of a call whose reply was lost), else
-        ``_UNKNOWN`` (a reply itself may be None: stage 0 returns no input gradient)."""
-        if microbatch_id in self._pending:
-            return self._pending[microbatch_id][1]
-        if microbatch_id in self._replies:
-            return self._replies[microbatch_id]
-        if microbatch_id in self._applied:
-            raise AlreadyApplied(
-                f"microbatch {microbatch_id} was already applied by this peer and its reply "
-                f"is no longer cached; it counts once"
-            )
-        return _UNKNOWN
-
-    def _check_room(self, microbatch_id: str) -> None:
-        """Refuse new gradient work while ``max_pending`` computed gradients wait for their commit. Evicting
-        one instead would lose it silently: its caller counts a microbatch whose commit then finds nothing.
-        Called after :meth:`_known_reply`, so a retry of a call whose reply is pending still gets it."""
-        if len(self._pending) >= self.cache_config.max_pending:
-            raise PeerOverloaded(
-                f"microbatch {microbatch_id} refused: {len(self._pending)} computed gradients "
-                f"already wait for their callers' commits (max_pending="
-                f"{self.cache_config.max_pending}); retry at another peer of the stage"
-            )
-
-    def _hold(self, microbatch_id: str, grads: list, reply, num_samples: int) -> None:
-        # _check_room ran before the compute on this same thread: there is room.
-        self._pending[microbatch_id] = (grads, reply, num_samples)
-
     @_busy
     def commit(self, microbatch_id: str, batch_step: int | None = None) -> bool:
-        """The caller has the reply: add the held gradients to the accumulators (once), toward optimizer
-        step ``batch_step`` (None: the current one). Returns False if nothing was held (already committed,
-        aborted, or never computed here)."""
-        held = self._pending.pop(microbatch_id, None)
+        """The caller has the reply: add the held gradients to the accumulators, toward optimizer step
+        ``batch_step`` (None: the current one). Idempotent: True if this call applied them, False if they were
+        applied before. Raises GradientsDropped if none are held and none were applied (the hold expired, the
+        call was aborted, or it never reached this peer): nothing counted, the caller computes it again."""
+        held = self._ledger.take(microbatch_id)
         if held is None:
             return False
-        grads, reply, num_samples = held
-        self._replies[microbatch_id] = reply
-        while len(self._replies) > self.cache_config.reply_cache_size:
-            self._replies.popitem(last=False)
-        self._applied[microbatch_id] = None
-        while len(self._applied) > self.cache_config.applied_ids_size:
-            self._applied.popitem(last=False)
         self.microbatches_applied += 1
-        self.samples_applied += num_samples
-        if self.optimizer.accumulate(self._all_params(grads), num_samples, batch_step):
+        self.samples_applied += held.num_samples
+        if self.optimizer.accumulate(self._all_params(held.grads), held.num_samples, batch_step):
             self._after_step()
         return True
 
-    def abort(self, microbatch_id: str) -> None:
-        """The caller went away before committing (it retries elsewhere): drop the held gradients."""
-        self._pending.pop(microbatch_id, None)
+    def abort(
+        self, microbatch_id: str, reason: str = "the call ended before its reply was sent"
+    ) -> None:
+        """The caller cannot commit (it retries elsewhere): drop the held gradients; a later commit of them is
+        refused naming ``reason``."""
+        self._ledger.drop(microbatch_id, reason)
+
+    @property
+    def held_gradients(self) -> int:
+        """Computed gradients waiting for their commit."""
+        return len(self._ledger)
+
+    @property
+    def gradients_dropped(self) -> int:
+        """Held gradients dropped uncommitted (aborted calls, holds that ran out) since the start."""
+        return self._ledger.dropped_count
 
     # ---------------------------------------------------------------- optimizer
 

@@ -62,6 +62,7 @@ class Peer:
             drain_idle_s=config.drain_idle_s,
             fail_probability=config.fail_probability,
             hang_after_calls=config.hang_after_calls,
+            lose_commit_probability=config.lose_commit_probability,
             rng=random.Random(config.peer_id),
         )
         self._announcer: Announcer | None = None

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from swarm.compression import CODEC_NAMES
-from swarm.errors import InvalidRequest, WrongPeer
+from swarm.errors import InvalidRequest, TransportError, WrongPeer
 from swarm.peer.admission import Admission
 from swarm.peer.executor import StageExecutor
 from swarm.proto import PROTOCOL_VERSION
@@ -53,6 +53,9 @@ class StageService(pb_grpc.StagePeerServicer):
     def __init__(self, context: ServiceContext):
         self.ctx = context
         self.limits = StreamLimits()
+        self.late_commits = (
+            0  # commits answered through the Commit RPC (the in-call one was not confirmed)
+        )
 
     @property
     def executor(self) -> StageExecutor:
@@ -142,11 +145,17 @@ class StageService(pb_grpc.StagePeerServicer):
         *,
         loss: float | None = None,
     ) -> AsyncIterator[pb.Frame]:
-        """Send the reply, then wait for the caller's commit before counting the gradients. If the caller
-        gives up first (its deadline passed, it died), the gradients are dropped: it retries elsewhere."""
-        committed = False
+        """Send the reply, then wait for the caller's commit before counting the gradients. If the call ends
+        before any of the reply was sent, the caller cannot commit: the gradients are dropped now (it retries
+        elsewhere). If it ends later, the caller may have the reply and commit through the Commit RPC: the
+        gradients stay held until the hold runs out (see swarm.peer.ledger). Keeping them is always safe;
+        dropping them early only saves memory, so it is done only when the caller surely has nothing."""
+        replying = False
         try:
-            yield self._reply(loss=loss, num_tensors=int(grad_input is not None))
+            hold_s = self.executor.cache_config.commit_hold_s
+            reply = self._reply(loss=loss, num_tensors=int(grad_input is not None), hold_s=hold_s)
+            yield reply
+            replying = True
             if grad_input is not None:
                 async for frame in tensor_frames("grad_input", grad_input, codec):
                     yield frame
@@ -157,12 +166,39 @@ class StageService(pb_grpc.StagePeerServicer):
                     f"{meta.microbatch_id!r}"
                 )
             batch_step = meta.batch_step if meta.HasField("batch_step") else None
-            committed = await self.ctx.compute_urgent(
-                self.executor.commit, meta.microbatch_id, batch_step
-            )
+            lose = self.ctx.admission.lose_commit()
+            if lose == "before":
+                raise TransportError(
+                    f"injected fault: the commit of microbatch {meta.microbatch_id} was lost before it was "
+                    f"applied (--lose-commit-probability); its gradients stay held for the Commit RPC"
+                )
+            if lose == "late":
+                await self.ctx.compute_urgent(
+                    self.executor.abort,
+                    meta.microbatch_id,
+                    "injected fault: a commit after the hold",
+                )
+            await self.ctx.compute_urgent(self.executor.commit, meta.microbatch_id, batch_step)
+            if lose == "after":
+                raise TransportError(
+                    f"injected fault: the commit of microbatch {meta.microbatch_id} was applied and its "
+                    f"confirmation lost (--lose-commit-probability)"
+                )
         finally:
-            if not committed:
+            if not replying:
                 self.ctx.submit_urgent(self.executor.abort, meta.microbatch_id)
+
+    @unary_handler
+    async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitReply:
+        """The caller's commit, for a call that ended before the peer confirmed it (idempotent)."""
+        self._check_request(request)
+        async with self.ctx.admission.call(new_work=False, stage_index=request.stage):
+            batch_step = request.batch_step if request.HasField("batch_step") else None
+            applied_now = await self.ctx.compute_urgent(
+                self.executor.commit, request.microbatch_id, batch_step
+            )
+        self.late_commits += 1
+        return pb.CommitReply(applied_now=applied_now, step=self.executor.step)
 
     @stream_handler
     async def GetState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.Frame]:
@@ -207,12 +243,14 @@ class StageService(pb_grpc.StagePeerServicer):
             microbatches_applied=ex.microbatches_applied,
             samples_applied=ex.samples_applied,
             busy_s=ex.busy_s,
+            late_commits=self.late_commits,
+            gradients_dropped=ex.gradients_dropped,
             codecs=list(CODEC_NAMES),
         )
 
     # ------------------------------------------------------------------ checks
 
-    def _check_request(self, meta: pb.RequestMeta) -> None:
+    def _check_request(self, meta: pb.RequestMeta | pb.CommitRequest) -> None:
         """The request header names this peer's protocol, run and stage, and a usable microbatch id."""
         if meta.protocol_version != PROTOCOL_VERSION:
             raise InvalidRequest(
@@ -259,9 +297,14 @@ class StageService(pb_grpc.StagePeerServicer):
 
         return check
 
-    def _reply(self, *, loss: float | None = None, num_tensors: int = 0) -> pb.Frame:
+    def _reply(
+        self, *, loss: float | None = None, num_tensors: int = 0, hold_s: float = 0.0
+    ) -> pb.Frame:
         meta = pb.ReplyMeta(
-            step=self.executor.step, state=self.ctx.state(), num_tensors=num_tensors
+            step=self.executor.step,
+            state=self.ctx.state(),
+            num_tensors=num_tensors,
+            commit_hold_s=hold_s,
         )
         if loss is not None:
             meta.loss, meta.has_loss = loss, True

@@ -1,3 +1,4 @@
 """Generated wire messages: ``from swarm.proto import swarm_pb2, swarm_pb2_grpc`` (see ``generate.py``)."""
 
-PROTOCOL_VERSION = 1
+# 2: a commit that finds no gradients held fails (GradientsDropped); the Commit RPC; ReplyMeta.commit_hold_s
+PROTOCOL_VERSION = 2

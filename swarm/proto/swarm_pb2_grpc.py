@@ -54,6 +54,11 @@ class StagePeerStub:
                 request_serializer=swarm__pb2.StateRequest.SerializeToString,
                 response_deserializer=swarm__pb2.Frame.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/swarm.v1.StagePeer/Commit',
+                request_serializer=swarm__pb2.CommitRequest.SerializeToString,
+                response_deserializer=swarm__pb2.CommitReply.FromString,
+                _registered_method=True)
 
 
 class StagePeerServicer:
@@ -83,6 +88,12 @@ class StagePeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StagePeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_StagePeerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=swarm__pb2.StateRequest.FromString,
                     response_serializer=swarm__pb2.Frame.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=swarm__pb2.CommitRequest.FromString,
+                    response_serializer=swarm__pb2.CommitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class StagePeer:
             '/swarm.v1.StagePeer/GetState',
             swarm__pb2.StateRequest.SerializeToString,
             swarm__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.StagePeer/Commit',
+            swarm__pb2.CommitRequest.SerializeToString,
+            swarm__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,

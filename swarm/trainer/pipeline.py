@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -30,12 +31,15 @@ from swarm.proto import swarm_pb2 as pb
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
 from swarm.routing.retry import failure_kind
 from swarm.states import PeerState
+from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.transport.client import ClientPool, Reply
 
 logger = logging.getLogger(__name__)
 
 # Relative cost of the calls, in forward passes: backward costs about twice a forward (a recompute adds one).
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
+# How many times the trainer computes one stage's gradient of a microbatch before it gives up on it.
+MAX_RECOMPUTES = 8
 # How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
 DRAINING_MEMORY_S = 30.0
 
@@ -90,7 +94,10 @@ class Pipeline:
         # (stage, peer) -> when a reply said "draining"; trusted until the DHT catches up
         self._draining_replies: dict[tuple[int, str], float] = {}
         self.failed_calls = 0
+        # gradients whose commit outcome stayed unknown (the peer unreachable past its hold; see
+        # swarm.trainer.commits), and gradients computed again because a peer did not count them
         self.unconfirmed_commits = 0
+        self.recomputed_gradients = 0
         self._refreshed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
 
@@ -209,7 +216,8 @@ class Pipeline:
         x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
         samples = x.shape[0]
         failures_before = self.failed_calls
-        commits: list[asyncio.Future] = []
+        # (stage, reply of its gradient call, how to compute that gradient again) for each stage
+        held: list[tuple[int, Reply, Callable[[], Awaitable[Reply]]]] = []
         stage_inputs: list[torch.Tensor] = []
         forward_peers: list[str] = []
         h = x
@@ -222,12 +230,12 @@ class Pipeline:
             forward_peers.append(peer)
         last = self.num_stages - 1
         tags = batch_steps or [None] * self.num_stages
-        reply, _ = await self._call(
-            last,
-            samples * (FORWARD_COST + BACKWARD_COST),
-            self._forward_attempt(last, microbatch_id, h, targets=targets, batch_step=tags[last]),
+        cost = samples * (FORWARD_COST + BACKWARD_COST)
+        attempt = self._forward_attempt(
+            last, microbatch_id, h, targets=targets, batch_step=tags[last]
         )
-        commits.append(reply.committed)
+        reply, _ = await self._call(last, cost, attempt)
+        held.append((last, reply, functools.partial(self._recompute, last, cost, attempt)))
         loss = reply.meta.loss
         grad = reply.tensors.get("grad_input")
         for stage in reversed(range(self.num_stages - 1)):
@@ -235,22 +243,28 @@ class Pipeline:
                 raise SwarmError(
                     f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}"
                 )
-            reply, _ = await self._call(
-                stage,
-                samples * BACKWARD_COST,
-                self._backward_attempt(
-                    stage,
-                    microbatch_id,
-                    grad,
-                    stage_inputs[stage],
-                    forward_peers[stage],
-                    tags[stage],
-                ),
-                preferred=forward_peers[stage],
+            attempt = self._backward_attempt(
+                stage, microbatch_id, grad, stage_inputs[stage], forward_peers[stage], tags[stage]
             )
-            commits.append(reply.committed)
+            cost = samples * BACKWARD_COST
+            reply, _ = await self._call(stage, cost, attempt, preferred=forward_peers[stage])
+            # Computed again, it is a backward with the inputs (no peer keeps them after a backward): the peer
+            # recomputes the forward too.
+            recompute = functools.partial(
+                self._recompute,
+                stage,
+                samples * (FORWARD_COST + BACKWARD_COST),
+                self._backward_with_inputs(
+                    stage, microbatch_id, grad, stage_inputs[stage], tags[stage]
+                ),
+            )
+            held.append((stage, reply, recompute))
             grad = reply.tensors.get("grad_input")
-        await self._confirm(microbatch_id, commits)
+        settled = await asyncio.gather(
+            *(self._settle(microbatch_id, *entry) for entry in held), return_exceptions=True
+        )
+        if errors := [e for e in settled if isinstance(e, BaseException)]:
+            raise errors[0]
         return MicrobatchResult(
             loss=loss,
             samples=samples,
@@ -258,22 +272,42 @@ class Pipeline:
             attempts_failed=self.failed_calls - failures_before,
         )
 
-    async def _confirm(self, microbatch_id: str, commits: list[asyncio.Future]) -> None:
-        """Wait until every stage confirmed it counted this microbatch's gradients (one round trip after
-        each reply, overlapped with the rest of the backward pass)."""
-        for stage, outcome in zip(
-            reversed(range(self.num_stages)), await asyncio.gather(*commits, return_exceptions=True)
-        ):
-            if isinstance(outcome, BaseException):
-                # The peer got our commit or it did not; we cannot tell which. Rare (a peer failing within
-                # one round trip after replying); counted so that it shows in the summary.
+    async def _recompute(self, stage: int, work: float, attempt) -> Reply:
+        reply, _ = await self._call(stage, work, attempt)
+        return reply
+
+    async def _settle(
+        self,
+        microbatch_id: str,
+        stage: int,
+        reply: Reply,
+        recompute: Callable[[], Awaitable[Reply]],
+    ) -> None:
+        """Make sure ``stage`` counts this microbatch's gradient exactly once: wait for the commit's outcome
+        (one round trip after the reply, overlapped with the rest of the backward pass), and compute the
+        gradient again, at most ``MAX_RECOMPUTES`` times, when the peer did not count it."""
+        for computed in range(1, MAX_RECOMPUTES + 2):
+            outcome = await commit_outcome(reply)
+            if outcome is Outcome.APPLIED:
+                return
+            if computed > MAX_RECOMPUTES:
+                break
+            if outcome is Outcome.UNKNOWN:
                 self.unconfirmed_commits += 1
-                logger.warning(
-                    "stage %d did not confirm the commit of microbatch %s: %s",
-                    stage,
-                    microbatch_id,
-                    outcome,
-                )
+            self.recomputed_gradients += 1
+            logger.warning(
+                "stage %d %s the gradients of microbatch %s; computing them again",
+                stage,
+                "did not count"
+                if outcome is Outcome.DROPPED
+                else "could not be asked whether it counted",
+                microbatch_id,
+            )
+            reply = await recompute()
+        raise SwarmError(
+            f"stage {stage} did not count the gradients of microbatch {microbatch_id} computed "
+            f"{MAX_RECOMPUTES + 1} times; is the peers' --commit-hold-s shorter than a reply's transfer?"
+        )
 
     async def eval_microbatch(self, tokens: torch.Tensor) -> float:
         """Validation loss of one batch: forward only, nothing kept or accumulated by the peers."""
@@ -341,8 +375,16 @@ class Pipeline:
                     )
                 except NotCached:
                     pass  # evicted there: send the inputs along for a recompute at the same peer
-            meta = self._meta(stage, microbatch_id, grad.shape[0], batch_step, include_inputs=True)
-            return await client.backward(
+            return await with_inputs(endpoint, timeout_s)
+
+        with_inputs = self._backward_with_inputs(stage, microbatch_id, grad, inputs, batch_step)
+        return attempt
+
+    def _backward_with_inputs(self, stage, microbatch_id, grad, inputs, batch_step):
+        meta = self._meta(stage, microbatch_id, grad.shape[0], batch_step, include_inputs=True)
+
+        async def attempt(endpoint: str, timeout_s: float) -> Reply:
+            return await self.clients.get(endpoint).backward(
                 meta, [("grad_output", grad), ("input", inputs)], self.codec, timeout_s=timeout_s
             )
 

@@ -79,7 +79,7 @@ class TrainSummary:
     microbatches: int  # completed (forward, backward and every stage's commit)
     microbatches_started: int
     failed_calls: int  # calls that failed and were retried at another peer
-    # commits whose arrival a peer could not confirm (see Pipeline._confirm)
+    # commits whose outcome stayed unknown, the peer unreachable past its hold (see swarm.trainer.commits)
     unconfirmed_commits: int
     initial_loss: float  # mean training loss over the first step
     final_loss: float  # mean training loss over the last 5 steps (one step is a noisy estimate)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +19,7 @@ from swarm.errors import (
     TransportError,
     error_from_status,
 )
+from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.channel import GRPC_OPTIONS
@@ -30,6 +33,10 @@ class Reply:
     # For calls that accumulate gradients: resolves once the peer has taken our commit (the call ended
     # OK after it); raises if that cannot be confirmed. None for other calls.
     committed: asyncio.Future | None = None
+    # For those calls too: the same commit through the Commit RPC (``commit_again(timeout_s)``, idempotent)
+    # for when ``committed`` raised; and until when (time.monotonic()) the peer holds the gradients for it.
+    commit_again: Callable[[float], Awaitable[bool]] | None = None
+    hold_until: float = 0.0
 
 
 class PeerClient:
@@ -129,8 +136,40 @@ class PeerClient:
             ) from None
         if commit:
             reply_read.set()
+            reply.hold_until = time.monotonic() + reply.meta.commit_hold_s
             reply.committed = asyncio.ensure_future(self._confirm(call))
+            reply.commit_again = functools.partial(
+                self.commit,
+                meta.run_id,
+                meta.stage,
+                meta.microbatch_id,
+                meta.batch_step if meta.HasField("batch_step") else None,
+            )
         return reply
+
+    async def commit(
+        self,
+        run_id: str,
+        stage: int,
+        microbatch_id: str,
+        batch_step: int | None,
+        timeout_s: float,
+    ) -> bool:
+        """Commit a microbatch's held gradients through the Commit RPC: True if this applied them, False if
+        an earlier commit had. Raises GradientsDropped if the peer holds none (nothing counted)."""
+        request = pb.CommitRequest(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=run_id,
+            stage=stage,
+            microbatch_id=microbatch_id,
+        )
+        if batch_step is not None:
+            request.batch_step = batch_step
+        try:
+            reply = await self._stub.Commit(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise typed_error(e, peer=self.endpoint) from None
+        return reply.applied_now
 
     async def _read(self, call, *, keep_open: bool = False) -> Reply:
         done = False

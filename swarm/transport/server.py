@@ -58,23 +58,30 @@ def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
     return wrapper
 
 
-async def _drain(request_iterator, *, timeout_s: float = 2.0, max_bytes: int = 64 << 20) -> None:
+async def _drain(
+    request_iterator, *, timeout_s: float = 2.0, idle_s: float = 0.25, max_bytes: int = 64 << 20
+) -> None:
     """Read (and drop) what the caller is still sending before answering with an error.
 
     grpc.aio clients whose write fails because the server already ended the call report
     INTERNAL "Internal error from Core" instead of the server's status (grpc/grpc#36066); letting the
     caller finish its writes first makes it see our status and sentence. Bounded in time and bytes:
-    a caller streaming more than that gets the error regardless.
+    a caller streaming more than that gets the error regardless. Stops once nothing came for ``idle_s``:
+    a caller that sent its whole request and now waits for the reply (its commit frame comes only after
+    one) writes nothing more, and must not wait out ``timeout_s`` for its error.
     """
     if not hasattr(request_iterator, "__aiter__"):
         return  # unary request: nothing left to read
 
     async def consume() -> None:
         seen = 0
-        async for frame in request_iterator:
-            seen += frame.ByteSize()
-            if seen > max_bytes:
+        frames = request_iterator.__aiter__()
+        while seen <= max_bytes:
+            try:
+                frame = await asyncio.wait_for(frames.__anext__(), idle_s)
+            except (StopAsyncIteration, asyncio.TimeoutError):
                 return
+            seen += frame.ByteSize()
 
     try:
         await asyncio.wait_for(consume(), timeout_s)

@@ -1,0 +1,93 @@
+"""The trainer's half of exactly-once commits (swarm.trainer.commits): when the commit at the end of a call is
+not confirmed, ask again through the Commit RPC until the peer answers or its hold is surely over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import swarm.trainer.commits as commits
+from swarm.errors import GradientsDropped, TransportError
+from swarm.proto import swarm_pb2 as pb
+from swarm.trainer.commits import Outcome, commit_outcome
+from swarm.transport.client import Reply
+
+
+def reply_with(confirmation, answers: list, *, hold_s: float = 5.0) -> tuple[Reply, list]:
+    """A gradient call's reply whose in-call commit ends with ``confirmation`` (None: confirmed, an exception:
+    raised, "hang": never resolves) and whose Commit RPC gives ``answers`` in turn (an exception is raised);
+    returns it and the list of the RPC's timeouts, one per call."""
+    loop = asyncio.get_running_loop()
+    committed = loop.create_future()
+    if confirmation is None:
+        committed.set_result(None)
+    elif confirmation != "hang":
+        committed.set_exception(confirmation)
+    calls: list[float] = []
+
+    async def commit_again(timeout_s: float) -> bool:
+        calls.append(timeout_s)
+        answer = answers[min(len(calls), len(answers)) - 1]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    reply = Reply(
+        pb.ReplyMeta(commit_hold_s=hold_s),
+        {},
+        committed=committed,
+        commit_again=commit_again,
+        hold_until=time.monotonic() + hold_s,
+    )
+    return reply, calls
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """Retry every 10 ms and stop 50 ms after the hold, so the tests take well under a second."""
+    monkeypatch.setattr(commits, "RETRY_EVERY_S", 0.01)
+    monkeypatch.setattr(commits, "AFTER_HOLD_S", 0.05)
+
+
+def outcome(confirmation, answers, **kw):
+    async def go():
+        reply, calls = reply_with(confirmation, answers, **kw)
+        return await commit_outcome(reply), calls
+
+    return asyncio.run(go())
+
+
+def test_a_confirmed_commit_asks_nothing_more():
+    assert outcome(None, []) == (Outcome.APPLIED, [])
+
+
+def test_a_refused_commit_is_dropped_at_once():
+    got, calls = outcome(GradientsDropped("hold over"), [])
+    assert (got, calls) == (Outcome.DROPPED, [])
+
+
+@pytest.mark.parametrize(
+    "answer", [True, False]
+)  # applied now, or by the in-call commit that was not confirmed
+def test_a_lost_confirmation_is_asked_again_and_counts_once(answer):
+    got, calls = outcome(TransportError("stream reset"), [answer])
+    assert (got, len(calls)) == (Outcome.APPLIED, 1)
+
+
+def test_a_peer_unreachable_for_a_while_is_asked_until_it_answers(quick):
+    got, calls = outcome(
+        TransportError("reset"), [TransportError("down")] * 3 + [GradientsDropped("x")]
+    )
+    assert (got, len(calls)) == (Outcome.DROPPED, 4)
+
+
+def test_a_peer_silent_past_its_hold_leaves_the_outcome_unknown_and_is_not_asked_forever(quick):
+    t0 = time.monotonic()
+    got, calls = outcome("hang", [TransportError("frozen")], hold_s=0.1)
+    took = time.monotonic() - t0
+    assert got is Outcome.UNKNOWN
+    # It waited for the in-call confirmation through the hold, then asked until past it: never giving up
+    # before the peer's hold is over (only then can it no longer count the gradient), and stopping after.
+    assert 0.1 + 0.05 <= took and len(calls) >= 1

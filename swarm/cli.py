@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.metadata
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from swarm.argconfig import add_config_args, config_from_args
@@ -46,21 +48,9 @@ def _run_config_from_args(args: argparse.Namespace):
     return config_from_args(RunConfig, args, model=model)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from swarm.coordinator.demo import DemoConfig
+def _dht_flags(p: argparse.ArgumentParser) -> None:
     from swarm.discovery.dht import DHTConfig
-    from swarm.peer.config import PeerConfig
-    from swarm.trainer.trainer import TrainerConfig
 
-    parser = argparse.ArgumentParser(prog="swarm", description=__doc__.split(":")[0])
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("SWARM_LOG_LEVEL", "INFO"),
-        help="DEBUG, INFO, WARNING or ERROR",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("dht", help="run a DHT bootstrap node and print the address to give others")
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)"
     )
@@ -72,14 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_args(p, DHTConfig)
 
-    p = sub.add_parser("peer", help="serve one stage of a run")
+
+def _peer_flags(p: argparse.ArgumentParser) -> None:
+    from swarm.peer.config import PeerConfig
+
     add_config_args(p, PeerConfig)
     _run_config_args(p)
 
-    p = sub.add_parser("train", help="train: stream microbatches through the swarm")
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    from swarm.trainer.trainer import TrainerConfig
+
     add_config_args(p, TrainerConfig)
 
-    p = sub.add_parser("status", help="show the peers of every stage of a run")
+
+def _status_flags(p: argparse.ArgumentParser) -> None:
+    from swarm.discovery.dht import DHTConfig
+
     p.add_argument("--run-id", default="demo")
     p.add_argument(
         "--json",
@@ -88,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_args(p, DHTConfig)
 
-    p = sub.add_parser(
-        "export", help="gather the latest state of every stage from live peers into one file"
-    )
+
+def _export_flags(p: argparse.ArgumentParser) -> None:
+    from swarm.discovery.dht import DHTConfig
+
     p.add_argument("--run-id", default="demo")
     p.add_argument(
         "--out",
@@ -105,36 +105,101 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_args(p, DHTConfig)
 
-    p = sub.add_parser("generate", help="sample text from an exported model, on CPU")
-    p.add_argument("--checkpoint", required=True, help="file written by `swarm export`")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser(
-        "demo", help="start a local swarm (bootstrap, peers, trainer) and train a small model"
+def _generate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="file written by `swarm export`")
+    p.add_argument("--prompt", default="def ", help="text the sample continues")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=200, help="bytes to generate (default: 200)"
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 picks the most likely byte (default: 0.8)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely bytes only"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+
+def _demo_flags(p: argparse.ArgumentParser) -> None:
+    from swarm.coordinator.demo import DemoConfig
+
     add_config_args(p, DemoConfig)
 
+
+def _simulate_flags(p: argparse.ArgumentParser) -> None:
     from swarm.sim.main import build_parser as simulator_flags
 
-    simulator_flags(
-        sub.add_parser(
-            "simulate",
-            help="simulate a swarm of many peers with the real routing and "
-            "rebalancing policies (no processes, no network)",
-        )
+    simulator_flags(p)
+
+
+# Each command: its one-line help and the function adding its flags. The flags of a command are built only
+# when it runs (or shows its help): they come from config classes whose modules import torch or hivemind,
+# which `swarm --help` must not wait for.
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "dht": ("run a DHT bootstrap node and print the address to give others", _dht_flags),
+    "peer": ("serve one stage of a run", _peer_flags),
+    "train": ("train: stream microbatches through the swarm", _train_flags),
+    "status": ("show the peers of every stage of a run", _status_flags),
+    "export": (
+        "gather the latest state of every stage from live peers into one file",
+        _export_flags,
+    ),
+    "generate": ("sample text from an exported model, on CPU", _generate_flags),
+    "demo": (
+        "start a local swarm (bootstrap, peers, trainer) and train a small model",
+        _demo_flags,
+    ),
+    "simulate": (
+        "simulate a swarm of many peers with the real routing and rebalancing policies (no "
+        "processes, no network)",
+        _simulate_flags,
+    ),
+}
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("swarm")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``swarm`` parser, with the flags of ``commands`` (None: every command's)."""
+    parser = argparse.ArgumentParser(
+        prog="swarm",
+        description="SWARM-parallel training over unreliable peers. `swarm COMMAND --help` shows a "
+        "command's flags.",
     )
+    parser.add_argument("--version", action="version", version=f"swarm {version()}")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("SWARM_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="log level (default: INFO, or $SWARM_LOG_LEVEL)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_flags) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if commands is None or name in commands:
+            add_flags(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from swarm.errors import SwarmError, UsageError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Only the command given gets its flags (and imports what they need): `swarm --help` stays instant.
+    command = next((arg for arg in argv if arg in COMMANDS), None)
     try:
-        parser = build_parser()  # imports the peer's modules: an unsupported hivemind stops here
+        # the peer's flags import hivemind: an unsupported version stops here, with a sentence
+        parser = build_parser(() if command is None else (command,))
     except SwarmError as e:
         return _error("", e, RUNTIME_ERROR)
     args = parser.parse_args(argv)

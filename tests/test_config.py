@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import subprocess
 import sys
 
@@ -114,6 +115,28 @@ def test_bad_flags_exit_2_with_a_clear_message(args, needle):
     result = _cli(*args)
     assert result.returncode == 2, result
     assert needle in result.stderr, result.stderr
+
+
+def test_swarm_help_and_version_import_neither_torch_nor_hivemind():
+    # A command's flags are built only when it is named: `swarm --help` does not wait for torch or hivemind.
+    code = (
+        "import sys, swarm.cli\n"
+        "for argv in (['--help'], ['--version']):\n"
+        "    try:\n"
+        "        swarm.cli.main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'hivemind'}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "[]", lines[-1]
+    assert re.fullmatch(r"swarm \d+\.\d+\.\d+", lines[-2]), lines[-2]
+    for command in ("peer", "train", "status", "export", "demo", "simulate"):
+        assert command in done.stdout
 
 
 def test_help_text_comes_from_the_config_comments():

@@ -74,11 +74,12 @@ def add_config_args(
         kind, optional = _base_type(field.type)
         help_text = comments.get(field.name, "").replace("%", "%%")
         if kind == "bool":
+            shown = "" if default is None else f" (default: {'on' if default else 'off'})"
             group.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,
                 default=default,
-                help=help_text,
+                help=help_text + shown,
                 dest=field.name,
             )
         elif kind == "tuple":

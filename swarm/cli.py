@@ -14,6 +14,12 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from swarm.argconfig import add_config_args, config_from_args
+from swarm.cliconfig import ConfigError, add_config_flags, apply_defaults, render
+
+CONFIG_HELP = (
+    "Flags may also come from a TOML file (--config FILE, its [COMMAND] table) and from SWARM_<FLAG> "
+    "environment variables; the command line wins, then the environment, then the file."
+)
 
 
 def _run_config_args(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +85,7 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
 def _status_flags(p: argparse.ArgumentParser) -> None:
     from swarm.discovery.dht import DHTConfig
 
-    p.add_argument("--run-id", default="demo")
+    p.add_argument("--run-id", default="demo", help="the run (default: demo)")
     p.add_argument(
         "--json",
         action="store_true",
@@ -91,7 +97,7 @@ def _status_flags(p: argparse.ArgumentParser) -> None:
 def _export_flags(p: argparse.ArgumentParser) -> None:
     from swarm.discovery.dht import DHTConfig
 
-    p.add_argument("--run-id", default="demo")
+    p.add_argument("--run-id", default="demo", help="the run (default: demo)")
     p.add_argument(
         "--out",
         required=True,
@@ -184,10 +190,18 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
         help="log level (default: INFO, or $SWARM_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # each command's own parser, for swarm.cliconfig
+    parser.commands = {}  # type: ignore[attr-defined]
     for name, (help_text, add_flags) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=f"{help_text}. {CONFIG_HELP}",
+        )
+        parser.commands[name] = p
         if commands is None or name in commands:
             add_flags(p)
+            add_config_flags(p)
     return parser
 
 
@@ -202,7 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(() if command is None else (command,))
     except SwarmError as e:
         return _error("", e, RUNTIME_ERROR)
+    if command is not None:
+        try:
+            apply_defaults(parser.commands[command], command, argv)
+        except ConfigError as e:
+            return _error(command, e, USAGE_ERROR)
     args = parser.parse_args(argv)
+    if getattr(args, "print_config", False):
+        print(render(parser.commands[command], command, args), end="")
+        return 0
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import urllib.request
 
 import pytest
 import torch
 from conftest import ask_peers
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.averaging.config import AveragingConfig
 from swarm.compression import get_codec
@@ -219,3 +221,38 @@ def test_the_trainer_stays_within_max_batches_ahead_of_the_stages(
         assert max(leads) == ahead, (
             commits
         )  # the trainer did use its lead: the bound is what held it
+
+
+def test_a_trainers_metrics_endpoint_reports_what_its_summary_says(averaging_stages, loop_thread):
+    peers, _ = averaging_stages
+
+    async def go():
+        config = TrainerConfig(
+            run_id="ahead",
+            microbatch_size=MICROBATCH,
+            steps=2,
+            max_batches_ahead=0,
+            eval_every_steps=0,
+            eval_batches=1,
+            log_every_s=60,
+            metrics_port=0,
+        )
+        async with Trainer.open(config, dht=peers[0].dht) as trainer:
+            summary = await trainer.train()
+            url = f"http://127.0.0.1:{trainer.metrics_port}/metrics"
+            page = await asyncio.to_thread(urllib.request.urlopen, url, timeout=10)
+            return summary, trainer.trainer_id, page.read().decode()
+
+    summary, trainer_id, text = loop_thread.run(go(), timeout_s=300)
+    labels = (("run_id", "ahead"), ("trainer_id", trainer_id))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("swarm_trainer_step", labels)] == summary.steps == 2
+    assert samples[("swarm_trainer_microbatches_total", labels)] == summary.microbatches
+    assert samples[("swarm_trainer_samples_total", labels)] == summary.samples
+    assert samples[("swarm_trainer_loss", labels)] == pytest.approx(summary.losses[-1])
+    assert samples[("swarm_trainer_unconfirmed_commits_total", labels)] == 0
+    assert samples[("swarm_trainer_tokens_per_second", labels)] > 0

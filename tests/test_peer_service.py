@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.compression import get_codec
 from swarm.config import RunConfig
@@ -34,7 +36,7 @@ NONE = get_codec("none")
 @pytest.fixture(scope="module")
 def peers(loop_thread):
     async def start():
-        last = await Peer.create(PeerConfig(run_id="t", stage=1), run=RUN)
+        last = await Peer.create(PeerConfig(run_id="t", stage=1, metrics_port=0), run=RUN)
         first = await Peer.create(
             PeerConfig(run_id="t", stage=0, dht=DHTConfig(initial_peers=tuple(last.addresses())))
         )
@@ -433,3 +435,61 @@ def test_a_call_lost_after_its_reply_commits_once_through_the_commit_rpc(peers, 
     assert_accumulated(
         grads_before, grads, reference_gradients(1, lambda s: s.loss(x, targets()) * B)
     )
+
+
+def scrape(peer: Peer) -> dict[tuple[str, tuple], float]:
+    """The peer's /metrics, parsed by Prometheus' own text parser: (sample name, sorted labels) -> value."""
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{peer.metrics_port}/metrics", timeout=10
+    ) as page:
+        text = page.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_parse_and_move_with_the_calls_served(peers, loop_thread):
+    _, last = peers
+    me = (("peer_id", last.peer_id), ("run_id", "t"))
+
+    def value(name, **labels):
+        return scrape(last)[(name, tuple(sorted({**dict(me), **labels}.items())))]
+
+    def calls(method, outcome="ok"):
+        key = ("swarm_peer_calls_total", (("method", method), ("outcome", outcome)))
+        return scrape(last).get(key, 0.0)
+
+    before = {
+        "applied": value("swarm_peer_microbatches_applied_total"),
+        "samples": value("swarm_peer_samples_applied_total"),
+        "forward": calls("Forward"),
+        "refused": calls("Forward", "InvalidRequest"),
+        "count": scrape(last)[("swarm_peer_call_seconds_count", (("method", "Forward"),))],
+    }
+
+    async def body():
+        for i in range(3):
+            await loss_call(last, f"metrics-{i}")
+        with pytest.raises(InvalidRequest):
+            await PeerClient(last.endpoint).forward(
+                meta(microbatch_id="metrics-bad", compute_loss=True),
+                [("input", hidden())],
+                NONE,
+                timeout_s=10,
+            )
+
+    loop_thread.run(body())
+    assert value("swarm_peer_microbatches_applied_total") == before["applied"] + 3
+    assert value("swarm_peer_samples_applied_total") == before["samples"] + 3 * B
+    assert calls("Forward") == before["forward"] + 3
+    assert calls("Forward", "InvalidRequest") == before["refused"] + 1
+    assert (
+        scrape(last)[("swarm_peer_call_seconds_count", (("method", "Forward"),))]
+        == before["count"] + 4
+    )
+    assert value("swarm_peer_stage") == 1 and value("swarm_peer_state", state="serving") == 1.0
+    assert value("swarm_peer_state", state="draining") == 0.0
+    assert value("swarm_peer_busy_seconds_total") > 0
+    assert scrape(last)[("process_resident_memory_bytes", ())] > 0

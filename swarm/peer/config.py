@@ -39,6 +39,8 @@ class PeerConfig:
     # fault injection: lose this share of the commits sent in calls: before applying them, after (the
     # confirmation lost), or as if they came after the hold (the gradients dropped); 0 = off
     lose_commit_probability: float = 0.0
+    # serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; unset = off)
+    metrics_port: int | None = None
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # save this peer's stage state here (periodically and on drain); resume from it

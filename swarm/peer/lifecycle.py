@@ -26,6 +26,7 @@ from swarm.peer.announcer import RUN_TTL_FACTOR, Announcer, Serving
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import StageExecutor
+from swarm.peer.metrics import PeerMetrics
 from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
 from swarm.peer.service import ServiceContext, StageService
 from swarm.peer.statesync import fetch_stage_state, serving_peers
@@ -54,6 +55,8 @@ class Peer:
         self.dht = None
         self.directory: RunDirectory | None = None
         self.rebalancer: Rebalancer | None = None
+        self.metrics: PeerMetrics | None = None  # with --metrics-port
+        self.metrics_port: int | None = None  # the port they are served on
         self.stopped = asyncio.Event()
         self.admission = Admission(
             peer_id=self.peer_id,
@@ -301,9 +304,19 @@ class Peer:
             compute_urgent=self._worker.compute_urgent,
             submit_urgent=self._worker.submit_urgent,
         )
-        server, port = await start_server(
-            StageService(context), host=self.config.host, port=self.config.port
-        )
+        service = StageService(context)
+        if self.config.metrics_port is not None:
+            self.metrics = PeerMetrics(self, late_commits=lambda: service.late_commits)
+            service.observer = self.metrics.observe_call
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            self._stack.callback(self.metrics.close)
+            logger.info(
+                "peer %s serves Prometheus metrics at http://%s:%d/metrics",
+                self.peer_id,
+                self.config.host,
+                self.metrics_port,
+            )
+        server, port = await start_server(service, host=self.config.host, port=self.config.port)
         self._stack.push_async_callback(server.stop, 1.0)
         self.endpoint = f"{self.config.announce_host or self.config.host}:{port}"
         if self.endpoint.startswith("0.0.0.0:"):

@@ -53,9 +53,10 @@ class StageService(pb_grpc.StagePeerServicer):
     def __init__(self, context: ServiceContext):
         self.ctx = context
         self.limits = StreamLimits()
-        self.late_commits = (
-            0  # commits answered through the Commit RPC (the in-call one was not confirmed)
-        )
+        # commits answered through the Commit RPC (the in-call one was not confirmed)
+        self.late_commits = 0
+        # called as each call ends: (method, seconds, outcome); see swarm.transport.server
+        self.observer: Callable[[str, float, str], None] | None = None
 
     @property
     def executor(self) -> StageExecutor:

@@ -23,6 +23,7 @@ from swarm.config import RunConfig
 from swarm.data import ByteCorpus, DataConfig
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.routing import RoutingConfig
+from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.pipeline import MicrobatchResult, Pipeline, PipelineConfig
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class TrainerConfig:
     peers_wait_s: float = 120.0  # how long to wait at start for every stage to have a peer
     log_every_s: float = 2.0  # seconds between progress lines
     metrics_path: str | None = None  # append one JSON line per step and per validation here
+    # serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; unset = off)
+    metrics_port: int | None = None
     data: DataConfig = field(default_factory=DataConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -166,10 +169,15 @@ class Trainer:
         self.corpus = corpus
         self.run = run
         self.trainer_id = uuid.uuid4().hex[:8]
+        self.metrics_port: int | None = None  # where its Prometheus metrics are served, if they are
         self._generator = torch.Generator().manual_seed(config.seed)
         self._next_microbatch = 0
         # microbatches per global batch
         self._per_step = math.ceil(run.target_batch_size / config.microbatch_size)
+        # what the metrics endpoint shows: the last step's and validation's numbers, and the counts
+        self.latest: dict[str, float] = dict(
+            step=0, loss=math.nan, val_loss=math.nan, tokens_per_s=0.0, microbatches=0, samples=0
+        )
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -190,7 +198,18 @@ class Trainer:
             stack.push_async_callback(pipeline.close)
             await pipeline.start()
             await pipeline.wait_for_peers(timeout_s=config.peers_wait_s)
-            yield cls(config, pipeline, corpus, run)
+            trainer = cls(config, pipeline, corpus, run)
+            if config.metrics_port is not None:
+                metrics = TrainerMetrics(trainer)
+                trainer.metrics_port = metrics.serve(config.host, config.metrics_port)
+                stack.callback(metrics.close)
+                logger.info(
+                    "trainer %s serves Prometheus metrics at http://%s:%d/metrics",
+                    trainer.trainer_id,
+                    config.host,
+                    trainer.metrics_port,
+                )
+            yield trainer
 
     # ------------------------------------------------------------------ training
 
@@ -220,6 +239,7 @@ class Trainer:
                 for task in done:
                     # A microbatch that exhausted its retries ends training here (task.result() raises).
                     step_loss = tally.add(task.result())
+                    self.latest.update(microbatches=tally.microbatches, samples=tally.samples)
                     if step_loss is not None:
                         await self._after_step(tally, step_loss, started)
         finally:
@@ -330,6 +350,7 @@ class Trainer:
         return f"{self.trainer_id}-{self._next_microbatch}"
 
     def _metric(self, record: dict) -> None:
+        self.latest.update((k, v) for k, v in record.items() if k in self.latest)
         if self.config.metrics_path:
             with open(self.config.metrics_path, "a") as f:
                 f.write(json.dumps({**record, "wall_time": time.time()}) + "\n")

@@ -122,20 +122,24 @@ class PeerClient:
             if commit:
                 # Tell the peer we have its reply: only now does it count the microbatch's gradients.
                 await reply_read.wait()
-                yield pb.Frame(commit=pb.Commit(microbatch_id=meta.microbatch_id))
+                if reply_ok:
+                    yield pb.Frame(commit=pb.Commit(microbatch_id=meta.microbatch_id))
 
         if not commit:
             return await self._read(method(frames(), timeout=timeout_s))
         call = method(frames(), timeout=timeout_s + self._commit_grace_s)
+        reply_ok = False
         try:
             reply = await asyncio.wait_for(self._read(call, keep_open=True), timeout_s)
+            reply_ok = True
         except asyncio.TimeoutError:
             call.cancel()  # the peer sees the cancellation and drops what it computed: no commit, no count
             raise TransportError(
                 f"peer {self.endpoint}: no reply within the {timeout_s:.1f}s deadline"
             ) from None
+        finally:
+            reply_read.set()  # the request stream ends: with the commit after a reply, without one else
         if commit:
-            reply_read.set()
             reply.hold_until = time.monotonic() + reply.meta.commit_hold_s
             reply.committed = asyncio.ensure_future(self._confirm(call))
             reply.commit_again = functools.partial(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -40,22 +41,40 @@ def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
 
     @functools.wraps(fn)
     async def wrapper(self, request_iterator, context: grpc.aio.ServicerContext):
+        started, outcome = time.perf_counter(), "ok"
         try:
             async for frame in fn(self, request_iterator, context):
                 yield frame
         except SwarmError as e:
+            outcome = type(e).__name__
             await _drain(request_iterator)
             await abort_with(context, e)
         except grpc.aio.AbortError:
             raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"  # the caller went away (its deadline, a broken stream)
+            raise
         except Exception as e:  # a bug in our handler: log it, answer with a sentence, keep serving
+            outcome = "internal"
             logger.exception("internal error while handling %s", fn.__name__)
             await context.abort(
                 grpc.StatusCode.INTERNAL,
                 f"internal error in peer ({type(e).__name__}: {e}); see the peer's log",
             )
+        finally:
+            _observe(self, fn.__name__, time.perf_counter() - started, outcome)
 
     return wrapper
+
+
+def _observe(servicer, method: str, seconds: float, outcome: str) -> None:
+    """Report a finished call to the servicer's ``observer`` (metrics), if it has one."""
+    observer = getattr(servicer, "observer", None)
+    if observer is not None:
+        try:
+            observer(method, seconds, outcome)
+        except Exception:  # metrics must never fail a call
+            logger.exception("recording the metrics of a %s call failed", method)
 
 
 async def _drain(
@@ -94,10 +113,17 @@ def unary_handler(fn: Callable[..., Awaitable]):
 
     @functools.wraps(fn)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        started, outcome = time.perf_counter(), "ok"
         try:
             return await fn(self, request, context)
         except SwarmError as e:
+            outcome = type(e).__name__
             await abort_with(context, e)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            _observe(self, fn.__name__, time.perf_counter() - started, outcome)
 
     return wrapper
 

@@ -1,0 +1,151 @@
+"""Prometheus metrics of one peer (``swarm peer --metrics-port``): what it serves and how its calls go.
+
+Each peer has its own registry (several peers may share a process in tests), exposed over HTTP at
+``/metrics`` by prometheus_client's server thread. Call counts and latencies are recorded as calls end (see
+swarm.transport.server); everything else is read from the peer when Prometheus scrapes, so the numbers are
+those of that moment and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import start_wsgi_server
+
+from swarm.states import PeerState
+
+if TYPE_CHECKING:
+    from swarm.peer.lifecycle import Peer
+
+logger = logging.getLogger(__name__)
+
+# Seconds: from a local call of milliseconds to a large transfer over a slow link.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class PeerMetrics:
+    """``late_commits()``: the service's count of commits answered through the Commit RPC."""
+
+    def __init__(self, peer: Peer, *, late_commits: Callable[[], int]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.calls = Counter(
+            "swarm_peer_calls",
+            "Calls handled, by RPC method and outcome (ok, or the error's class)",
+            ["method", "outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "swarm_peer_call_seconds",
+            "Time from a call's start to its end, by RPC method (transfers and commit included)",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_PeerCollector(peer, late_commits))
+        ProcessCollector(registry=self.registry)  # memory, CPU time, open files of this process
+        self._server = None
+
+    def observe_call(self, method: str, seconds: float, outcome: str) -> None:
+        self.calls.labels(method, outcome).inc()
+        self.latency.labels(method).observe(seconds)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a thread; returns the port."""
+        try:
+            self._server, _ = start_wsgi_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(
+                f"cannot serve metrics on {host}:{port} ({e.strerror or e}); pick another --metrics-port"
+            ) from None
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _PeerCollector:
+    """Reads the peer's numbers when scraped."""
+
+    def __init__(self, peer: Peer, late_commits: Callable[[], int]):
+        self.peer = peer
+        self.late_commits = late_commits
+
+    def describe(self) -> list:
+        return []  # no fixed set: what is collected depends on whether the peer serves a stage yet
+
+    def collect(self) -> Iterator:
+        peer = self.peer
+        labels = {"peer_id": peer.peer_id, "run_id": peer.run_id}
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+            return family
+
+        state = GaugeMetricFamily(
+            "swarm_peer_state", "1 for the state the peer is in", labels=[*labels, "state"]
+        )
+        for name in PeerState:
+            state.add_metric([*labels.values(), name.value], float(peer.state == name))
+        yield state
+        yield gauge("swarm_peer_in_flight", "Calls being handled", peer.admission.in_flight)
+        ex = peer.executor
+        if ex is None:
+            return
+        yield gauge("swarm_peer_stage", "Stage this peer serves", ex.stage_index)
+        yield gauge("swarm_peer_step", "Optimizer steps of this replica", ex.step)
+        yield gauge(
+            "swarm_peer_throughput_samples_per_second",
+            "Measured samples/s of forward + backward (what the peer announces)",
+            ex.throughput,
+        )
+        yield gauge(
+            "swarm_peer_samples_accumulated",
+            "Samples accumulated toward the next optimizer step",
+            ex.samples_accumulated,
+        )
+        yield gauge(
+            "swarm_peer_held_gradients",
+            "Computed gradients waiting for their commit",
+            ex.held_gradients,
+        )
+        yield gauge(
+            "swarm_peer_cached_microbatches",
+            "Microbatches whose inputs or graph are kept for their backward",
+            ex.cached_microbatches,
+        )
+        yield counter(
+            "swarm_peer_microbatches_applied",
+            "Microbatch gradients applied",
+            ex.microbatches_applied,
+        )
+        yield counter(
+            "swarm_peer_samples_applied", "Samples in the gradients applied", ex.samples_applied
+        )
+        yield counter(
+            "swarm_peer_busy_seconds",
+            "Seconds the compute thread spent serving (busy share: its rate over wall time)",
+            ex.busy_s,
+        )
+        yield counter(
+            "swarm_peer_gradients_dropped",
+            "Computed gradients dropped uncommitted (their callers computed them again)",
+            ex.gradients_dropped,
+        )
+        yield counter(
+            "swarm_peer_late_commits",
+            "Commits that came through the Commit RPC (the one in the call was not confirmed)",
+            self.late_commits(),
+        )

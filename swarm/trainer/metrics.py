@@ -1,0 +1,91 @@
+"""Prometheus metrics of one trainer (``swarm train --metrics-port``): its losses, speed and retries.
+
+Read from the trainer when Prometheus scrapes: the last step's training loss and tokens/s, the last
+validation loss, and the pipeline's counts of retried calls, unconfirmed commits and recomputed gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import start_wsgi_server
+
+if TYPE_CHECKING:
+    from swarm.trainer.trainer import Trainer
+
+
+class TrainerMetrics:
+    def __init__(self, trainer: Trainer):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_TrainerCollector(trainer))
+        ProcessCollector(registry=self.registry)
+        self._server = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a thread; returns the port."""
+        try:
+            self._server, _ = start_wsgi_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(
+                f"cannot serve metrics on {host}:{port} ({e.strerror or e}); pick another --metrics-port"
+            ) from None
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _TrainerCollector:
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        trainer = self.trainer
+        latest, pipeline = trainer.latest, trainer.pipeline
+        labels = {"trainer_id": trainer.trainer_id, "run_id": trainer.config.run_id}
+
+        def family(kind, name: str, doc: str, value: float):
+            metric = kind(name, doc, labels=list(labels))
+            metric.add_metric(list(labels.values()), value)
+            return metric
+
+        yield family(
+            GaugeMetricFamily, "swarm_trainer_step", "Global batches trained", latest["step"]
+        )
+        for key, name, doc in (
+            ("loss", "swarm_trainer_loss", "Mean training loss of the last global batch"),
+            ("val_loss", "swarm_trainer_validation_loss", "Validation loss of the last validation"),
+            ("tokens_per_s", "swarm_trainer_tokens_per_second", "Tokens/s since training started"),
+        ):
+            if math.isfinite(latest.get(key, math.nan)):
+                yield family(GaugeMetricFamily, name, doc, latest[key])
+        for value, name, doc in (
+            (latest["microbatches"], "swarm_trainer_microbatches", "Microbatches completed"),
+            (latest["samples"], "swarm_trainer_samples", "Samples in the microbatches completed"),
+            (
+                pipeline.failed_calls,
+                "swarm_trainer_retried_calls",
+                "Calls that failed, retried elsewhere",
+            ),
+            (
+                pipeline.unconfirmed_commits,
+                "swarm_trainer_unconfirmed_commits",
+                "Commits whose outcome stayed unknown (the peer unreachable past its hold)",
+            ),
+            (
+                pipeline.recomputed_gradients,
+                "swarm_trainer_recomputed_gradients",
+                "Stage gradients computed again because a peer did not count them",
+            ),
+        ):
+            yield family(CounterMetricFamily, name, doc, value)

@@ -3,6 +3,10 @@
 Each field becomes ``--field-name`` with its default, its type and, as help, the comment written next to
 (or just above) the field in the dataclass source. Nested dataclass fields are flattened: their fields
 become flags of the same command (names are unique across a command's configs by design).
+
+A config class may title its group of flags (``FLAG_TITLE``, default: the class name) and send some fields
+to another group (``FLAG_GROUPS``: field name -> title). Groups titled "advanced: ..." are listed last in
+``--help`` (:func:`advanced_last`), so a command shows its essentials first.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def add_config_args(
     parser: argparse.ArgumentParser, cls: type, *, skip: typing.Collection[str] = ()
 ) -> None:
     comments = _field_comments(cls)
-    group = parser.add_argument_group(cls.__name__)
+    titles: dict[str, str] = getattr(cls, "FLAG_GROUPS", {})
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
@@ -69,6 +73,7 @@ def add_config_args(
         if nested is not None:
             add_config_args(parser, nested, skip=skip)
             continue
+        group = _group(parser, titles.get(field.name, getattr(cls, "FLAG_TITLE", cls.__name__)))
         flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
         default = field.default if field.default is not dataclasses.MISSING else None
         kind, optional = _base_type(field.type)
@@ -101,6 +106,20 @@ def add_config_args(
                 required=default is None and not optional,
                 dest=field.name,
             )
+
+
+def _group(parser: argparse.ArgumentParser, title: str):
+    """The parser's argument group titled ``title``, created on first use."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def advanced_last(parser: argparse.ArgumentParser) -> None:
+    """Move the groups titled "advanced: ..." to the end of ``parser``'s help, in their order."""
+    groups = parser._action_groups
+    groups.sort(key=lambda group: bool(group.title and group.title.startswith("advanced")))
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any):

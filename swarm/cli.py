@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from swarm.argconfig import add_config_args, config_from_args
+from swarm.argconfig import add_config_args, advanced_last, config_from_args
 from swarm.cliconfig import ConfigError, add_config_flags, apply_defaults, render
 
 CONFIG_HELP = (
@@ -26,14 +26,15 @@ def _run_config_args(parser: argparse.ArgumentParser) -> None:
     from swarm.config import RunConfig
     from swarm.model import MODEL_PRESETS
 
-    parser.add_argument(
+    group = parser.add_argument_group(RunConfig.FLAG_TITLE)  # add_config_args fills the same group
+    group.add_argument(
         "--preset",
         choices=sorted(MODEL_PRESETS),
         default=None,
         help="start a new run with this model preset if the DHT has none for --run-id "
         "(the run flags below apply only then)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--bottleneck-dim",
         type=int,
         default=None,
@@ -202,6 +203,7 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
         if commands is None or name in commands:
             add_flags(p)
             add_config_flags(p)
+            advanced_last(p)
     return parser
 
 

@@ -21,6 +21,8 @@ from swarm.schema import parse_dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
+    FLAG_TITLE = "new run (with --preset; ignored when the run exists)"
+
     model: ModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])  # the staged model
     codec: str = "none"  # wire codec for activations and gradients: one of CODEC_NAMES
     target_batch_size: int = 32  # samples a stage accumulates before each optimizer step

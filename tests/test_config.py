@@ -139,6 +139,17 @@ def test_swarm_help_and_version_import_neither_torch_nor_hivemind():
         assert command in done.stdout
 
 
+def test_peer_help_shows_the_essentials_first_and_the_internals_under_advanced():
+    titles = [
+        line[:-1] for line in _cli("peer", "--help").stdout.splitlines() if line.endswith(":")
+    ]
+    advanced = [t for t in titles if t.startswith("advanced")]
+    assert titles[-len(advanced) :] == advanced, titles  # every advanced group after every other
+    assert {"advanced: caches and commits"} < set(advanced)
+    assert any("fault injection" in t for t in advanced)
+    assert titles.index("peer") < titles.index(advanced[0])
+
+
 def test_help_text_comes_from_the_config_comments():
     out = " ".join(_cli("peer", "--help").stdout.split())  # argparse wraps lines
     assert "announcement lifetime: a silent peer disappears from routing after this" in out

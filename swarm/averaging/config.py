@@ -9,6 +9,8 @@ GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
 
 @dataclass(frozen=True, kw_only=True)
 class AveragingConfig:
+    FLAG_TITLE = "averaging"
+
     # experimental: all-reduce gradients with this stage's other peers and step together (hivemind)
     average: bool = False
     # seconds peers of a stage spend forming an all-reduce group before a step

@@ -13,6 +13,8 @@ __all__ = ["RebalanceConfig"]
 class RebalanceConfig:
     """Knobs of :func:`~swarm.balance.policy.decide_move`; ``__post_init__`` checks every field."""
 
+    FLAG_TITLE = "rebalancing"
+
     # Seconds between two rebalancing decisions; also the length of one claim period.
     period_s: float = 60.0
     # Relative gain of the swarm throughput (min over stages) that rebalancing must be able to reach

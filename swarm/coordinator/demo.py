@@ -19,6 +19,8 @@ from swarm.coordinator.localswarm import LocalSwarm
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
+    FLAG_TITLE = "demo"
+
     preset: str = "tiny"  # model preset (see swarm.model.MODEL_PRESETS)
     peers_per_stage: int = 2  # peers serving each stage
     steps: int = 300  # global batches the trainer runs (about two minutes on 2 cores)

@@ -13,6 +13,8 @@ class DataConfig:
     With no `paths`, the corpus is the `.py` files of the running interpreter's standard library.
     """
 
+    FLAG_TITLE = "data"
+
     # Files or folders of text (folders are walked recursively); empty = the Python stdlib sources.
     paths: tuple[str, ...] = field(default=(), metadata={"flag": "--data"})
     # Approximate share of FILES (not bytes) held out for validation, chosen by a hash of each path.

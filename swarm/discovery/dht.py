@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class DHTConfig:
+    FLAG_TITLE = "DHT (finding the swarm)"
+
     # multiaddrs of any running node; "@FILE" reads them from FILE
     initial_peers: tuple[str, ...] = ()
     # TCP port of this node's DHT (0 = any free port; set it with --announce-host)

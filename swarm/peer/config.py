@@ -10,9 +10,20 @@ from swarm.balance import RebalanceConfig
 from swarm.discovery.dht import DHTConfig
 from swarm.peer.executor import CacheConfig
 
+_FAULTS = "advanced: fault injection (for tests and benchmarks; all off by default)"
+
 
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
+    FLAG_TITLE = "peer"
+    FLAG_GROUPS = {
+        name: _FAULTS
+        for name in ("slowdown", "fail_probability", "hang_after_calls", "lose_commit_probability")
+    } | {
+        name: "advanced: limits"
+        for name in ("max_microbatch_size", "calibration_batch", "peer_id", "drain_notice_s")
+    }
+
     run_id: str = "demo"  # the run to join
     # stage index to serve (default: the stage where this peer adds the most throughput)
     stage: int | None = None

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
+    FLAG_TITLE = "advanced: caches and commits"
+
     # microbatches whose autograd graph is kept, so backward needs no recompute
     graph_cache_size: int = 8
     # bytes of stage inputs kept for backward (oldest evicted first)

@@ -13,6 +13,8 @@ __all__ = ["RoutingConfig"]
 class RoutingConfig:
     """Knobs of :class:`~swarm.routing.router.Router`; ``__post_init__`` checks every field."""
 
+    FLAG_TITLE = "advanced: routing and retries"
+
     # Weight of the newest observation in the throughput and latency EMAs, in (0, 1].
     ema_alpha: float = 0.2
     # Lower bound of any per-peer RPC deadline, seconds.

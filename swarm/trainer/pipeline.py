@@ -46,6 +46,8 @@ DRAINING_MEMORY_S = 30.0
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
+    FLAG_TITLE = "advanced: pipeline"
+
     refresh_s: float = 1.0  # seconds between refreshes of the peer lists from the DHT
     empty_stage_wait_s: float = 120.0  # how long a request waits for a stage with no live peer
     segment_bytes: int = 1 << 20  # raw bytes per streamed chunk

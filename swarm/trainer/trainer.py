@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
+    FLAG_TITLE = "trainer"
+
     run_id: str = "demo"  # the run to train
     host: str = "127.0.0.1"  # address this trainer's DHT node listens on
     microbatch_size: int = 8  # sequences per microbatch

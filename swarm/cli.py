@@ -56,7 +56,7 @@ def _run_config_from_args(args: argparse.Namespace):
 
 
 def _dht_flags(p: argparse.ArgumentParser) -> None:
-    from swarm.discovery.dht import DHTConfig
+    from swarm.discovery.config import DHTConfig
 
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)"
@@ -78,13 +78,13 @@ def _peer_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:
-    from swarm.trainer.trainer import TrainerConfig
+    from swarm.trainer.config import TrainerConfig
 
     add_config_args(p, TrainerConfig)
 
 
 def _status_flags(p: argparse.ArgumentParser) -> None:
-    from swarm.discovery.dht import DHTConfig
+    from swarm.discovery.config import DHTConfig
 
     p.add_argument("--run-id", default="demo", help="the run (default: demo)")
     p.add_argument(
@@ -96,7 +96,7 @@ def _status_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _export_flags(p: argparse.ArgumentParser) -> None:
-    from swarm.discovery.dht import DHTConfig
+    from swarm.discovery.config import DHTConfig
 
     p.add_argument("--run-id", default="demo", help="the run (default: demo)")
     p.add_argument(
@@ -377,7 +377,7 @@ def _train(args) -> int:
 
 def _status(args) -> int:
     from swarm.coordinator.status import print_status
-    from swarm.discovery.dht import DHTConfig
+    from swarm.discovery.config import DHTConfig
 
     return _run(print_status(args.run_id, config_from_args(DHTConfig, args), as_json=args.json))
 
@@ -390,7 +390,7 @@ def _demo(args) -> int:
 
 def _export(args) -> int:
     from swarm.coordinator.export import export_run
-    from swarm.discovery.dht import DHTConfig
+    from swarm.discovery.config import DHTConfig
 
     print(
         _run(

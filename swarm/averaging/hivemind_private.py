@@ -24,24 +24,11 @@ from collections.abc import Callable
 import hivemind
 import torch
 
-from swarm.errors import SwarmError
-
-PINNED_HIVEMIND = "1.1.12"
-
-
-class UnsupportedHivemind(SwarmError):
-    """The installed hivemind is not the version whose private API swarm's averaging was written against."""
-
-
-def check_hivemind_version() -> None:
-    """Raise :class:`UnsupportedHivemind` unless the installed hivemind is :data:`PINNED_HIVEMIND`."""
-    installed = getattr(hivemind, "__version__", "unknown")
-    if installed != PINNED_HIVEMIND:
-        raise UnsupportedHivemind(
-            f"swarm's gradient averaging needs hivemind {PINNED_HIVEMIND} (it uses private parts of it that other "
-            f"versions change), but hivemind {installed} is installed; run: pip install hivemind=={PINNED_HIVEMIND}"
-        )
-
+from swarm.averaging.version import (  # noqa: F401 (the first two re-exported: this module's fence)
+    PINNED_HIVEMIND,
+    UnsupportedHivemind,
+    check_hivemind_version,
+)
 
 check_hivemind_version()  # before the imports below, which may already fail on another version
 

@@ -12,18 +12,41 @@ when a payload decodes to NaN/±Inf. A peer therefore never ships nor accepts no
 dtypes always travel losslessly as raw little-endian bytes. Contracts in detail: ``swarm.compression.base``.
 """
 
-from swarm.compression.base import Codec
-from swarm.compression.cast import BFloat16Codec, Float16Codec, NoneCodec
-from swarm.compression.dtypes import WIRE_DTYPE_NAMES, dtype_from_name, wire_dtype_name
+from typing import TYPE_CHECKING
+
 from swarm.compression.errors import (
     CodecError,
     CodecOverflowError,
     NonFiniteTensorError,
     UnknownCodecError,
 )
-from swarm.compression.int8 import BlockwiseInt8Codec
-from swarm.compression.registry import CODEC_NAMES, get_codec
-from swarm.compression.segments import segment_ranges
+from swarm.compression.names import CODEC_NAMES
+from swarm.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from swarm.compression.base import Codec
+    from swarm.compression.cast import BFloat16Codec, Float16Codec, NoneCodec
+    from swarm.compression.dtypes import WIRE_DTYPE_NAMES, dtype_from_name, wire_dtype_name
+    from swarm.compression.int8 import BlockwiseInt8Codec
+    from swarm.compression.registry import get_codec
+    from swarm.compression.segments import segment_ranges
+
+# The codecs themselves are torch code, imported on first use (the names above are not).
+__getattr__ = lazy_exports(
+    globals(),
+    {
+        "Codec": "swarm.compression.base",
+        "BFloat16Codec": "swarm.compression.cast",
+        "Float16Codec": "swarm.compression.cast",
+        "NoneCodec": "swarm.compression.cast",
+        "WIRE_DTYPE_NAMES": "swarm.compression.dtypes",
+        "dtype_from_name": "swarm.compression.dtypes",
+        "wire_dtype_name": "swarm.compression.dtypes",
+        "BlockwiseInt8Codec": "swarm.compression.int8",
+        "get_codec": "swarm.compression.registry",
+        "segment_ranges": "swarm.compression.segments",
+    },
+)
 
 __all__ = [
     "CODEC_NAMES",

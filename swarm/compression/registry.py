@@ -6,6 +6,7 @@ from swarm.compression.base import Codec
 from swarm.compression.cast import BFloat16Codec, Float16Codec, NoneCodec
 from swarm.compression.errors import UnknownCodecError
 from swarm.compression.int8 import BlockwiseInt8Codec
+from swarm.compression.names import CODEC_NAMES
 
 # codecs are stateless and thread-safe, so one shared instance each is enough
 _CODECS: dict[str, Codec] = {
@@ -13,7 +14,10 @@ _CODECS: dict[str, Codec] = {
     for codec in (NoneCodec(), Float16Codec(), BFloat16Codec(), BlockwiseInt8Codec())
 }
 
-CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
+if tuple(_CODECS) != CODEC_NAMES:
+    raise AssertionError(
+        f"swarm.compression.names lists {CODEC_NAMES}, the codecs are {tuple(_CODECS)}"
+    )
 
 
 def get_codec(name: str) -> Codec:

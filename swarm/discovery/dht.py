@@ -10,34 +10,16 @@ import asyncio
 import ipaddress
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import hivemind
 from hivemind.utils import get_dht_time
 
 from swarm.config import RunConfig
+from swarm.discovery.config import DHTConfig
 from swarm.discovery.records import RecordError, StageRecord, config_key, stage_key
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DHTConfig:
-    FLAG_TITLE = "DHT (finding the swarm)"
-
-    # multiaddrs of any running node; "@FILE" reads them from FILE
-    initial_peers: tuple[str, ...] = ()
-    # TCP port of this node's DHT (0 = any free port; set it with --announce-host)
-    dht_port: int = 0
-    # private key file: keeps the node's DHT peer id across restarts
-    identity_path: str | None = None
-    nat_traversal: bool = False  # UPnP/NAT-PMP and AutoNAT probing (sends traffic to your gateway)
-    initial_peers_wait_s: float = 60.0  # how long to wait for an "@FILE" of initial peers to appear
-
-    def __post_init__(self):
-        if not 0 <= self.dht_port <= 65535:
-            raise ValueError(f"dht_port must be in [0, 65535], got {self.dht_port}")
 
 
 def resolve_initial_peers(values: tuple[str, ...], *, wait_s: float) -> list[str]:

@@ -7,8 +7,46 @@ from dataclasses import dataclass, field
 
 from swarm.averaging.config import AveragingConfig
 from swarm.balance import RebalanceConfig
-from swarm.discovery.dht import DHTConfig
-from swarm.peer.executor import CacheConfig
+from swarm.discovery.config import DHTConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    FLAG_TITLE = "advanced: caches and commits"
+
+    # microbatches whose autograd graph is kept, so backward needs no recompute
+    graph_cache_size: int = 8
+    # bytes of stage inputs kept for backward (oldest evicted first)
+    input_cache_bytes: int = 256 << 20
+    # backward replies kept so a retried backward returns the same answer
+    reply_cache_size: int = 256
+    applied_ids_size: int = 100_000  # microbatch ids remembered as applied (never counted twice)
+    # computed gradients waiting for their caller's commit (one gradient copy each)
+    max_pending: int = 64
+    # Seconds a computed gradient waits for its caller's commit, from the moment its reply is ready; a commit
+    # after that is refused (GradientsDropped) and the caller computes it again. Callers that lost the call
+    # (a broken stream) commit through the Commit RPC within this time; one that hears nothing by then knows
+    # the gradient can no longer count here. Longer than a reply's transfer plus the commit's round trip.
+    commit_hold_s: float = 10.0
+    # dropped microbatch ids remembered with the reason, for the error a late commit gets
+    dropped_ids_size: int = 4096
+
+    def __post_init__(self):
+        if min(self.graph_cache_size, self.reply_cache_size) < 0 or self.input_cache_bytes < 0:
+            raise ValueError(
+                f"cache sizes must be >= 0, got graph_cache_size={self.graph_cache_size}, "
+                f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}"
+            )
+        if not self.commit_hold_s > 0:
+            raise ValueError(
+                f"commit_hold_s must be > 0 (seconds a gradient waits for its commit), got {self.commit_hold_s}"
+            )
+        if self.max_pending < 1 or self.applied_ids_size < 1:
+            raise ValueError(
+                f"max_pending ({self.max_pending}) and applied_ids_size ({self.applied_ids_size}) must be "
+                f">= 1: with none, a peer would refuse every gradient or forget every applied microbatch"
+            )
+
 
 _FAULTS = "advanced: fault injection (for tests and benchmarks; all off by default)"
 

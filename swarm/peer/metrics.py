@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_wsgi_server
 
 from swarm.states import PeerState
-
-if TYPE_CHECKING:
-    from swarm.peer.lifecycle import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +25,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class PeerMetrics:
-    """``late_commits()``: the service's count of commits answered through the Commit RPC."""
+    """Metrics of ``peer`` (a swarm.peer.lifecycle.Peer, not imported: it imports this module);
+    ``late_commits()``: the service's count of commits answered through the Commit RPC."""
 
-    def __init__(self, peer: Peer, *, late_commits: Callable[[], int]):
+    def __init__(self, peer: Any, *, late_commits: Callable[[], int]):
         self.registry = CollectorRegistry(auto_describe=True)
         self.calls = Counter(
             "swarm_peer_calls",
@@ -73,7 +71,7 @@ class PeerMetrics:
 class _PeerCollector:
     """Reads the peer's numbers when scraped."""
 
-    def __init__(self, peer: Peer, late_commits: Callable[[], int]):
+    def __init__(self, peer: Any, late_commits: Callable[[], int]):
         self.peer = peer
         self.late_commits = late_commits
 

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_wsgi_server
 
-if TYPE_CHECKING:
-    from swarm.trainer.trainer import Trainer
-
 
 class TrainerMetrics:
-    def __init__(self, trainer: Trainer):
+    """Metrics of ``trainer`` (a swarm.trainer.trainer.Trainer, not imported: it imports this module)."""
+
+    def __init__(self, trainer: Any):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_TrainerCollector(trainer))
         ProcessCollector(registry=self.registry)
@@ -43,7 +42,7 @@ class TrainerMetrics:
 
 
 class _TrainerCollector:
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Any):
         self.trainer = trainer
 
     def describe(self) -> list:

@@ -32,6 +32,7 @@ from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, Stag
 from swarm.routing.retry import failure_kind
 from swarm.states import PeerState
 from swarm.trainer.commits import Outcome, commit_outcome
+from swarm.trainer.config import PipelineConfig
 from swarm.transport.client import ClientPool, Reply
 
 logger = logging.getLogger(__name__)
@@ -42,22 +43,6 @@ FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 MAX_RECOMPUTES = 8
 # How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
 DRAINING_MEMORY_S = 30.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineConfig:
-    FLAG_TITLE = "advanced: pipeline"
-
-    refresh_s: float = 1.0  # seconds between refreshes of the peer lists from the DHT
-    empty_stage_wait_s: float = 120.0  # how long a request waits for a stage with no live peer
-    segment_bytes: int = 1 << 20  # raw bytes per streamed chunk
-
-    def __post_init__(self):
-        if self.refresh_s <= 0 or self.empty_stage_wait_s < 0 or self.segment_bytes < 1024:
-            raise ValueError(
-                f"need refresh_s > 0, empty_stage_wait_s >= 0, segment_bytes >= 1024; got "
-                f"{self.refresh_s}, {self.empty_stage_wait_s}, {self.segment_bytes}"
-            )
 
 
 @dataclass

@@ -15,66 +15,18 @@ import re
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from swarm.config import RunConfig
-from swarm.data import ByteCorpus, DataConfig
-from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
-from swarm.routing import RoutingConfig
+from swarm.data import ByteCorpus
+from swarm.discovery.dht import RunDirectory, start_dht
+from swarm.trainer.config import TrainerConfig
 from swarm.trainer.metrics import TrainerMetrics
-from swarm.trainer.pipeline import MicrobatchResult, Pipeline, PipelineConfig
+from swarm.trainer.pipeline import MicrobatchResult, Pipeline
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    FLAG_TITLE = "trainer"
-
-    run_id: str = "demo"  # the run to train
-    host: str = "127.0.0.1"  # address this trainer's DHT node listens on
-    microbatch_size: int = 8  # sequences per microbatch
-    in_flight: int = 4  # microbatches in the pipeline at once
-    steps: int = 100  # global batches to train (0 = until interrupted)
-    eval_every_steps: int = 25  # validation every this many steps (0 = only at the end)
-    eval_batches: int = 4  # validation batches (of microbatch_size sequences)
-    seed: int = 0  # data sampling seed
-    # with averaging peers (--average): start global batch b once every stage has stepped on batch b
-    # - this - 1 (0: lockstep; -1: no limit)
-    max_batches_ahead: int = -1
-    # with --max-batches-ahead: give up waiting for a stage's step once it has not advanced for this
-    # long
-    stage_step_wait_s: float = 30.0
-    peers_wait_s: float = 120.0  # how long to wait at start for every stage to have a peer
-    log_every_s: float = 2.0  # seconds between progress lines
-    metrics_path: str | None = None  # append one JSON line per step and per validation here
-    # serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; unset = off)
-    metrics_port: int | None = None
-    data: DataConfig = field(default_factory=DataConfig)
-    dht: DHTConfig = field(default_factory=DHTConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
-
-    def __post_init__(self):
-        if self.microbatch_size < 1 or self.in_flight < 1 or self.eval_batches < 1:
-            raise ValueError(
-                f"microbatch_size ({self.microbatch_size}), in_flight ({self.in_flight}) and "
-                f"eval_batches ({self.eval_batches}) must be >= 1"
-            )
-        if self.max_batches_ahead < -1:
-            raise ValueError(
-                f"max_batches_ahead must be >= 0, or -1 for no limit; got {self.max_batches_ahead}"
-            )
-        if self.stage_step_wait_s < 0:
-            raise ValueError(
-                f"stage_step_wait_s must be >= 0 seconds, got {self.stage_step_wait_s}"
-            )
-        if self.steps < 0 or self.eval_every_steps < 0:
-            raise ValueError(
-                f"steps ({self.steps}) and eval_every_steps ({self.eval_every_steps}) must be >= 0"
-            )
 
 
 @dataclass

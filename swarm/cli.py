@@ -92,6 +92,13 @@ def _status_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print one JSON object instead of text (schema: swarm.coordinator.status, README)",
     )
+    p.add_argument(
+        "--watch",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="print the status again every SECONDS until interrupted (--json: one object per line)",
+    )
     add_config_args(p, DHTConfig)
 
 
@@ -379,7 +386,11 @@ def _status(args) -> int:
     from swarm.coordinator.status import print_status
     from swarm.discovery.config import DHTConfig
 
-    return _run(print_status(args.run_id, config_from_args(DHTConfig, args), as_json=args.json))
+    return _run(
+        print_status(
+            args.run_id, config_from_args(DHTConfig, args), as_json=args.json, watch_s=args.watch
+        )
+    )
 
 
 def _demo(args) -> int:

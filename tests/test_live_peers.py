@@ -9,6 +9,7 @@ the next module's first Peer.create hung until its 120 s timeout (reproduced twi
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -140,10 +141,12 @@ def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
     assert lines[0] == (
         f"run 'status': 2 stages, codec none, target batch {B} samples, config {RUN.fingerprint()}"
     )
-    stage_of, listed = None, {}
-    for line in lines[1:]:
+    stage_of, listed, serving = None, {}, {}
+    assert lines[-1].startswith("bottleneck: stage ")
+    for line in lines[1:-1]:
         if header := re.match(r"^stage (\d+): (\d+) peer\(s\), ([\d.]+) samples/s serving, ", line):
             stage_of = int(header.group(1))
+            serving[stage_of] = float(header.group(3))
             continue
         row = STATUS_LINE.match(line)
         assert row, line
@@ -156,6 +159,40 @@ def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
     }
     headers = [re.match(r"^stage (\d+): (\d+) peer\(s\)", line) for line in lines]
     assert [h.groups() for h in headers if h] == [("0", "2"), ("1", "1")]
+    named = re.fullmatch(r"bottleneck: stage (\d+) \(([\d.]+) samples/s serving\)", lines[-1])
+    assert named and float(named.group(2)) == serving[int(named.group(1))] == min(serving.values())
+
+
+@pytest.mark.slow
+def test_status_watch_prints_one_document_per_period_until_interrupted(peers, loop_thread, boot):
+    last = peers("watch", 1)
+    directory = RunDirectory(last.dht, "watch")
+    loop_thread.run(step_last(last, 1))
+    loop_thread.run(
+        wait_for_records(directory, 1, lambda r: r.get(last.peer_id) and r[last.peer_id].step == 1)
+    )
+    argv = ["status", "--run-id", "watch", "--json", "--watch", "0.2", "--initial-peers", *boot]
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "swarm", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        documents = [json.loads(watcher.stdout.readline()) for _ in range(3)]
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=60) == 130
+    finally:
+        watcher.kill()
+        watcher.communicate()
+    times = [d["time"] for d in documents]
+    assert times == sorted(times) and times[2] - times[0] >= 0.4  # one per period, in order
+    for document in documents:
+        assert (
+            document["run_id"] == "watch" and document["bottleneck"] == 0
+        )  # no peer serves stage 0
+        (replica,) = document["stages"][1]["replicas"]
+        assert (replica["peer_id"], replica["step"]) == (last.peer_id, 1)
 
 
 def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
@@ -192,8 +229,14 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
     document, text, info = loop_thread.run(same_batches())
     digest = a.executor.param_digest()
     assert b.executor.param_digest() == digest and (info.step, info.param_digest) == (2, digest)
-    assert json.loads(capsys.readouterr().out) == document
+    printed = json.loads(capsys.readouterr().out)
+    assert printed.pop("time") <= document.pop("time") and printed == document
     assert document["run_id"] == "agree" and document["config"] == RUN.fingerprint()
+    # Stage 0 has no peer here: it limits the swarm.
+    assert document["bottleneck"] == 0 and document["stages"][0]["throughput"] == 0
+    assert document["stages"][1]["throughput"] == sum(
+        r["throughput"] for r in document["stages"][1]["replicas"]
+    )
     assert [(s["stage"], s["agree"], len(s["replicas"])) for s in document["stages"]] == [
         (0, None, 0),
         (1, True, 2),

@@ -2,13 +2,16 @@
 
 The JSON document (``swarm status --json``)::
 
-    {"run_id": str, "config": str (RunConfig.fingerprint()), "num_stages": int,
-     "stages": [{"stage": int, "agree": true | false | null,
+    {"run_id": str, "config": str (RunConfig.fingerprint()), "num_stages": int, "time": float (unix),
+     "bottleneck": int (the stage with the least serving throughput),
+     "stages": [{"stage": int, "throughput": float (samples/s of its serving replicas),
+                 "agree": true | false | null,
                  "replicas": [{"peer_id", "endpoint", "state", "step", "param_digest", "throughput",
                                "in_flight"}]}]}
 
 ``agree`` (see :mod:`swarm.coordinator.agreement`): false if serving replicas at one step announce different
-parameter digests, true if at least two are comparable and all agree, null if none are.
+parameter digests, true if at least two are comparable and all agree, null if none are. With ``--watch S``
+the status is printed again every S seconds (``--json``: one document per line) until interrupted.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from typing import Any
 
 from swarm.coordinator.agreement import agreement, describe_disagreement, step_groups
@@ -40,13 +44,33 @@ def status_document(run_id: str, run, stages) -> dict[str, Any]:
             }
             for r in sorted(records.values(), key=lambda r: r.peer_id)
         ]
-        out.append({"stage": index, "agree": agreement(groups), "replicas": replicas})
+        out.append(
+            {
+                "stage": index,
+                "throughput": serving_throughput(records),
+                "agree": agreement(groups),
+                "replicas": replicas,
+            }
+        )
     return {
         "run_id": run_id,
         "config": run.fingerprint(),
         "num_stages": run.model.num_stages,
+        "time": time.time(),
+        "bottleneck": bottleneck(stages),
         "stages": out,
     }
+
+
+def serving_throughput(records) -> float:
+    """Samples/s a stage serves: the sum over its serving replicas (draining and starting ones left out)."""
+    return sum(r.throughput for r in records.values() if r.state == PeerState.SERVING)
+
+
+def bottleneck(stages) -> int:
+    """The stage with the least serving throughput (the first of equals): what limits the swarm's speed."""
+    totals = [serving_throughput(records) for records in stages]
+    return totals.index(min(totals))
 
 
 def _agreement_line(run, records) -> str:
@@ -70,7 +94,7 @@ def format_status(run_id: str, run, stages) -> str:
         f"target batch {run.target_batch_size} samples, config {run.fingerprint()}"
     ]
     for index, records in enumerate(stages):
-        total = sum(r.throughput for r in records.values() if r.state == PeerState.SERVING)
+        total = serving_throughput(records)
         lines.append(
             f"stage {index}: {len(records)} peer(s), {total:.1f} samples/s serving, "
             f"{_agreement_line(run, records)}"
@@ -80,27 +104,42 @@ def format_status(run_id: str, run, stages) -> str:
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
                 f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
             )
+    if stages:
+        slowest = bottleneck(stages)
+        lines.append(
+            f"bottleneck: stage {slowest} ({serving_throughput(stages[slowest]):.1f} samples/s serving)"
+        )
     return "\n".join(lines)
 
 
-async def print_status(run_id: str, dht_config: DHTConfig, *, as_json: bool = False) -> int:
+async def print_status(
+    run_id: str, dht_config: DHTConfig, *, as_json: bool = False, watch_s: float | None = None
+) -> int:
+    """Print the run's status once, or every ``watch_s`` seconds until interrupted."""
+    if watch_s is not None and not watch_s > 0:
+        raise ValueError(f"--watch takes a number of seconds > 0, got {watch_s}")
     dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
     try:
         directory = RunDirectory(dht, run_id)
-        run = await directory.get_run()
-        if run is None:
-            # stderr: stdout holds only the status (a script reading --json sees no stray text)
-            print(
-                f"swarm status: no run '{run_id}' is published in this DHT (check --run-id and "
-                f"--initial-peers)",
-                file=sys.stderr,
-            )
-            return 1
-        stages = await directory.all_stages(run.model.num_stages)
-        if as_json:
-            print(json.dumps(status_document(run_id, run, stages)))
-        else:
-            print(format_status(run_id, run, stages))
-        return 0
+        while True:
+            run = await directory.get_run()
+            if run is None:
+                # stderr: stdout holds only the status (a script reading --json sees no stray text)
+                print(
+                    f"swarm status: no run '{run_id}' is published in this DHT (check --run-id and "
+                    f"--initial-peers)",
+                    file=sys.stderr,
+                )
+                return 1
+            stages = await directory.all_stages(run.model.num_stages)
+            if as_json:
+                print(json.dumps(status_document(run_id, run, stages)), flush=True)
+            else:
+                print(format_status(run_id, run, stages), flush=True)
+            if watch_s is None:
+                return 0
+            await asyncio.sleep(watch_s)  # the period asked for
+            if not as_json:
+                print(flush=True)
     finally:
         dht.shutdown()

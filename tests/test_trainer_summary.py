@@ -66,3 +66,26 @@ def test_parse_reads_nan_losses_of_a_run_without_steps():
 def test_parse_refuses_text_without_a_summary():
     with pytest.raises(ValueError, match="no trainer summary line"):
         TrainSummary.parse("step 3/40 | loss 4.1 | 900 tokens/s\n")
+
+
+def test_progress_lines_are_plain_in_logs_and_carry_a_bar_and_the_time_left_on_a_terminal():
+    from swarm.trainer.trainer import progress_line
+
+    nan = float("nan")
+    # In a log or a pipe: one plain line, which the demo and the tests read.
+    assert (
+        progress_line(12, 100, 3.1, nan, 14000.4, 60.0) == "step 12/100 | loss 3.100 | 14,000 tok/s"
+    )
+    assert progress_line(7, 0, 2.5, 2.75, 10.0, 5.0, bar=True) == (
+        "step 7 | loss 2.500 | val 2.750 | 10 tok/s"  # no total, no bar: training until interrupted
+    )
+    # On a terminal: 12 of 100 steps in 60 s leaves 88 steps at 5 s each.
+    assert progress_line(12, 100, 3.1, 3.2, 14000.0, 60.0, bar=True, width=10) == (
+        "step 12/100 [#.........] | loss 3.100 | val 3.200 | 14,000 tok/s | 7m20s left"
+    )
+    assert progress_line(50, 100, 3.1, nan, 1.0, 3 * 3600.0, bar=True, width=4).endswith(
+        "[##..] | loss 3.100 | 1 tok/s | 3h00m left"
+    )
+    assert progress_line(100, 100, 3.1, nan, 1.0, 9.0, bar=True, width=4).endswith(
+        "[####] | loss 3.100 | 1 tok/s | 0s left"
+    )

@@ -243,10 +243,10 @@ class Trainer:
         if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step != cfg.steps:
             val_loss = await self.validate()
             self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})
-            self._progress(step, step_loss, tokens_per_s, val_loss, final=True)
+            self._progress(step, step_loss, tokens_per_s, val_loss, elapsed, final=True)
             self._last_val_loss = val_loss
         elif time.monotonic() - self._last_log >= cfg.log_every_s:
-            self._progress(step, step_loss, tokens_per_s, self._last_val_loss)
+            self._progress(step, step_loss, tokens_per_s, self._last_val_loss, elapsed)
             self._last_log = time.monotonic()
 
     async def _finish(
@@ -269,7 +269,9 @@ class Trainer:
             {"step": len(losses), "val_loss": val_loss, "time_s": time.monotonic() - started}
         )
         if losses:
-            self._progress(len(losses), losses[-1], tally.tokens / elapsed, val_loss, final=True)
+            self._progress(
+                len(losses), losses[-1], tally.tokens / elapsed, val_loss, elapsed, final=True
+            )
         return TrainSummary(
             steps=len(losses),
             samples=tally.samples,
@@ -310,15 +312,60 @@ class Trainer:
                 f.write(json.dumps({**record, "wall_time": time.time()}) + "\n")
 
     def _progress(
-        self, step: int, loss: float, tokens_per_s: float, val_loss: float, *, final=False
+        self,
+        step: int,
+        loss: float,
+        tokens_per_s: float,
+        val_loss: float,
+        elapsed_s: float,
+        *,
+        final=False,
     ) -> None:
-        total = f"/{self.config.steps}" if self.config.steps else ""
-        val = f" | val {val_loss:.3f}" if math.isfinite(val_loss) else ""
-        line = f"step {step}{total} | loss {loss:.3f}{val} | {tokens_per_s:,.0f} tok/s"
-        if sys.stdout.isatty() and not final:
+        """A progress line: rewritten in place with a bar and the time left on a terminal, one plain line
+        per report otherwise (logs, pipes: what scripts and tests read)."""
+        tty = sys.stdout.isatty()
+        line = progress_line(
+            step, self.config.steps, loss, val_loss, tokens_per_s, elapsed_s, bar=tty
+        )
+        if tty and not final:
             print("\r" + line, end="", flush=True)
         else:
-            print(("\r" if sys.stdout.isatty() else "") + line, flush=True)
+            print(("\r" if tty else "") + line, flush=True)
+
+
+def progress_line(
+    step: int,
+    total: int,
+    loss: float,
+    val_loss: float,
+    tokens_per_s: float,
+    elapsed_s: float,
+    *,
+    bar: bool = False,
+    width: int = 20,
+) -> str:
+    """``step 12/100 | loss 3.100 | val 3.200 | 14,000 tok/s``; with ``bar`` (a terminal) and a known
+    ``total``, a bar of ``width`` cells after the step and the time left at the current pace at the end."""
+    count = f"step {step}/{total}" if total else f"step {step}"
+    val = f" | val {val_loss:.3f}" if math.isfinite(val_loss) else ""
+    line = f"{count} | loss {loss:.3f}{val} | {tokens_per_s:,.0f} tok/s"
+    if not (bar and total):
+        return line
+    done = min(step / total, 1.0)
+    cells = round(done * width)
+    left_s = elapsed_s / step * (total - step) if step else math.inf
+    return f"{count} [{'#' * cells}{'.' * (width - cells)}]{line[len(count) :]} | {_duration(left_s)} left"
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (
+        f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+    )
 
 
 async def _gather_or_cancel(coros):

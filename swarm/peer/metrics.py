@@ -12,10 +12,10 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import start_wsgi_server
 
+from swarm.metrics import MetricsEndpoint
 from swarm.states import PeerState
 
 logger = logging.getLogger(__name__)
@@ -24,12 +24,12 @@ logger = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class PeerMetrics:
+class PeerMetrics(MetricsEndpoint):
     """Metrics of ``peer`` (a swarm.peer.lifecycle.Peer, not imported: it imports this module);
     ``late_commits()``: the service's count of commits answered through the Commit RPC."""
 
     def __init__(self, peer: Any, *, late_commits: Callable[[], int]):
-        self.registry = CollectorRegistry(auto_describe=True)
+        super().__init__()
         self.calls = Counter(
             "swarm_peer_calls",
             "Calls handled, by RPC method and outcome (ok, or the error's class)",
@@ -44,28 +44,10 @@ class PeerMetrics:
             registry=self.registry,
         )
         self.registry.register(_PeerCollector(peer, late_commits))
-        ProcessCollector(registry=self.registry)  # memory, CPU time, open files of this process
-        self._server = None
 
     def observe_call(self, method: str, seconds: float, outcome: str) -> None:
         self.calls.labels(method, outcome).inc()
         self.latency.labels(method).observe(seconds)
-
-    def serve(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a thread; returns the port."""
-        try:
-            self._server, _ = start_wsgi_server(port, addr=host, registry=self.registry)
-        except OSError as e:
-            raise OSError(
-                f"cannot serve metrics on {host}:{port} ({e.strerror or e}); pick another --metrics-port"
-            ) from None
-        return self._server.server_port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class _PeerCollector:

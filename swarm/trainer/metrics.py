@@ -10,35 +10,17 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import start_wsgi_server
+
+from swarm.metrics import MetricsEndpoint
 
 
-class TrainerMetrics:
+class TrainerMetrics(MetricsEndpoint):
     """Metrics of ``trainer`` (a swarm.trainer.trainer.Trainer, not imported: it imports this module)."""
 
     def __init__(self, trainer: Any):
-        self.registry = CollectorRegistry(auto_describe=True)
+        super().__init__()
         self.registry.register(_TrainerCollector(trainer))
-        ProcessCollector(registry=self.registry)
-        self._server = None
-
-    def serve(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a thread; returns the port."""
-        try:
-            self._server, _ = start_wsgi_server(port, addr=host, registry=self.registry)
-        except OSError as e:
-            raise OSError(
-                f"cannot serve metrics on {host}:{port} ({e.strerror or e}); pick another --metrics-port"
-            ) from None
-        return self._server.server_port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class _TrainerCollector:

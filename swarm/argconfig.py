@@ -4,9 +4,10 @@ Each field becomes ``--field-name`` with its default, its type and, as help, the
 (or just above) the field in the dataclass source. Nested dataclass fields are flattened: their fields
 become flags of the same command (names are unique across a command's configs by design).
 
-A config class may title its group of flags (``FLAG_TITLE``, default: the class name) and send some fields
-to another group (``FLAG_GROUPS``: field name -> title). Groups titled "advanced: ..." are listed last in
-``--help`` (:func:`advanced_last`), so a command shows its essentials first.
+A field may list its allowed values (``field(..., metadata={"choices": ...})``); ``--help`` shows them and
+argparse refuses others. A config class may title its group of flags (``FLAG_TITLE``, default: the class
+name) and send some fields to another group (``FLAG_GROUPS``: field name -> title). Groups titled
+"advanced: ..." are listed last in ``--help`` (:func:`advanced_last`), so a command shows its essentials first.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def add_config_args(
                 flag,
                 type=_SCALARS[kind],
                 default=default,
+                choices=field.metadata.get("choices"),
                 help=help_text + shown,
                 required=default is None and not optional,
                 dest=field.name,

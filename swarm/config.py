@@ -24,7 +24,8 @@ class RunConfig:
     FLAG_TITLE = "new run (with --preset; ignored when the run exists)"
 
     model: ModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])  # the staged model
-    codec: str = "none"  # wire codec for activations and gradients: one of CODEC_NAMES
+    # wire codec for activations and gradients
+    codec: str = field(default="none", metadata={"choices": CODEC_NAMES})
     target_batch_size: int = 32  # samples a stage accumulates before each optimizer step
     lr: float = 1e-3  # peak AdamW learning rate
     weight_decay: float = 0.1  # AdamW weight decay on matrices (not on biases, norms or embeddings)

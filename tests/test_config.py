@@ -107,6 +107,8 @@ def _cli(*args):
         (["peer", "--stage", "-2"], "stage must be >= 0, got -2"),
         (["train", "--microbatch-size", "0"], "microbatch_size (0)"),
         (["peer", "--preset", "huge"], "invalid choice: 'huge'"),
+        (["peer", "--codec", "int4"], "argument --codec: invalid choice: 'int4' (choose from"),
+        (["demo", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (["train", "--steps", "many"], "invalid int value: 'many'"),
         (["peer", "--announce-host", "10.0.0.1"], "--announce-host needs an explicit --dht-port"),
     ],

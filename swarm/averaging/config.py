@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
 
@@ -22,7 +22,8 @@ class AveragingConfig:
     # stall for seconds on a loaded machine).
     chunk_timeout_s: float = 10.0
     load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers
-    grad_compression: str = "none"  # gradient all-reduce codec: none, fp16 or scaled-fp16
+    # gradient all-reduce codec (hivemind's 8-bit codecs fail under numpy 2)
+    grad_compression: str = field(default="none", metadata={"choices": GRAD_COMPRESSIONS})
     step_check_s: float = 0.1  # seconds between checks whether the stage's global batch is full
 
     def __post_init__(self):

@@ -11,24 +11,27 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm.compression import CODEC_NAMES
 from swarm.coordinator.localswarm import LocalSwarm
+from swarm.model import MODEL_PRESETS
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     FLAG_TITLE = "demo"
 
-    preset: str = "tiny"  # model preset (see swarm.model.MODEL_PRESETS)
+    preset: str = field(default="tiny", metadata={"choices": tuple(MODEL_PRESETS)})  # model preset
     peers_per_stage: int = 2  # peers serving each stage
     steps: int = 300  # global batches the trainer runs (about two minutes on 2 cores)
     microbatch_size: int = 8  # sequences per microbatch
     in_flight: int = 4  # microbatches in the pipeline at once
     target_batch_size: int = 32  # samples per optimizer step of each stage
     lr: float = 3e-3  # peak learning rate
-    codec: str = "none"  # wire codec for activations and gradients
+    # wire codec for activations and gradients
+    codec: str = field(default="none", metadata={"choices": CODEC_NAMES})
     eval_every_steps: int = 100  # validation every this many steps
     workdir: str | None = None  # where the processes' logs go (default: a new temporary folder)
     run_id: str = "demo"  # run id in the DHT

@@ -102,6 +102,25 @@ def _status_flags(p: argparse.ArgumentParser) -> None:
     add_config_args(p, DHTConfig)
 
 
+def _monitor_flags(p: argparse.ArgumentParser) -> None:
+    from swarm.discovery.config import DHTConfig
+
+    p.add_argument("--run-id", default="demo", help="the run (default: demo)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address the dashboard listens on (default: 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port", type=int, default=8080, help="its port (0 = any free port; default: 8080)"
+    )
+    p.add_argument(
+        "--period-s",
+        type=float,
+        default=1.0,
+        help="seconds between two reads of the run's status from the DHT (default: 1.0)",
+    )
+    add_config_args(p, DHTConfig)
+
+
 def _export_flags(p: argparse.ArgumentParser) -> None:
     from swarm.discovery.config import DHTConfig
 
@@ -158,6 +177,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "peer": ("serve one stage of a run", _peer_flags),
     "train": ("train: stream microbatches through the swarm", _train_flags),
     "status": ("show the peers of every stage of a run", _status_flags),
+    "monitor": (
+        "serve a live dashboard of a run (a web page: stages, replicas, agreement, bottleneck)",
+        _monitor_flags,
+    ),
     "export": (
         "gather the latest state of every stage from live peers into one file",
         _export_flags,
@@ -247,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "peer": _peer,
         "train": _train,
         "status": _status,
+        "monitor": _monitor,
         "demo": _demo,
         "simulate": _simulate,
         "export": _export,
@@ -389,6 +413,21 @@ def _status(args) -> int:
     return _run(
         print_status(
             args.run_id, config_from_args(DHTConfig, args), as_json=args.json, watch_s=args.watch
+        )
+    )
+
+
+def _monitor(args) -> int:
+    from swarm.coordinator.monitor import run_monitor
+    from swarm.discovery.config import DHTConfig
+
+    return _run(
+        run_monitor(
+            args.run_id,
+            config_from_args(DHTConfig, args),
+            host=args.host,
+            port=args.port,
+            period_s=args.period_s,
         )
     )
 

@@ -87,6 +87,24 @@ def test_stage_records_are_validated_and_forward_compatible():
             StageRecord.from_wire(bad)
 
 
+def test_trainer_records_are_validated_and_round_trip():
+    from swarm.discovery.records import TrainerRecord
+
+    record = TrainerRecord(trainer_id="t1", step=4, loss=2.5, tokens_per_s=100.0, microbatches=8)
+    assert TrainerRecord.from_wire(record.to_wire()) == record
+    assert (
+        TrainerRecord.from_wire({"trainer_id": "t2", "step": 0}).loss is None
+    )  # before its first step
+    for bad, needle in [
+        ({"trainer_id": "t", "step": 1, "loss": math.inf}, "'loss' must be a finite float"),
+        ({"trainer_id": "t", "step": -1}, "out-of-range"),
+        ({"trainer_id": "t", "step": 1, "tokens_per_s": -5.0}, "out-of-range"),
+        ({"step": 1}, "trainer_id"),
+    ]:
+        with pytest.raises(RecordError, match=needle):
+            TrainerRecord.from_wire(bad)
+
+
 def test_model_presets_are_the_standard_workloads():
     assert MODEL_PRESETS["w1"] == ModelConfig(
         d_model=256, n_heads=4, n_layers=4, seq_len=128, num_stages=2

@@ -134,11 +134,24 @@ def test_the_dashboard_shows_the_stages_live_in_a_real_browser(local_swarm, brow
         ),
         "both stages at step 3 on the page",
     )
+    # The trainer announced its progress: the page lists it, at its last step, while its record lives.
+    _wait(
+        lambda: (
+            browser.execute_script(
+                "return [...document.querySelectorAll('tr[data-trainer] td.trainer-step')].map((c) => c.textContent)"
+            )
+            == ["3"]
+        ),
+        "the trainer at step 3 on the page",
+    )
     # The page shows what /status.json says, which is what `swarm status --json` prints.
     with urllib.request.urlopen(url + "status.json", timeout=10) as reply:
         data = json.loads(reply.read())
     status = data["status"]
     assert data["error"] is None and status["run_id"] == run_id and len(data["history"]) >= 2
+    (trainer_record,) = status["trainers"]
+    assert (trainer_record["step"], trainer_record["microbatches"]) == (3, 3 * 16 // 8)
+    assert trainer_record["loss"] > 0 and trainer_record["tokens_per_s"] > 0
     shown = browser.execute_script(
         "return [...document.querySelectorAll('tr[data-peer]')].map((row) => row.dataset.peer)"
     )
@@ -180,13 +193,15 @@ def test_the_monitor_keeps_each_stages_history_and_sees_a_peer_move():
     state = MonitorState()
     assert state.snapshot()["status"] is None and state.snapshot()["error"]
     state.update(_document(1.0, [[("a", 3), ("b", 2)], [("c", 3)]]))
-    state.update(_document(2.0, [[("a", 4)], [("c", 4), ("b", 4)]]))  # b moved to stage 1
+    moved = _document(2.0, [[("a", 4)], [("c", 4), ("b", 4)]])  # b moved to stage 1
+    moved["trainers"] = [{"trainer_id": "t1", "loss": 2.5, "tokens_per_s": 100.0}]
+    state.update(moved)
     state.failed("reading the DHT failed: timeout")
     snap = state.snapshot()
     assert snap["error"] == "reading the DHT failed: timeout" and snap["status"]["time"] == 2.0
     assert snap["history"] == [
-        {"time": 1.0, "throughput": [20.0, 10.0], "step": [3, 3]},
-        {"time": 2.0, "throughput": [10.0, 20.0], "step": [4, 4]},
+        {"time": 1.0, "throughput": [20.0, 10.0], "step": [3, 3], "trainers": {}},
+        {"time": 2.0, "throughput": [10.0, 20.0], "step": [4, 4], "trainers": {"t1": [2.5, 100.0]}},
     ]
     assert snap["moves"] == [{"time": 2.0, "peer_id": "b", "from": 0, "to": 1}]
 
@@ -221,3 +236,46 @@ def test_the_dashboard_server_answers_the_page_the_status_and_nothing_else():
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.unit
+def test_status_text_lists_the_trainers_and_names_the_bottleneck():
+    from conftest import record_wire
+
+    from swarm.config import RunConfig
+    from swarm.coordinator.status import format_status, status_document
+    from swarm.discovery.records import StageRecord, TrainerRecord
+
+    run = RunConfig()
+    fast = StageRecord.from_wire(
+        record_wire(peer_id="p0", stage=0, throughput=30.0, config_hash=run.fingerprint())
+    )
+    slow = StageRecord.from_wire(
+        record_wire(peer_id="p1", stage=1, throughput=20.0, config_hash=run.fingerprint())
+    )
+    trainers = {
+        "t2": TrainerRecord(trainer_id="t2", step=0),
+        "t1": TrainerRecord(
+            trainer_id="t1", step=7, loss=2.5, val_loss=2.75, tokens_per_s=1234.4, microbatches=28
+        ),
+    }
+    lines = format_status("r", run, [{"p0": fast}, {"p1": slow}], trainers).splitlines()
+    assert lines[-3:] == [
+        "trainer t1: step 7 | loss 2.500 | val 2.750 | 1,234 tokens/s",
+        "trainer t2: step 0 | loss - | 0 tokens/s",
+        "bottleneck: stage 1 (20.0 samples/s serving)",
+    ]
+    document = status_document("r", run, [{"p0": fast}, {"p1": slow}], trainers)
+    assert [t["trainer_id"] for t in document["trainers"]] == ["t1", "t2"]
+    assert document["trainers"][0] == {
+        "trainer_id": "t1",
+        "step": 7,
+        "loss": 2.5,
+        "val_loss": 2.75,
+        "tokens_per_s": 1234.4,
+        "microbatches": 28,
+    }
+    assert document["bottleneck"] == 1 and [s["throughput"] for s in document["stages"]] == [
+        30.0,
+        20.0,
+    ]

@@ -6,7 +6,8 @@ throughput and step. A small HTTP server (stdlib, its own thread) serves:
 
 - ``/``: the page (``dashboard.html`` next to this module), which polls ``/status.json`` and redraws;
 - ``/status.json``: ``{"status": <status document> | null, "error": str | null, "history": [{"time",
-  "throughput": [per stage], "step": [per stage]}], "moves": [{"time", "peer_id", "from", "to"}]}``.
+  "throughput": [per stage], "step": [per stage], "trainers": {id: [loss, tokens/s]}}], "moves": [{"time",
+  "peer_id", "from", "to"}]}``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class MonitorState:
                     "step": [
                         max((r["step"] for r in stage["replicas"]), default=0) for stage in stages
                     ],
+                    # each trainer's loss and tokens/s at this read
+                    "trainers": {
+                        t["trainer_id"]: [t["loss"], t["tokens_per_s"]]
+                        for t in document.get("trainers", [])
+                    },
                 }
             )
             for stage in stages:
@@ -141,7 +147,8 @@ async def run_monitor(
                     )
                 else:
                     stages = await directory.all_stages(run.model.num_stages)
-                    document = status_document(run_id, run, stages)
+                    trainers = await directory.trainer_records()
+                    document = status_document(run_id, run, stages, trainers)
                     document["run"] = {
                         "codec": run.codec,
                         "target_batch_size": run.target_batch_size,

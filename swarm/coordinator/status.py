@@ -7,7 +7,9 @@ The JSON document (``swarm status --json``)::
      "stages": [{"stage": int, "throughput": float (samples/s of its serving replicas),
                  "agree": true | false | null,
                  "replicas": [{"peer_id", "endpoint", "state", "step", "param_digest", "throughput",
-                               "in_flight"}]}]}
+                               "in_flight"}]}],
+     "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
+                   "microbatches"}]}
 
 ``agree`` (see :mod:`swarm.coordinator.agreement`): false if serving replicas at one step announce different
 parameter digests, true if at least two are comparable and all agree, null if none are. With ``--watch S``
@@ -27,8 +29,9 @@ from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.states import PeerState
 
 
-def status_document(run_id: str, run, stages) -> dict[str, Any]:
-    """The status of ``run`` as plain JSON-ready data (the schema in the module docstring)."""
+def status_document(run_id: str, run, stages, trainers=None) -> dict[str, Any]:
+    """The status of ``run`` as plain JSON-ready data (the schema in the module docstring); ``trainers``:
+    the run's trainer records by id."""
     out = []
     for index, records in enumerate(stages):
         groups = step_groups(records.values(), config_hash=run.fingerprint())
@@ -59,6 +62,17 @@ def status_document(run_id: str, run, stages) -> dict[str, Any]:
         "time": time.time(),
         "bottleneck": bottleneck(stages),
         "stages": out,
+        "trainers": [
+            {
+                "trainer_id": t.trainer_id,
+                "step": t.step,
+                "loss": t.loss,
+                "val_loss": t.val_loss,
+                "tokens_per_s": t.tokens_per_s,
+                "microbatches": t.microbatches,
+            }
+            for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id)
+        ],
     }
 
 
@@ -88,7 +102,7 @@ def _agreement_line(run, records) -> str:
     )
 
 
-def format_status(run_id: str, run, stages) -> str:
+def format_status(run_id: str, run, stages, trainers=None) -> str:
     lines = [
         f"run '{run_id}': {run.model.num_stages} stages, codec {run.codec}, "
         f"target batch {run.target_batch_size} samples, config {run.fingerprint()}"
@@ -104,6 +118,12 @@ def format_status(run_id: str, run, stages) -> str:
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
                 f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
             )
+    for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id):
+        val = "" if t.val_loss is None else f" | val {t.val_loss:.3f}"
+        loss = "-" if t.loss is None else f"{t.loss:.3f}"
+        lines.append(
+            f"trainer {t.trainer_id}: step {t.step} | loss {loss}{val} | {t.tokens_per_s:,.0f} tokens/s"
+        )
     if stages:
         slowest = bottleneck(stages)
         lines.append(
@@ -132,10 +152,11 @@ async def print_status(
                 )
                 return 1
             stages = await directory.all_stages(run.model.num_stages)
+            trainers = await directory.trainer_records()
             if as_json:
-                print(json.dumps(status_document(run_id, run, stages)), flush=True)
+                print(json.dumps(status_document(run_id, run, stages, trainers)), flush=True)
             else:
-                print(format_status(run_id, run, stages), flush=True)
+                print(format_status(run_id, run, stages, trainers), flush=True)
             if watch_s is None:
                 return 0
             await asyncio.sleep(watch_s)  # the period asked for

@@ -17,7 +17,14 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import RunConfig
 from swarm.discovery.config import DHTConfig
-from swarm.discovery.records import RecordError, StageRecord, config_key, stage_key
+from swarm.discovery.records import (
+    RecordError,
+    StageRecord,
+    TrainerRecord,
+    config_key,
+    stage_key,
+    trainers_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +174,35 @@ class RunDirectory:
                 )
                 continue
             records[record.peer_id] = record
+        return records
+
+    async def announce_trainer(self, record: TrainerRecord, *, ttl_s: float) -> bool:
+        return await self.dht.store(
+            trainers_key(self.run_id),
+            record.to_wire(),
+            get_dht_time() + ttl_s,
+            subkey=record.trainer_id,
+            return_future=True,
+        )
+
+    async def trainer_records(self) -> dict[str, TrainerRecord]:
+        """Live trainers of the run, by trainer id. Malformed records are dropped and logged."""
+        found = await self.dht.get(trainers_key(self.run_id), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        records = {}
+        for subkey, item in found.value.items():
+            try:
+                record = TrainerRecord.from_wire(item.value)
+            except RecordError as e:
+                logger.warning("ignoring a malformed trainer record from %r: %s", subkey, e)
+                continue
+            if record.trainer_id != subkey:
+                logger.warning(
+                    "ignoring a trainer record under subkey %r for %r", subkey, record.trainer_id
+                )
+                continue
+            records[subkey] = record
         return records
 
     async def all_stages(self, num_stages: int) -> list[dict[str, StageRecord]]:

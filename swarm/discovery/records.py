@@ -40,6 +40,10 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"swarm/{run_id}/stage/{stage}"
 
 
+def trainers_key(run_id: str) -> str:
+    return f"swarm/{run_id}/trainers"
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageRecord:
     """One peer's heartbeat for the stage it serves."""
@@ -88,4 +92,30 @@ class StageRecord:
                 f"stage record's param_digest must be 16 lowercase hex characters or empty, got "
                 f"{record.param_digest[:40]!r}"
             )
+        return record
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerRecord:
+    """One trainer's heartbeat: how far it got and how its training goes (for status and the dashboard)."""
+
+    trainer_id: str  # also the DHT subkey
+    step: int  # global batches trained
+    loss: float | None = None  # mean training loss of its last global batch (None before the first)
+    val_loss: float | None = None  # its last validation loss (None before the first)
+    tokens_per_s: float = 0.0  # since it started training
+    microbatches: int = 0  # completed
+    version: int = RECORD_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> TrainerRecord:
+        try:
+            record = parse_dataclass(cls, value, what="trainer record", finite=True)
+        except ValueError as e:
+            raise RecordError(str(e)) from None
+        if record.step < 0 or record.tokens_per_s < 0 or record.microbatches < 0:
+            raise RecordError(f"trainer record has out-of-range values: {value!r}")
         return record

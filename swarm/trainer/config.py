@@ -45,6 +45,9 @@ class TrainerConfig:
     stage_step_wait_s: float = 30.0
     peers_wait_s: float = 120.0  # how long to wait at start for every stage to have a peer
     log_every_s: float = 2.0  # seconds between progress lines
+    # seconds between announcements of its progress in the DHT, for `swarm status` and the dashboard
+    # (0 = never)
+    heartbeat_s: float = 2.0
     metrics_path: str | None = None  # append one JSON line per step and per validation here
     # serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; unset = off)
     metrics_port: int | None = None
@@ -62,6 +65,10 @@ class TrainerConfig:
         if self.max_batches_ahead < -1:
             raise ValueError(
                 f"max_batches_ahead must be >= 0, or -1 for no limit; got {self.max_batches_ahead}"
+            )
+        if self.heartbeat_s < 0:
+            raise ValueError(
+                f"heartbeat_s must be >= 0 seconds (0 = never), got {self.heartbeat_s}"
             )
         if self.stage_step_wait_s < 0:
             raise ValueError(

@@ -22,11 +22,15 @@ import torch
 from swarm.config import RunConfig
 from swarm.data import ByteCorpus
 from swarm.discovery.dht import RunDirectory, start_dht
+from swarm.discovery.records import TrainerRecord
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.pipeline import MicrobatchResult, Pipeline
 
 logger = logging.getLogger(__name__)
+
+# A trainer's record outlives this many missed heartbeats (and its last one this long after it exits).
+TRAINER_TTL_HEARTBEATS = 5
 
 
 @dataclass
@@ -163,6 +167,17 @@ class Trainer:
                     config.host,
                     trainer.metrics_port,
                 )
+            if config.heartbeat_s > 0:
+                heartbeat = asyncio.create_task(
+                    trainer._announce_forever(), name="trainer-heartbeat"
+                )
+
+                async def stop_heartbeat() -> None:
+                    heartbeat.cancel()
+                    await asyncio.gather(heartbeat, return_exceptions=True)
+                    await trainer._announce()  # the final numbers, until the record expires
+
+                stack.push_async_callback(stop_heartbeat)
             yield trainer
 
     # ------------------------------------------------------------------ training
@@ -304,6 +319,29 @@ class Trainer:
     def _microbatch_id(self) -> str:
         self._next_microbatch += 1
         return f"{self.trainer_id}-{self._next_microbatch}"
+
+    async def _announce(self) -> None:
+        """Publish this trainer's progress (``latest``) in the DHT for a few heartbeats."""
+        latest = self.latest
+        record = TrainerRecord(
+            trainer_id=self.trainer_id,
+            step=int(latest["step"]),
+            loss=latest["loss"] if math.isfinite(latest["loss"]) else None,
+            val_loss=latest["val_loss"] if math.isfinite(latest["val_loss"]) else None,
+            tokens_per_s=float(latest["tokens_per_s"]),
+            microbatches=int(latest["microbatches"]),
+        )
+        try:
+            await self.pipeline.directory.announce_trainer(
+                record, ttl_s=TRAINER_TTL_HEARTBEATS * self.config.heartbeat_s
+            )
+        except Exception as e:  # the DHT may be briefly unreachable: training goes on
+            logger.warning("announcing the trainer's progress failed: %s", e)
+
+    async def _announce_forever(self) -> None:
+        while True:
+            await self._announce()
+            await asyncio.sleep(self.config.heartbeat_s)  # the announcement period
 
     def _metric(self, record: dict) -> None:
         self.latest.update((k, v) for k, v in record.items() if k in self.latest)

@@ -93,6 +93,11 @@ def _status_flags(p: argparse.ArgumentParser) -> None:
         help="print one JSON object instead of text (schema: swarm.coordinator.status, README)",
     )
     p.add_argument(
+        "--list-runs",
+        action="store_true",
+        help="list the runs published in the DHT instead (with --json: one object)",
+    )
+    p.add_argument(
         "--watch",
         type=float,
         default=None,
@@ -407,9 +412,11 @@ def _train(args) -> int:
 
 
 def _status(args) -> int:
-    from swarm.coordinator.status import print_status
+    from swarm.coordinator.status import print_runs, print_status
     from swarm.discovery.config import DHTConfig
 
+    if args.list_runs:
+        return _run(print_runs(config_from_args(DHTConfig, args), as_json=args.json))
     return _run(
         print_status(
             args.run_id, config_from_args(DHTConfig, args), as_json=args.json, watch_s=args.watch

@@ -38,7 +38,7 @@ from swarm.coordinator.export import (
     gather_stage_states,
     load_exported,
 )
-from swarm.coordinator.status import format_status, print_status, status_document
+from swarm.coordinator.status import format_status, print_runs, print_status, status_document
 from swarm.discovery.dht import DHTConfig, RunDirectory
 from swarm.errors import PeerDraining, StageUnavailable
 from swarm.model import build_stage
@@ -224,12 +224,16 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
         finally:
             await client.close()
         await print_status("agree", DHTConfig(initial_peers=boot), as_json=True)
+        await print_runs(DHTConfig(initial_peers=boot), as_json=True)
         return (*await status(), info)
 
     document, text, info = loop_thread.run(same_batches())
     digest = a.executor.param_digest()
     assert b.executor.param_digest() == digest and (info.step, info.param_digest) == (2, digest)
-    printed = json.loads(capsys.readouterr().out)
+    printed, runs_listed = capsys.readouterr().out.splitlines()  # the status, then the runs list
+    runs = {run["run_id"]: run for run in json.loads(runs_listed)["runs"]}
+    assert runs["agree"] == {"run_id": "agree", "num_stages": 2, "config": RUN.fingerprint()}
+    printed = json.loads(printed)
     assert printed.pop("time") <= document.pop("time") and printed == document
     assert document["run_id"] == "agree" and document["config"] == RUN.fingerprint()
     # Stage 0 has no peer here: it limits the swarm.

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from swarm.coordinator.agreement import agreement, describe_disagreement, step_groups
-from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
+from swarm.discovery.dht import DHTConfig, RunDirectory, list_runs, start_dht
 from swarm.states import PeerState
 
 
@@ -132,6 +132,23 @@ def format_status(run_id: str, run, stages, trainers=None) -> str:
     return "\n".join(lines)
 
 
+async def print_runs(dht_config: DHTConfig, *, as_json: bool = False) -> int:
+    """Print the runs published in the DHT (``swarm status --list-runs``)."""
+    dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
+    try:
+        runs = await list_runs(dht)
+    finally:
+        dht.shutdown()
+    if as_json:
+        print(json.dumps({"runs": [{"run_id": k, **v} for k, v in sorted(runs.items())]}))
+    elif not runs:
+        print("no run is published in this DHT (check --initial-peers)")
+    else:
+        for run_id, run in sorted(runs.items()):
+            print(f"run '{run_id}': {run['num_stages']} stages, config {run['config']}")
+    return 0
+
+
 async def print_status(
     run_id: str, dht_config: DHTConfig, *, as_json: bool = False, watch_s: float | None = None
 ) -> int:
@@ -145,9 +162,11 @@ async def print_status(
             run = await directory.get_run()
             if run is None:
                 # stderr: stdout holds only the status (a script reading --json sees no stray text)
+                runs = sorted(await list_runs(dht))
+                known = f"; published runs: {', '.join(runs)}" if runs else ""
                 print(
                     f"swarm status: no run '{run_id}' is published in this DHT (check --run-id and "
-                    f"--initial-peers)",
+                    f"--initial-peers{known})",
                     file=sys.stderr,
                 )
                 return 1

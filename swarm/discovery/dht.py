@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 from swarm.config import RunConfig
 from swarm.discovery.config import DHTConfig
 from swarm.discovery.records import (
+    RUNS_KEY,
     RecordError,
     StageRecord,
     TrainerRecord,
@@ -88,6 +89,26 @@ def visible_addresses(dht: hivemind.DHT) -> list[str]:
     return [str(addr) for addr in dht.get_visible_maddrs()]
 
 
+async def list_runs(dht: hivemind.DHT) -> dict[str, dict]:
+    """The runs published in this DHT and still refreshed: run id -> {"num_stages", "config"}."""
+    found = await dht.get(RUNS_KEY, latest=True, return_future=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    runs = {}
+    for run_id, item in found.value.items():
+        value = item.value
+        if (
+            isinstance(run_id, str)
+            and isinstance(value, dict)
+            and isinstance(value.get("num_stages"), int)
+            and isinstance(value.get("config"), str)
+        ):
+            runs[run_id] = {"num_stages": value["num_stages"], "config": value["config"]}
+        else:
+            logger.warning("ignoring a malformed entry of the runs list: %r", run_id)
+    return runs
+
+
 class RunDirectory:
     """Async view of one run in the DHT. Reads validate every record; writes carry a fresh expiration."""
 
@@ -107,11 +128,23 @@ class RunDirectory:
             ) from None
 
     async def publish_run(self, config: RunConfig, *, ttl_s: float) -> bool:
-        """Store (or refresh) the run config. Several peers refresh the same record; a node keeps the
-        copy with the latest expiration and answers False to the others, which is harmless."""
-        return await self.dht.store(
-            config_key(self.run_id), config.to_dict(), get_dht_time() + ttl_s, return_future=True
+        """Store (or refresh) the run config, and list the run under :data:`RUNS_KEY`. Several peers refresh
+        the same record; a node keeps the copy with the latest expiration and answers False to the others,
+        which is harmless."""
+        expiration = get_dht_time() + ttl_s
+        stored, _ = await asyncio.gather(
+            self.dht.store(
+                config_key(self.run_id), config.to_dict(), expiration, return_future=True
+            ),
+            self.dht.store(
+                RUNS_KEY,
+                {"num_stages": config.model.num_stages, "config": config.fingerprint()},
+                expiration,
+                subkey=self.run_id,
+                return_future=True,
+            ),
         )
+        return stored
 
     async def wait_for_run(self, *, timeout_s: float, poll_s: float = 0.5) -> RunConfig:
         deadline = time.monotonic() + timeout_s

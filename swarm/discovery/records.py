@@ -44,6 +44,10 @@ def trainers_key(run_id: str) -> str:
     return f"swarm/{run_id}/trainers"
 
 
+# Every published run also lists itself here (a subkey per run id), so `swarm status --list-runs` finds them.
+RUNS_KEY = "swarm/runs"
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageRecord:
     """One peer's heartbeat for the stage it serves."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import urllib.request
 
 import grpc
@@ -494,3 +495,21 @@ def test_metrics_parse_and_move_with_the_calls_served(peers, loop_thread):
     assert value("swarm_peer_state", state="draining") == 0.0
     assert value("swarm_peer_busy_seconds_total") > 0
     assert scrape(last)[("process_resident_memory_bytes", ())] > 0
+
+
+def test_a_peer_sums_up_what_it_did_in_one_log_line(peers, loop_thread):
+    _, last = peers
+    line, mark = last.summary(None)
+    assert line.startswith(f"peer {last.peer_id} stage 1 serving: step 0, ")
+    before = last.executor.microbatches_applied
+
+    async def work():
+        for i in range(2):
+            await loss_call(last, f"summary-{i}")
+
+    loop_thread.run(work())
+    line, _ = last.summary(mark)
+    # since the mark: 2 microbatches of B samples, at some positive rate; the counts are the peer's
+    rate = float(re.search(r"([\d.]+) samples/s applied over", line).group(1))
+    assert rate > 0 and f"({before + 2} microbatches in all)" in line, line
+    assert re.search(r"busy \d+%, in flight 0, held gradients \d+, dropped \d+$", line), line

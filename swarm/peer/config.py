@@ -90,6 +90,8 @@ class PeerConfig:
     lose_commit_probability: float = 0.0
     # serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; unset = off)
     metrics_port: int | None = None
+    # seconds between the log lines that sum up what the peer did (0 = none)
+    log_every_s: float = 30.0
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # save this peer's stage state here (periodically and on drain); resume from it
@@ -118,6 +120,10 @@ class PeerConfig:
         if not 0 <= self.lose_commit_probability <= 1:
             raise ValueError(
                 f"lose_commit_probability must be in [0, 1], got {self.lose_commit_probability}"
+            )
+        if self.log_every_s < 0:
+            raise ValueError(
+                f"log_every_s must be >= 0 seconds (0 = no summaries), got {self.log_every_s}"
             )
         if not self.drain_idle_s > 0:
             raise ValueError(f"drain_idle_s must be > 0 seconds, got {self.drain_idle_s}")

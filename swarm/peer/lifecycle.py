@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 import uuid
 
 import torch
@@ -48,6 +49,7 @@ class Peer:
         self.run_id = config.run_id
         self.peer_id = config.peer_id or uuid.uuid4().hex[:16]
         self.state = PeerState.STARTING
+        self._started_at = time.monotonic()  # for the summary lines (--log-every-s)
         self.stage_index: int | None = config.stage  # the stage served (or chosen on arrival)
         self.endpoint = ""
         self.run: RunConfig | None = None
@@ -326,6 +328,37 @@ class Peer:
 
     async def _start_heartbeat(self) -> None:
         self._background(self._announcer.run_forever(), "announce")
+        if self.config.log_every_s > 0:
+            self._background(self._log_forever(), "summary")
+
+    def summary(self, since: tuple | None) -> tuple[str, tuple]:
+        """A line saying what the peer did since ``since`` (a mark an earlier call returned; None, or a mark of
+        the stage it served before a move: since it started serving this one), and the mark to pass next."""
+        ex = self.executor
+        now = time.monotonic()
+        mark = (now, ex.samples_applied, ex.busy_s, id(ex))
+        start = (
+            since
+            if since is not None and since[3] == id(ex)
+            else (self._started_at, 0, 0.0, id(ex))
+        )
+        elapsed = max(now - start[0], 1e-9)
+        samples, busy = ex.samples_applied - start[1], ex.busy_s - start[2]
+        line = (
+            f"peer {self.peer_id} stage {self.stage_index} {self.state.value}: step {ex.step}, "
+            f"{samples / elapsed:.1f} samples/s applied over {elapsed:.0f}s ({ex.microbatches_applied} "
+            f"microbatches in all), busy {100 * min(busy / elapsed, 1.0):.0f}%, in flight "
+            f"{self.admission.in_flight}, held gradients {ex.held_gradients}, dropped {ex.gradients_dropped}"
+        )
+        return line, mark
+
+    async def _log_forever(self) -> None:
+        mark = None
+        while True:
+            await asyncio.sleep(self.config.log_every_s)  # the summary period
+            if self.executor is not None:
+                line, mark = self.summary(mark)
+                logger.info("%s", line)
 
     async def _start_rebalancer(self) -> None:
         if not self.config.rebalance or self.run.model.num_stages < 2:

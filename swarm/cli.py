@@ -162,6 +162,18 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
 
 
+def _plot_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "metrics",
+        nargs="+",
+        metavar="METRICS.jsonl",
+        help="files written by swarm train --metrics-path",
+    )
+    p.add_argument(
+        "--out", default="curves.png", help="picture to write (PNG by default; default: curves.png)"
+    )
+
+
 def _demo_flags(p: argparse.ArgumentParser) -> None:
     from swarm.coordinator.demo import DemoConfig
 
@@ -191,6 +203,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
         _export_flags,
     ),
     "generate": ("sample text from an exported model, on CPU", _generate_flags),
+    "plot": ("draw loss and throughput curves from trainers' metrics files", _plot_flags),
     "demo": (
         "start a local swarm (bootstrap, peers, trainer) and train a small model",
         _demo_flags,
@@ -280,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "simulate": _simulate,
         "export": _export,
         "generate": _generate,
+        "plot": _plot,
     }[args.command]
     try:
         return handler(args)
@@ -480,6 +494,13 @@ def _generate(args) -> int:
             seed=args.seed,
         )
     )
+    return 0
+
+
+def _plot(args) -> int:
+    from swarm.coordinator.plot import plot
+
+    print(f"wrote {plot([Path(m) for m in args.metrics], Path(args.out))}")
     return 0
 
 

@@ -29,8 +29,10 @@ from swarm.averaging.version import (  # noqa: F401 (the first two re-exported: 
     UnsupportedHivemind,
     check_hivemind_version,
 )
+from swarm.forking import protect_forks
 
 check_hivemind_version()  # before the imports below, which may already fail on another version
+protect_forks()  # the averagers are forked processes: see swarm.forking
 
 from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
 from hivemind.optim.progress_tracker import ProgressTracker  # noqa: E402

@@ -26,8 +26,11 @@ from swarm.discovery.records import (
     stage_key,
     trainers_key,
 )
+from swarm.forking import protect_forks
 
 logger = logging.getLogger(__name__)
+
+protect_forks()  # hivemind forks its DHT (and averagers) from processes that may run gRPC: see swarm.forking
 
 
 def resolve_initial_peers(values: tuple[str, ...], *, wait_s: float) -> list[str]:

@@ -48,14 +48,13 @@ def _interrupt(signum, frame) -> None:
 
 
 def run_demo(config: DemoConfig) -> int:
+    from swarm.trainer.trainer import TrainSummary
+
     # Ctrl-C (SIGINT) and SIGTERM stop every process of the demo. Set here because a process started in the
     # background of a script inherits SIGINT ignored, and Python then leaves it ignored: the demo would keep
     # running, its children with it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    from swarm.model import MODEL_PRESETS
-    from swarm.trainer.trainer import TrainSummary
-
     if config.preset not in MODEL_PRESETS:
         raise ValueError(f"unknown preset '{config.preset}'; choose one of {sorted(MODEL_PRESETS)}")
     num_stages = MODEL_PRESETS[config.preset].num_stages

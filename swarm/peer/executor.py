@@ -80,13 +80,7 @@ class StageExecutor:
         self.busy_s = 0.0
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_bytes = 0
-        self._ledger = CommitLedger(
-            max_pending=cache.max_pending,
-            commit_hold_s=cache.commit_hold_s,
-            reply_cache_size=cache.reply_cache_size,
-            applied_ids_size=cache.applied_ids_size,
-            dropped_ids_size=cache.dropped_ids_size,
-        )
+        self._ledger = CommitLedger(cache)
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from swarm.errors import AlreadyApplied, GradientsDropped, PeerOverloaded
+from swarm.peer.config import CacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +42,12 @@ class Held:
 
 
 class CommitLedger:
-    def __init__(
-        self,
-        *,
-        max_pending: int,
-        commit_hold_s: float,
-        reply_cache_size: int,
-        applied_ids_size: int,
-        dropped_ids_size: int,
-    ):
-        self.max_pending = max_pending
-        self.commit_hold_s = commit_hold_s
-        self.reply_cache_size = reply_cache_size
-        self.applied_ids_size = applied_ids_size
-        self.dropped_ids_size = dropped_ids_size
+    def __init__(self, config: CacheConfig):
+        self.max_pending = config.max_pending
+        self.commit_hold_s = config.commit_hold_s
+        self.reply_cache_size = config.reply_cache_size
+        self.applied_ids_size = config.applied_ids_size
+        self.dropped_ids_size = config.dropped_ids_size
         # microbatch id -> gradients computed but not yet committed, oldest first (they expire in that order)
         self._held: OrderedDict[str, Held] = OrderedDict()
         self._replies: OrderedDict[str, object] = OrderedDict()

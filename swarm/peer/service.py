@@ -153,9 +153,11 @@ class StageService(pb_grpc.StagePeerServicer):
         dropping them early only saves memory, so it is done only when the caller surely has nothing."""
         replying = False
         try:
-            hold_s = self.executor.cache_config.commit_hold_s
-            reply = self._reply(loss=loss, num_tensors=int(grad_input is not None), hold_s=hold_s)
-            yield reply
+            yield self._reply(
+                loss=loss,
+                num_tensors=int(grad_input is not None),
+                hold_s=self.executor.cache_config.commit_hold_s,
+            )
             replying = True
             if grad_input is not None:
                 async for frame in tensor_frames("grad_input", grad_input, codec):

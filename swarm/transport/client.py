@@ -139,16 +139,15 @@ class PeerClient:
             ) from None
         finally:
             reply_read.set()  # the request stream ends: with the commit after a reply, without one else
-        if commit:
-            reply.hold_until = time.monotonic() + reply.meta.commit_hold_s
-            reply.committed = asyncio.ensure_future(self._confirm(call))
-            reply.commit_again = functools.partial(
-                self.commit,
-                meta.run_id,
-                meta.stage,
-                meta.microbatch_id,
-                meta.batch_step if meta.HasField("batch_step") else None,
-            )
+        reply.hold_until = time.monotonic() + reply.meta.commit_hold_s
+        reply.committed = asyncio.ensure_future(self._confirm(call))
+        reply.commit_again = functools.partial(
+            self.commit,
+            meta.run_id,
+            meta.stage,
+            meta.microbatch_id,
+            meta.batch_step if meta.HasField("batch_step") else None,
+        )
         return reply
 
     async def commit(

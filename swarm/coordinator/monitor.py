@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from swarm.coordinator.status import status_document
+from swarm.coordinator.status import read_status, status_document
 from swarm.discovery.config import DHTConfig
 
 logger = logging.getLogger(__name__)
@@ -140,15 +140,14 @@ async def run_monitor(
         )
         while True:
             try:
-                run = await directory.get_run()
-                if run is None:
+                found = await read_status(directory)
+                if found is None:
                     state.failed(
                         f"no run '{run_id}' is published in this DHT yet (check --run-id and --initial-peers)"
                     )
                 else:
-                    stages = await directory.all_stages(run.model.num_stages)
-                    trainers = await directory.trainer_records()
-                    document = status_document(run_id, run, stages, trainers)
+                    run = found[0]
+                    document = status_document(run_id, *found)
                     document["run"] = {
                         "codec": run.codec,
                         "target_batch_size": run.target_batch_size,

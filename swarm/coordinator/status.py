@@ -63,14 +63,7 @@ def status_document(run_id: str, run, stages, trainers=None) -> dict[str, Any]:
         "bottleneck": bottleneck(stages),
         "stages": out,
         "trainers": [
-            {
-                "trainer_id": t.trainer_id,
-                "step": t.step,
-                "loss": t.loss,
-                "val_loss": t.val_loss,
-                "tokens_per_s": t.tokens_per_s,
-                "microbatches": t.microbatches,
-            }
+            {key: value for key, value in t.to_wire().items() if key != "version"}
             for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id)
         ],
     }
@@ -132,6 +125,18 @@ def format_status(run_id: str, run, stages, trainers=None) -> str:
     return "\n".join(lines)
 
 
+async def read_status(directory: RunDirectory):
+    """``(run, stages, trainers)`` of the directory's run as the DHT has them now, or None if it has no such
+    run (what :func:`status_document` and :func:`format_status` take)."""
+    run = await directory.get_run()
+    if run is None:
+        return None
+    stages, trainers = await asyncio.gather(
+        directory.all_stages(run.model.num_stages), directory.trainer_records()
+    )
+    return run, stages, trainers
+
+
 async def print_runs(dht_config: DHTConfig, *, as_json: bool = False) -> int:
     """Print the runs published in the DHT (``swarm status --list-runs``)."""
     dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
@@ -159,8 +164,8 @@ async def print_status(
     try:
         directory = RunDirectory(dht, run_id)
         while True:
-            run = await directory.get_run()
-            if run is None:
+            found = await read_status(directory)
+            if found is None:
                 # stderr: stdout holds only the status (a script reading --json sees no stray text)
                 runs = sorted(await list_runs(dht))
                 known = f"; published runs: {', '.join(runs)}" if runs else ""
@@ -170,12 +175,10 @@ async def print_status(
                     file=sys.stderr,
                 )
                 return 1
-            stages = await directory.all_stages(run.model.num_stages)
-            trainers = await directory.trainer_records()
             if as_json:
-                print(json.dumps(status_document(run_id, run, stages, trainers)), flush=True)
+                print(json.dumps(status_document(run_id, *found)), flush=True)
             else:
-                print(format_status(run_id, run, stages, trainers), flush=True)
+                print(format_status(run_id, *found), flush=True)
             if watch_s is None:
                 return 0
             await asyncio.sleep(watch_s)  # the period asked for

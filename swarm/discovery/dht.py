@@ -94,12 +94,8 @@ def visible_addresses(dht: hivemind.DHT) -> list[str]:
 
 async def list_runs(dht: hivemind.DHT) -> dict[str, dict]:
     """The runs published in this DHT and still refreshed: run id -> {"num_stages", "config"}."""
-    found = await dht.get(RUNS_KEY, latest=True, return_future=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
     runs = {}
-    for run_id, item in found.value.items():
-        value = item.value
+    for run_id, value in (await _subkey_values(dht, RUNS_KEY)).items():
         if (
             isinstance(run_id, str)
             and isinstance(value, dict)
@@ -110,6 +106,33 @@ async def list_runs(dht: hivemind.DHT) -> dict[str, dict]:
         else:
             logger.warning("ignoring a malformed entry of the runs list: %r", run_id)
     return runs
+
+
+async def _subkey_values(dht: hivemind.DHT, key: str) -> dict:
+    """The values stored under ``key``, by subkey (empty when there is none, or it is not a subkey dict)."""
+    found = await dht.get(key, latest=True, return_future=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {subkey: item.value for subkey, item in found.value.items()}
+
+
+def _valid_records(values: dict, parse, belongs, *, what: str) -> dict:
+    """``parse(value)`` of each subkey's value, keeping those that parse and ``belongs(subkey, record)``
+    (a record under another's subkey is refused); each refusal is logged, never raised: it is remote input."""
+    records = {}
+    for subkey, value in values.items():
+        try:
+            record = parse(value)
+        except RecordError as e:
+            logger.warning("ignoring a malformed %s from %r: %s", what, subkey, e)
+            continue
+        if not belongs(subkey, record):
+            logger.warning(
+                "ignoring a %s under subkey %r that names another owner: %r", what, subkey, record
+            )
+            continue
+        records[subkey] = record
+    return records
 
 
 class RunDirectory:
@@ -189,28 +212,12 @@ class RunDirectory:
 
     async def stage_records(self, stage: int) -> dict[str, StageRecord]:
         """Live peers announced for ``stage``, by peer id. Malformed records are dropped and logged."""
-        found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        records = {}
-        for subkey, item in found.value.items():
-            try:
-                record = StageRecord.from_wire(item.value)
-            except RecordError as e:
-                logger.warning(
-                    "ignoring a malformed record for stage %d from %r: %s", stage, subkey, e
-                )
-                continue
-            if record.peer_id != subkey or record.stage != stage:
-                logger.warning(
-                    "ignoring a record under subkey %r that claims peer %r stage %d",
-                    subkey,
-                    record.peer_id,
-                    record.stage,
-                )
-                continue
-            records[record.peer_id] = record
-        return records
+        return _valid_records(
+            await _subkey_values(self.dht, stage_key(self.run_id, stage)),
+            StageRecord.from_wire,
+            lambda subkey, record: record.peer_id == subkey and record.stage == stage,
+            what=f"record for stage {stage}",
+        )
 
     async def announce_trainer(self, record: TrainerRecord, *, ttl_s: float) -> bool:
         return await self.dht.store(
@@ -223,23 +230,12 @@ class RunDirectory:
 
     async def trainer_records(self) -> dict[str, TrainerRecord]:
         """Live trainers of the run, by trainer id. Malformed records are dropped and logged."""
-        found = await self.dht.get(trainers_key(self.run_id), latest=True, return_future=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        records = {}
-        for subkey, item in found.value.items():
-            try:
-                record = TrainerRecord.from_wire(item.value)
-            except RecordError as e:
-                logger.warning("ignoring a malformed trainer record from %r: %s", subkey, e)
-                continue
-            if record.trainer_id != subkey:
-                logger.warning(
-                    "ignoring a trainer record under subkey %r for %r", subkey, record.trainer_id
-                )
-                continue
-            records[subkey] = record
-        return records
+        return _valid_records(
+            await _subkey_values(self.dht, trainers_key(self.run_id)),
+            TrainerRecord.from_wire,
+            lambda subkey, record: record.trainer_id == subkey,
+            what="trainer record",
+        )
 
     async def all_stages(self, num_stages: int) -> list[dict[str, StageRecord]]:
         return list(await asyncio.gather(*(self.stage_records(s) for s in range(num_stages))))

@@ -83,10 +83,16 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     add_config_args(p, TrainerConfig)
 
 
-def _status_flags(p: argparse.ArgumentParser) -> None:
+def _run_in_dht_flags(p: argparse.ArgumentParser) -> None:
+    """--run-id and the DHT flags: what the commands that look a run up in the DHT share."""
     from swarm.discovery.config import DHTConfig
 
     p.add_argument("--run-id", default="demo", help="the run (default: demo)")
+    add_config_args(p, DHTConfig)
+
+
+def _status_flags(p: argparse.ArgumentParser) -> None:
+    _run_in_dht_flags(p)
     p.add_argument(
         "--json",
         action="store_true",
@@ -104,13 +110,10 @@ def _status_flags(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="print the status again every SECONDS until interrupted (--json: one object per line)",
     )
-    add_config_args(p, DHTConfig)
 
 
 def _monitor_flags(p: argparse.ArgumentParser) -> None:
-    from swarm.discovery.config import DHTConfig
-
-    p.add_argument("--run-id", default="demo", help="the run (default: demo)")
+    _run_in_dht_flags(p)
     p.add_argument(
         "--host", default="127.0.0.1", help="address the dashboard listens on (default: 127.0.0.1)"
     )
@@ -123,13 +126,10 @@ def _monitor_flags(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="seconds between two reads of the run's status from the DHT (default: 1.0)",
     )
-    add_config_args(p, DHTConfig)
 
 
 def _export_flags(p: argparse.ArgumentParser) -> None:
-    from swarm.discovery.config import DHTConfig
-
-    p.add_argument("--run-id", default="demo", help="the run (default: demo)")
+    _run_in_dht_flags(p)
     p.add_argument(
         "--out",
         required=True,
@@ -141,7 +141,6 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
         help="export even if a stage's replicas at its highest step hold different parameters "
         "(takes the most advanced replica's)",
     )
-    add_config_args(p, DHTConfig)
 
 
 def _generate_flags(p: argparse.ArgumentParser) -> None:

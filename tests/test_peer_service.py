@@ -499,7 +499,7 @@ def test_metrics_parse_and_move_with_the_calls_served(peers, loop_thread):
 
 def test_a_peer_sums_up_what_it_did_in_one_log_line(peers, loop_thread):
     _, last = peers
-    line, mark = last.summary(None)
+    line = last.summary()
     assert line.startswith(f"peer {last.peer_id} stage 1 serving: step 0, ")
     before = last.executor.microbatches_applied
 
@@ -508,8 +508,8 @@ def test_a_peer_sums_up_what_it_did_in_one_log_line(peers, loop_thread):
             await loss_call(last, f"summary-{i}")
 
     loop_thread.run(work())
-    line, _ = last.summary(mark)
-    # since the mark: 2 microbatches of B samples, at some positive rate; the counts are the peer's
+    line = last.summary()
+    # since the last summary: 2 microbatches of B samples, at some positive rate; the counts are the peer's
     rate = float(re.search(r"([\d.]+) samples/s applied over", line).group(1))
     assert rate > 0 and f"({before + 2} microbatches in all)" in line, line
     assert re.search(r"busy \d+%, in flight 0, held gradients \d+, dropped \d+$", line), line

@@ -49,7 +49,9 @@ class Peer:
         self.run_id = config.run_id
         self.peer_id = config.peer_id or uuid.uuid4().hex[:16]
         self.state = PeerState.STARTING
-        self._started_at = time.monotonic()  # for the summary lines (--log-every-s)
+        # (when, samples applied, busy seconds) of the executor at the last summary (--log-every-s); set anew
+        # with each executor (its counts start at zero)
+        self._summary_mark = (time.monotonic(), 0, 0.0)
         self.stage_index: int | None = config.stage  # the stage served (or chosen on arrival)
         self.endpoint = ""
         self.run: RunConfig | None = None
@@ -177,6 +179,7 @@ class Peer:
         peers with --average), and stop its optimizer at shutdown."""
         self.executor, _ = await self._build_executor(self.stage_index, moving=False)
         self._saved_step = self.executor.step
+        self._summary_mark = (time.monotonic(), 0, self.executor.busy_s)  # after the calibration
 
         # the optimizer of the stage served at shutdown (a move replaces it)
         async def detach() -> None:
@@ -331,34 +334,24 @@ class Peer:
         if self.config.log_every_s > 0:
             self._background(self._log_forever(), "summary")
 
-    def summary(self, since: tuple | None) -> tuple[str, tuple]:
-        """A line saying what the peer did since ``since`` (a mark an earlier call returned; None, or a mark of
-        the stage it served before a move: since it started serving this one), and the mark to pass next."""
-        ex = self.executor
-        now = time.monotonic()
-        mark = (now, ex.samples_applied, ex.busy_s, id(ex))
-        start = (
-            since
-            if since is not None and since[3] == id(ex)
-            else (self._started_at, 0, 0.0, id(ex))
-        )
-        elapsed = max(now - start[0], 1e-9)
-        samples, busy = ex.samples_applied - start[1], ex.busy_s - start[2]
-        line = (
+    def summary(self) -> str:
+        """A line saying what the peer did since the last summary (or since it began serving its stage)."""
+        ex, now = self.executor, time.monotonic()
+        since, self._summary_mark = self._summary_mark, (now, ex.samples_applied, ex.busy_s)
+        elapsed = max(now - since[0], 1e-9)
+        samples, busy = ex.samples_applied - since[1], ex.busy_s - since[2]
+        return (
             f"peer {self.peer_id} stage {self.stage_index} {self.state.value}: step {ex.step}, "
             f"{samples / elapsed:.1f} samples/s applied over {elapsed:.0f}s ({ex.microbatches_applied} "
             f"microbatches in all), busy {100 * min(busy / elapsed, 1.0):.0f}%, in flight "
             f"{self.admission.in_flight}, held gradients {ex.held_gradients}, dropped {ex.gradients_dropped}"
         )
-        return line, mark
 
     async def _log_forever(self) -> None:
-        mark = None
         while True:
             await asyncio.sleep(self.config.log_every_s)  # the summary period
             if self.executor is not None:
-                line, mark = self.summary(mark)
-                logger.info("%s", line)
+                logger.info("%s", self.summary())
 
     async def _start_rebalancer(self) -> None:
         if not self.config.rebalance or self.run.model.num_stages < 2:
@@ -415,6 +408,7 @@ class Peer:
         await asyncio.to_thread(self.executor.optimizer.shutdown)
         executor, source = await self._build_executor(stage_index, moving=True)
         self.executor, self.stage_index = executor, stage_index
+        self._summary_mark = (time.monotonic(), 0, executor.busy_s)
         self._saved_step = executor.step
         self.admission.end_drain()
         self.state = PeerState.SERVING

@@ -91,3 +91,32 @@ def test_a_peer_silent_past_its_hold_leaves_the_outcome_unknown_and_is_not_asked
     # It waited for the in-call confirmation through the hold, then asked until past it: never giving up
     # before the peer's hold is over (only then can it no longer count the gradient), and stopping after.
     assert 0.1 + 0.05 <= took and len(calls) >= 1
+
+
+def test_a_gradient_no_peer_counts_is_computed_again_a_bounded_number_of_times(quick):
+    """Pipeline._settle against replies whose commits are always dropped (a hold shorter than the transfer):
+    it computes the gradient again MAX_RECOMPUTES times, then ends the microbatch with a sentence."""
+    import types
+
+    from swarm.errors import SwarmError
+    from swarm.trainer.pipeline import MAX_RECOMPUTES, Pipeline
+
+    counters = types.SimpleNamespace(unconfirmed_commits=0, recomputed_gradients=0)
+    computed = []
+
+    async def go():
+        async def recompute():
+            computed.append(1)
+            return reply_with(GradientsDropped("hold over"), [])[0]
+
+        first = reply_with(TransportError("frozen"), [TransportError("frozen")], hold_s=0.05)[0]
+        await Pipeline._settle(counters, "mb", 1, first, recompute)
+
+    with pytest.raises(
+        SwarmError, match=rf"computed {MAX_RECOMPUTES + 1} times; is the peers' --commit-hold-s"
+    ):
+        asyncio.run(go())
+    assert len(computed) == counters.recomputed_gradients == MAX_RECOMPUTES
+    assert (
+        counters.unconfirmed_commits == 1
+    )  # the first peer never answered; the others said "dropped"

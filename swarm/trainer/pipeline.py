@@ -273,14 +273,15 @@ class Pipeline:
         """Make sure ``stage`` counts this microbatch's gradient exactly once: wait for the commit's outcome
         (one round trip after the reply, overlapped with the rest of the backward pass), and compute the
         gradient again, at most ``MAX_RECOMPUTES`` times, when the peer did not count it."""
-        for computed in range(1, MAX_RECOMPUTES + 2):
-            outcome = await commit_outcome(reply)
-            if outcome is Outcome.APPLIED:
-                return
-            if computed > MAX_RECOMPUTES:
-                break
+        computations = 1
+        while (outcome := await commit_outcome(reply)) is not Outcome.APPLIED:
             if outcome is Outcome.UNKNOWN:
                 self.unconfirmed_commits += 1
+            if computations > MAX_RECOMPUTES:
+                raise SwarmError(
+                    f"stage {stage} did not count the gradients of microbatch {microbatch_id} computed "
+                    f"{computations} times; is the peers' --commit-hold-s shorter than a reply's transfer?"
+                )
             self.recomputed_gradients += 1
             logger.warning(
                 "stage %d %s the gradients of microbatch %s; computing them again",
@@ -291,10 +292,7 @@ class Pipeline:
                 microbatch_id,
             )
             reply = await recompute()
-        raise SwarmError(
-            f"stage {stage} did not count the gradients of microbatch {microbatch_id} computed "
-            f"{MAX_RECOMPUTES + 1} times; is the peers' --commit-hold-s shorter than a reply's transfer?"
-        )
+            computations += 1
 
     async def eval_microbatch(self, tokens: torch.Tensor) -> float:
         """Validation loss of one batch: forward only, nothing kept or accumulated by the peers."""

@@ -254,7 +254,7 @@ def even_split_lower_bound(draws: int, sigmas: float = 3.0) -> float:
     return 0.5 - sigmas * (0.25 / draws) ** 0.5
 
 
-# ---- real peers in the test process (tests/test_live_peers.py, tests/test_live_replicas.py)
+# ---- real peers in the test process (tests/test_live_peers.py)
 
 
 @pytest.fixture(scope="module")

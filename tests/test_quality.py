@@ -48,7 +48,8 @@ def test_int8_validation_loss_close_to_none(tmp_path):
         for codec in cfg.codecs:
             run_id = f"q-{codec}"
             # From a child process: a DHT node forked from this test process (which has run gRPC servers and
-            # torch threads in earlier tests) once spun at 100% CPU instead of starting.
+            # torch threads in earlier tests) once spun at 100% CPU instead of starting: it freed inherited
+            # grpc.aio objects (fixed in swarm/forking.py; publishing from a child is kept).
             publish_run_at(
                 Where(),
                 addr_file,

@@ -40,6 +40,14 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"swarm/{run_id}/stage/{stage}"
 
 
+def _parse(cls, value: Any, what: str):
+    """``cls`` from the wire ``value`` by the one parser of remote records; RecordError if it does not fit."""
+    try:
+        return parse_dataclass(cls, value, what=what, finite=True)
+    except ValueError as e:
+        raise RecordError(str(e)) from None
+
+
 def trainers_key(run_id: str) -> str:
     return f"swarm/{run_id}/trainers"
 
@@ -75,10 +83,7 @@ class StageRecord:
     @classmethod
     def from_wire(cls, value: Any) -> StageRecord:
         # fields with defaults were added in later versions; unknown ones come from newer peers
-        try:
-            record = parse_dataclass(cls, value, what="stage record", finite=True)
-        except ValueError as e:
-            raise RecordError(str(e)) from None
+        record = _parse(cls, value, "stage record")
         if (
             record.stage < 0
             or record.throughput < 0
@@ -116,10 +121,7 @@ class TrainerRecord:
 
     @classmethod
     def from_wire(cls, value: Any) -> TrainerRecord:
-        try:
-            record = parse_dataclass(cls, value, what="trainer record", finite=True)
-        except ValueError as e:
-            raise RecordError(str(e)) from None
+        record = _parse(cls, value, "trainer record")
         if record.step < 0 or record.tokens_per_s < 0 or record.microbatches < 0:
             raise RecordError(f"trainer record has out-of-range values: {value!r}")
         return record

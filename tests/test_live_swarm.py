@@ -171,21 +171,26 @@ def averaging_stages(loop_thread):
         loop_thread.run(peer.shutdown())
 
 
+def _trainer_config(ahead: int, steps: int, **options) -> TrainerConfig:
+    """A trainer of the averaging stages' run: ``steps`` batches, at most ``ahead`` ahead of the stages."""
+    return TrainerConfig(
+        run_id="ahead",
+        microbatch_size=MICROBATCH,
+        # room for two batches at once: only the flow control holds it back
+        in_flight=2 * PER_STEP,
+        steps=steps,
+        max_batches_ahead=ahead,
+        eval_every_steps=0,
+        eval_batches=1,
+        log_every_s=60,
+        data=DataConfig(),
+        **options,
+    )
+
+
 def _train(peers, ahead: int, steps: int):
     async def go():
-        config = TrainerConfig(
-            run_id="ahead",
-            microbatch_size=MICROBATCH,
-            in_flight=2
-            * PER_STEP,  # room for two batches at once: only the flow control holds it back
-            steps=steps,
-            max_batches_ahead=ahead,
-            eval_every_steps=0,
-            eval_batches=1,
-            log_every_s=60,
-            data=DataConfig(),
-        )
-        async with Trainer.open(config, dht=peers[0].dht) as trainer:
+        async with Trainer.open(_trainer_config(ahead, steps), dht=peers[0].dht) as trainer:
             return await trainer.train()
 
     return go()
@@ -227,16 +232,7 @@ def test_a_trainers_metrics_endpoint_reports_what_its_summary_says(averaging_sta
     peers, _ = averaging_stages
 
     async def go():
-        config = TrainerConfig(
-            run_id="ahead",
-            microbatch_size=MICROBATCH,
-            steps=2,
-            max_batches_ahead=0,
-            eval_every_steps=0,
-            eval_batches=1,
-            log_every_s=60,
-            metrics_port=0,
-        )
+        config = _trainer_config(0, 2, metrics_port=0)
         async with Trainer.open(config, dht=peers[0].dht) as trainer:
             summary = await trainer.train()
             url = f"http://127.0.0.1:{trainer.metrics_port}/metrics"

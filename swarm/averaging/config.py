@@ -22,6 +22,10 @@ class AveragingConfig:
     # stall for seconds on a loaded machine).
     chunk_timeout_s: float = 10.0
     load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers
+    # A replica that stops reporting its progress (killed, frozen, gone) stops counting in its stage's averaging
+    # after this long: the most a kill costs its peers (they re-report twice per period; under a second risks
+    # missing a live replica on a loaded DHT, and then replicas step alone and drift apart).
+    progress_ttl_s: float = 15.0
     # gradient all-reduce codec (hivemind's 8-bit codecs fail under numpy 2)
     grad_compression: str = field(default="none", metadata={"choices": GRAD_COMPRESSIONS})
     step_check_s: float = 0.1  # seconds between checks whether the stage's global batch is full
@@ -38,6 +42,7 @@ class AveragingConfig:
                 self.averaging_timeout_s,
                 self.chunk_timeout_s,
                 self.load_state_timeout_s,
+                self.progress_ttl_s,
                 self.step_check_s,
             )
             <= 0
@@ -46,5 +51,6 @@ class AveragingConfig:
                 f"matchmaking_s ({self.matchmaking_s}), "
                 f"averaging_timeout_s ({self.averaging_timeout_s}), "
                 f"chunk_timeout_s ({self.chunk_timeout_s}), load_state_timeout_s "
-                f"({self.load_state_timeout_s}) and step_check_s ({self.step_check_s}) must be > 0"
+                f"({self.load_state_timeout_s}), progress_ttl_s ({self.progress_ttl_s}) and "
+                f"step_check_s ({self.step_check_s}) must be > 0"
             )

@@ -34,9 +34,31 @@ from swarm.forking import protect_forks
 check_hivemind_version()  # before the imports below, which may already fail on another version
 protect_forks()  # the averagers are forked processes: see swarm.forking
 
+import hivemind.averaging.allreduce  # noqa: E402
+from hivemind.averaging.partition import TensorPartReducer  # noqa: E402
 from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
 from hivemind.optim.progress_tracker import ProgressTracker  # noqa: E402
 from hivemind.optim.state_averager import TrainingStateAverager  # noqa: E402
+
+
+class ExactDeltaReducer(TensorPartReducer):
+    """Makes every member of an all-reduce group end with bit-identical averages, so replicas stay bit-identical
+    (their parameter digests agree) rather than drift apart by rounding.
+
+    hivemind's reducer of a part sends each member ``average - member's part``, which the member adds to its part.
+    In float32 that round trip rounds differently at each member. The difference of two float32 values is exact
+    in float64, and a float32 plus that float64 difference is the average again, exactly: so the reducer returns
+    the average as float64 (the delta then travels as float64, 8 bytes a value on the way back; the member's
+    float32 ``add_`` computes in float64 and lands on the average). With a lossy ``--grad-compression`` the deltas
+    are rounded on the wire and replicas agree only up to that rounding."""
+
+    async def accumulate_part(self, *args, **kwargs) -> torch.Tensor:
+        return (await super().accumulate_part(*args, **kwargs)).double()
+
+
+# Private: AllReduceRunner builds its reducer by this module-level name; there is no parameter for the class.
+# Set before any averager process forks, in every process that imports this module.
+hivemind.averaging.allreduce.TensorPartReducer = ExactDeltaReducer
 
 
 class SampleSumGradientAverager(GradientAverager):

@@ -80,6 +80,10 @@ class HivemindStageOptimizer:
         self.stage_index = stage_module.index
         self.params = list(stage_module.parameters())
         self._later = LaterBatches()
+        self._closed_through = -1  # the last global batch known closed (see close_batch)
+        self._replicas: dict[
+            int, int
+        ] = {}  # global batch -> its stage's replicas the trainer reached
         self.step_pause_s = (
             0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
         )
@@ -129,6 +133,7 @@ class HivemindStageOptimizer:
                 private_key=private_key or RSAPrivateKey(),
                 min_refresh_period=0.2,
                 default_refresh_period=0.5,
+                metadata_expiration=config.progress_ttl_s,
             ),
             averager_opts=dict(request_timeout=request_timeout),
             verbose=False,
@@ -159,7 +164,7 @@ class HivemindStageOptimizer:
             ):
                 # The trainer is that many batches further: whatever of this one is still missing is not coming
                 # (its trainer restarted, a replica holding part of it died). Step on what the stage has.
-                self.opt.tracker.batch_closed = True
+                self.close_batch(self.step)
             return False
         return self._add(grads, num_samples)
 
@@ -177,6 +182,18 @@ class HivemindStageOptimizer:
             hp.schedule_gradient_averaging(opt)
         return False
 
+    def close_batch(self, batch_step: int, replicas: int = 0) -> None:
+        """The trainer has every microbatch of global batch ``batch_step`` committed (the CloseBatch RPC): the stage
+        steps on what it has once its batch is closed, without waiting for samples that will not come (a replica
+        killed with its part). ``replicas``: how many of the stage's replicas answered the trainer just before (0 =
+        not known). It decides who steps together: one, and this replica steps alone without waiting for a group,
+        although the stage's progress records still count a replica just killed (they outlive it); more, and it
+        averages, although the records may not show its peers yet (stepping alone, it would drift apart). Any
+        thread: the next ``maybe_step`` reads it."""
+        self._closed_through = max(self._closed_through, batch_step)
+        if replicas > self._replicas.get(batch_step, 0):
+            self._replicas[batch_step] = replicas
+
     def _catch_up(self) -> None:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
         while (due := self._later.pop_due(self.step)) is not None:
@@ -188,6 +205,7 @@ class HivemindStageOptimizer:
         averager process, not here, so compute goes on meanwhile; only the all-reduce and the update
         hold the compute thread. Returns True if the parameters changed."""
         opt, tracker = self.opt, self.opt.tracker
+        tracker.batch_closed = self._closed_through >= self.step
         if tracker.global_epoch <= self.step and tracker.global_progress.samples_accumulated == 0:
             return False  # nothing to average
         if not tracker.ready_to_update_epoch:
@@ -195,7 +213,9 @@ class HivemindStageOptimizer:
                 hp.schedule_gradient_averaging(opt)
             return False
         control = opt.scheduled_grads
-        alone = tracker.global_progress.num_peers <= 1
+        self._replicas = {k: n for k, n in self._replicas.items() if k >= self.step}
+        replicas = self._replicas.get(self.step, 0)
+        alone = replicas == 1 or (replicas == 0 and tracker.global_progress.num_peers <= 1)
         if not alone and (control is None or control.done()):
             # The batch filled before any group was scheduled.
             opt.scheduled_grads = control = opt.grad_averager.schedule_step(
@@ -311,27 +331,48 @@ class HivemindStageOptimizer:
             opt.scheduled_grads = None
         if doubtful:
             averager.state_sharing_priority = self.step - 0.5
-        deadline = time.monotonic() + self.config.load_state_timeout_s
-        with opt.tracker.pause_updates():
-            while True:
+        deadline, alone = time.monotonic() + self.config.load_state_timeout_s, False
+        while True:
+            if alone := self._alone():
+                # The replicas it would load from left (killed, drained, moved): their progress records expired
+                # (``--progress-ttl-s``). This replica is the stage's only one now; its own state is the stage's.
+                logger.warning(
+                    "stage %d: no other replica left to load the state of step %d from; continuing "
+                    "with its own (step %d)",
+                    self.stage_index,
+                    want_step,
+                    self.step,
+                )
+                break
+            with opt.tracker.pause_updates():
                 loaded = averager.load_state_from_peers(
                     timeout=max(1.0, deadline - time.monotonic())
                 )
-                if (loaded is not None and loaded >= want_step) or time.monotonic() >= deadline:
-                    break
-                # The peer we reached is at an older step (it steps next, or the one ahead is busy), or none answered
-                # (two doubtful replicas asking each other at once): ask again after a random pause, so one goes first.
-                time.sleep(self.config.step_check_s * random.uniform(2, 8))
+            if (loaded is not None and loaded >= want_step) or time.monotonic() >= deadline:
+                break
+            # The peer we reached is at an older step (it steps next, or the one ahead is busy), or none answered
+            # (two doubtful replicas asking each other at once, or the one it asked is gone): ask again after a
+            # random pause, so one goes first; the tracker meanwhile sees who is still there.
+            time.sleep(self.config.step_check_s * random.uniform(2, 8))
+        with opt.tracker.pause_updates():
             opt.tracker.report_local_progress(self.step, samples_accumulated=0)
             self._announce_step()
             opt.grad_averager.reset_accumulated_grads_()
-        if self.step < want_step:
+        if self.step < want_step and not alone:
             logger.warning(
                 "stage %d: downloaded the state of step %d, its peers are at step %d",
                 self.stage_index,
                 self.step,
                 want_step,
             )
+
+    def _alone(self) -> bool:
+        """No other replica of the stage is left to load a state from, as far as the stage's progress records say
+        (a replica's record expires ``--progress-ttl-s`` after it stops reporting). This replica's own record may
+        have expired too (it was frozen): one record and no step ahead of this replica's is alone."""
+        tracker = self.opt.tracker
+        peers = tracker.global_progress.num_peers
+        return peers == 0 or (peers == 1 and tracker.global_epoch <= self.step)
 
     def grad_sums(self):
         by_param = {id(p): acc for p, acc in zip(self._order, hp.gradient_accumulators(self.opt))}

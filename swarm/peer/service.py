@@ -203,6 +203,13 @@ class StageService(pb_grpc.StagePeerServicer):
         self.late_commits += 1
         return pb.CommitReply(applied_now=applied_now, step=self.executor.step)
 
+    @unary_handler
+    async def CloseBatch(self, request: pb.CloseBatchRequest, context) -> pb.CloseBatchReply:
+        """A trainer's part of global batch ``batch_step`` is all committed: the stage need not wait for more."""
+        self._check_stage(request)
+        self.executor.close_batch(request.batch_step, request.replicas)
+        return pb.CloseBatchReply(step=self.executor.step)
+
     @stream_handler
     async def GetState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.Frame]:
         if request.run_id != self.ctx.run_id:
@@ -255,6 +262,14 @@ class StageService(pb_grpc.StagePeerServicer):
 
     def _check_request(self, meta: pb.RequestMeta | pb.CommitRequest) -> None:
         """The request header names this peer's protocol, run and stage, and a usable microbatch id."""
+        self._check_stage(meta)
+        if not meta.microbatch_id or len(meta.microbatch_id) > 256:
+            raise InvalidRequest(
+                "microbatch_id must be a non-empty string of at most 256 characters"
+            )
+
+    def _check_stage(self, meta: pb.RequestMeta | pb.CommitRequest | pb.CloseBatchRequest) -> None:
+        """The request names this peer's protocol, run and stage."""
         if meta.protocol_version != PROTOCOL_VERSION:
             raise InvalidRequest(
                 f"protocol version {meta.protocol_version} is not supported by this peer "
@@ -266,10 +281,6 @@ class StageService(pb_grpc.StagePeerServicer):
             raise WrongPeer(
                 f"this peer serves stage {self.executor.stage_index} of run '{self.ctx.run_id}', "
                 f"not stage {meta.stage}; refresh the peer list from the DHT"
-            )
-        if not meta.microbatch_id or len(meta.microbatch_id) > 256:
-            raise InvalidRequest(
-                "microbatch_id must be a non-empty string of at most 256 characters"
             )
 
     def _header_check(self, *, allowed: set[str]) -> Callable:

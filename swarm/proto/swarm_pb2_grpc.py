@@ -59,6 +59,11 @@ class StagePeerStub:
                 request_serializer=swarm__pb2.CommitRequest.SerializeToString,
                 response_deserializer=swarm__pb2.CommitReply.FromString,
                 _registered_method=True)
+        self.CloseBatch = channel.unary_unary(
+                '/swarm.v1.StagePeer/CloseBatch',
+                request_serializer=swarm__pb2.CloseBatchRequest.SerializeToString,
+                response_deserializer=swarm__pb2.CloseBatchReply.FromString,
+                _registered_method=True)
 
 
 class StagePeerServicer:
@@ -94,6 +99,12 @@ class StagePeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StagePeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_StagePeerServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=swarm__pb2.CommitRequest.FromString,
                     response_serializer=swarm__pb2.CommitReply.SerializeToString,
+            ),
+            'CloseBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseBatch,
+                    request_deserializer=swarm__pb2.CloseBatchRequest.FromString,
+                    response_serializer=swarm__pb2.CloseBatchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class StagePeer:
             '/swarm.v1.StagePeer/Commit',
             swarm__pb2.CommitRequest.SerializeToString,
             swarm__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.StagePeer/CloseBatch',
+            swarm__pb2.CloseBatchRequest.SerializeToString,
+            swarm__pb2.CloseBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

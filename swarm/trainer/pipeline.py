@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 # How many times the trainer computes one stage's gradient of a microbatch before it gives up on it.
 MAX_RECOMPUTES = 8
+# Deadline of the calls that close a global batch (see Pipeline.close_batch).
+CLOSE_BATCH_TIMEOUT_S = 5.0
 # How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
 DRAINING_MEMORY_S = 30.0
 
@@ -194,6 +196,43 @@ class Pipeline:
                 return False
             await asyncio.sleep(self.config.refresh_s / 4)
             await self.refresh()
+
+    async def close_batch(self, batch_steps: list[int]) -> None:
+        """Tell every replica of each stage k that this trainer's part of its global batch ``batch_steps[k]`` is all
+        committed, so the stage steps on what it has rather than wait for samples that will not come (a replica
+        killed with its part), and how many of its replicas answered just now: the replicas to step with, whatever
+        the stage's progress records (which outlive a killed replica, and lag a live one) say. Best effort: a
+        replica that does not answer steps on its own rules."""
+        targets = [
+            (stage, record)
+            for stage in range(self.num_stages)
+            for record in list(self.records[stage].values())
+            if record.state in (PeerState.SERVING, PeerState.DRAINING)
+        ]
+
+        async def alive(stage: int, record: StageRecord) -> bool:
+            try:
+                await self.clients.get(record.endpoint).info(
+                    self.run_id, timeout_s=CLOSE_BATCH_TIMEOUT_S
+                )
+                return True
+            except SwarmError:
+                return False
+
+        answered = await asyncio.gather(*(alive(*target) for target in targets))
+        live = [0] * self.num_stages
+        for (stage, _), ok in zip(targets, answered):
+            live[stage] += ok
+
+        async def close(stage: int, record: StageRecord) -> None:
+            try:
+                await self.clients.get(record.endpoint).close_batch(
+                    self.run_id, stage, batch_steps[stage], live[stage], CLOSE_BATCH_TIMEOUT_S
+                )
+            except SwarmError as e:
+                logger.debug("stage %d peer %s: closing batch failed: %s", stage, record.peer_id, e)
+
+        await asyncio.gather(*(close(*target) for target, ok in zip(targets, answered) if ok))
 
     async def train_microbatch(
         self, microbatch_id: str, tokens: torch.Tensor, batch_steps: list[int] | None = None

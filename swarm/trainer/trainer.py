@@ -194,7 +194,8 @@ class Trainer:
         launched = 0
         started = self._last_log = time.monotonic()
         self._last_val_loss = float("nan")  # shown on progress lines until the next validation
-        pending: set[asyncio.Task] = set()
+        pending: dict[asyncio.Task, int] = {}  # microbatch task -> its index
+        batches = _BatchCloser(self.pipeline, self._per_step, first_steps)
         try:
             while launched < total or pending:
                 while len(pending) < cfg.in_flight and launched < total:
@@ -202,12 +203,14 @@ class Trainer:
                         launched, first_steps, waiting_on_replies=bool(pending)
                     ):
                         break
-                    pending.add(asyncio.create_task(self._train_microbatch(launched, first_steps)))
+                    task = asyncio.create_task(self._train_microbatch(launched, first_steps))
+                    pending[task] = launched
                     launched += 1
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     # A microbatch that exhausted its retries ends training here (task.result() raises).
                     step_loss = tally.add(task.result())
+                    batches.completed(pending.pop(task))
                     self.latest.update(microbatches=tally.microbatches, samples=tally.samples)
                     if step_loss is not None:
                         await self._after_step(tally, step_loss, started)
@@ -215,6 +218,7 @@ class Trainer:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            await batches.close()
         return await self._finish(tally, launched, first_steps, started)
 
     async def _stages_caught_up(
@@ -404,6 +408,30 @@ def _duration(seconds: float) -> str:
     return (
         f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
     )
+
+
+class _BatchCloser:
+    """Closes each global batch at the stages once all its microbatches are in (their gradients committed at every
+    stage): see :meth:`Pipeline.close_batch`. Batches close in the background, in any order."""
+
+    def __init__(self, pipeline: Pipeline, per_step: int, first_steps: list[int]):
+        self.pipeline, self.per_step, self.first_steps = pipeline, per_step, first_steps
+        self._done: dict[int, int] = {}  # global batch -> microbatches of it completed
+        self._tasks: set[asyncio.Task] = set()
+
+    def completed(self, index: int) -> None:
+        batch = index // self.per_step
+        self._done[batch] = self._done.get(batch, 0) + 1
+        if self._done[batch] == self.per_step:
+            del self._done[batch]
+            steps = [first + batch for first in self.first_steps]
+            task = asyncio.create_task(self.pipeline.close_batch(steps), name=f"close-{batch}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Let the closes sent finish (each is bounded by its deadline)."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def _gather_or_cancel(coros):

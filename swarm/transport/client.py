@@ -174,6 +174,24 @@ class PeerClient:
             raise typed_error(e, peer=self.endpoint) from None
         return reply.applied_now
 
+    async def close_batch(
+        self, run_id: str, stage: int, batch_step: int, replicas: int, timeout_s: float
+    ) -> int:
+        """Tell the peer this caller's part of global batch ``batch_step`` is all committed, and that ``replicas``
+        replicas of the stage answered just now; returns the peer's step."""
+        request = pb.CloseBatchRequest(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=run_id,
+            stage=stage,
+            batch_step=batch_step,
+            replicas=replicas,
+        )
+        try:
+            reply = await self._stub.CloseBatch(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise typed_error(e, peer=self.endpoint) from None
+        return reply.step
+
     async def _read(self, call, *, keep_open: bool = False) -> Reply:
         done = False
         try:

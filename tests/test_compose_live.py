@@ -8,8 +8,11 @@ mid-run and training goes on, the peer comes back, and at the end the replicas o
 parameters. Everything is taken down: the project's containers, network and volume, and the engine this test
 started, with the host's firewall and forwarding as they were (the netns tests that run later need them so).
 
-Cost on 2 cores: about 4 minutes the first time on a machine (install, base image, image build); about
-2 minutes once the packages, the base image and the build's layers are cached (the engine's store keeps them).
+Cost on 2 cores (measured with other work loading the machine): the first time on a machine 7 to 9 minutes
+(packages ~25 s, base image ~70 s, image build ~190 s, the swarm 1.5 to 3.5 minutes); about 3 minutes once the
+packages, the base image and the build's layers are cached (the engine's store and /var/cache/swarm keep them).
+The swarm's time depends on where the kill lands: in the middle of an all-reduce, the other replica of the stage
+reloads its state for up to a minute before it serves again (deploy/README.md), and the trainer waits for it.
 Needs root and the package registries: skips otherwise, fails under SWARM_REQUIRE_ROOT_TESTS=1 (conftest).
 """
 

@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format install bench proto clean
+.PHONY: demo compose test test-fast lint format install bench proto clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,13 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m swarm demo
+
+# The Docker Compose demo swarm (deploy/docker-compose.yml): build, run, print the loss and whether the replicas
+# agree, take it all down. COMPOSE_FLAGS=--offline builds without Docker Hub, through this host's pip setup; as root
+# where no Docker engine runs, one is installed and started for the run (deploy/README.md).
+COMPOSE_FLAGS ?=
+compose: $(STAMP)
+	$(PY) -m deploy.compose $(COMPOSE_FLAGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

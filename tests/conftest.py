@@ -43,7 +43,10 @@ def _tier_of(item) -> str:
         if marked:
             tier = marked.pop()
             break
-    if item.get_closest_marker("netns") is not None:
+    if (
+        item.get_closest_marker("netns") is not None
+        or item.get_closest_marker("docker") is not None
+    ):
         tier = "swarm"
     if tier != "swarm" and SWARM_FIXTURES & set(getattr(item, "fixturenames", ())):
         raise pytest.UsageError(
@@ -60,8 +63,9 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(tier)
 
 
-# CI runs as root: there a test that needs network namespaces must run, and one that cannot is a failure,
-# not a green skip (the slow-link claim rests on tests/test_netswarm.py). Elsewhere it skips with the reason.
+# CI runs as root: there a test that needs network namespaces (`netns`) or a Docker engine it installs and starts
+# (`docker`) must run, and one that cannot is a failure, not a green skip (the slow-link claim rests on
+# tests/test_netswarm.py, the compose demo's on tests/test_compose_live.py). Elsewhere it skips with the reason.
 REQUIRE_ROOT_ENV = "SWARM_REQUIRE_ROOT_TESTS"
 
 
@@ -76,17 +80,36 @@ def netns_unavailable() -> str | None:
     return None if available else why
 
 
+@functools.cache
+def docker_unavailable() -> str | None:
+    """Why this process cannot install and start a Docker engine (None when it can); asked once per session
+    (it may ask the package registry: deploy/engine.py)."""
+    from deploy.engine import why_unavailable
+
+    return why_unavailable()
+
+
 def require_root_tests() -> bool:
     return os.environ.get(REQUIRE_ROOT_ENV, "") not in ("", "0")
 
 
+# marker -> (what it needs, in words; why this process lacks it, or None)
+ROOT_MARKERS = {
+    "netns": ("network namespaces", lambda: netns_unavailable()),
+    "docker": ("a Docker engine", lambda: docker_unavailable()),
+}
+
+
 def pytest_runtest_setup(item) -> None:
-    if item.get_closest_marker("netns") is None or (why := netns_unavailable()) is None:
-        return
-    reason = f"network namespaces unavailable: {why}"
-    if require_root_tests():
-        pytest.fail(f"{reason} ({REQUIRE_ROOT_ENV} is set: CI must run this test)", pytrace=False)
-    pytest.skip(reason)
+    for marker, (what, unavailable) in ROOT_MARKERS.items():
+        if item.get_closest_marker(marker) is None or (why := unavailable()) is None:
+            continue
+        reason = f"{what} unavailable: {why}"
+        if require_root_tests():
+            pytest.fail(
+                f"{reason} ({REQUIRE_ROOT_ENV} is set: CI must run this test)", pytrace=False
+            )
+        pytest.skip(reason)
 
 
 def ask_peers(endpoints, call):

@@ -128,13 +128,15 @@ def test_ports_do_not_collide():
 
 
 def _dockerfile_copies(dockerfile: Path) -> list[str]:
-    """Source paths of the COPY/ADD instructions (single-line, single-stage Dockerfile)."""
+    """Source paths in the build context of the COPY/ADD instructions (single-line instructions; a COPY
+    --from=STAGE copies from an earlier stage, not from the context)."""
     sources = []
     for line in dockerfile.read_text().splitlines():
         if line.split(maxsplit=1)[:1] not in (["COPY"], ["ADD"]):
             continue  # other instructions may hold shell syntax shlex cannot read
         words = shlex.split(line, comments=True)
-        assert not any(w.startswith("--from") for w in words), "multi-stage COPY: extend this test"
+        if any(w.startswith("--from") for w in words):
+            continue
         sources += [w for w in words[1:] if not w.startswith("--")][:-1]
     return sources
 
@@ -155,11 +157,47 @@ def test_build_context_and_dockerfile_inputs_exist():
     readme = tomllib.loads((REPO / "pyproject.toml").read_text())["project"].get("readme")
     if readme is not None:
         assert readme in sources, f"pyproject needs {readme} but the Dockerfile does not copy it"
-    # The Dockerfile-specific ignore file must not hide what the Dockerfile copies.
-    ignore = _ignore_patterns(Path(str(dockerfile) + ".dockerignore"))
+    # The context's ignore file (at its root: Compose v1 and the classic builder read no other) must not hide
+    # what the Dockerfile copies, and must keep the virtualenv out.
+    assert not Path(str(dockerfile) + ".dockerignore").exists(), "BuildKit would read only that one"
+    ignore = _ignore_patterns(context / ".dockerignore")
     for src in sources:
         assert not _ignored(src.rstrip("/"), ignore), f"{src} is excluded by the .dockerignore"
     assert _ignored(".venv", ignore), "the virtualenv would be sent as build context"
+    assert _ignored("tests", ignore) and _ignored("deploy/netns", ignore)
+
+
+def test_compose_v1_reads_the_file_too():
+    # Compose v1 (Debian's docker-compose 1.29) refuses a top-level `name:`: the project's name comes from the
+    # .env file next to the compose file, which v1 and v2 both read.
+    assert "name" not in COMPOSE, "Compose v1 refuses a top-level name:"
+    env = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / ".env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert env == {"COMPOSE_PROJECT_NAME": "swarm-demo"}
+
+
+def test_the_build_takes_its_base_image_and_torch_index_as_arguments():
+    # A site without Docker Hub or behind a proxy sets these (deploy/README.md, "Without Docker Hub").
+    build = next(iter(SERVICES.values()))["build"]
+    dockerfile = (DEPLOY / build["context"] / build["dockerfile"]).read_text()
+    declared = {
+        line.split()[1].split("=")[0] for line in dockerfile.splitlines() if line.startswith("ARG ")
+    }
+    assert set(build["args"]) <= declared, (set(build["args"]), declared)
+    assert build["args"]["BASE_IMAGE"] == "${SWARM_BASE_IMAGE:-python:3.11-slim}"
+    # both stages start from it: the first installs the dependencies, the second takes their environment
+    froms = [line for line in dockerfile.splitlines() if line.startswith("FROM")]
+    assert froms == ["FROM ${BASE_IMAGE} AS deps", "FROM ${BASE_IMAGE}"]
+
+
+def test_the_replicas_of_a_stage_average():
+    # Without --average each replica steps on its own share of the batches and they drift apart;
+    # tests/test_compose_live.py checks that they hold the same parameters at the end.
+    for name, argv in _by_subcommand("peer").items():
+        assert "--average" in argv, name
 
 
 def _ignore_patterns(path: Path) -> list[str]:

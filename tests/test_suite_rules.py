@@ -21,12 +21,22 @@ def test_builds_namespaces():
     pass
 """
 
+NEEDS_DOCKER = """
+import pytest
+
+@pytest.mark.docker
+def test_runs_containers():
+    pass
+"""
+
 
 @pytest.fixture
 def inner(pytester, monkeypatch):
     pytester.makeconftest(CONFTEST)
-    # Namespaces cannot be made here (whatever this machine allows): the rules' reaction is what is tested.
+    # Namespaces cannot be made here, nor a Docker engine started (whatever this machine allows): the rules'
+    # reaction is what is tested.
     monkeypatch.setattr("deploy.netns.have_netns", lambda: (False, "needs root (test)"))
+    monkeypatch.setattr("deploy.engine.why_unavailable", lambda: "no package registry (test)")
     return pytester
 
 
@@ -46,6 +56,22 @@ def test_a_root_only_test_fails_when_ci_requires_it(inner, monkeypatch):
     result.assert_outcomes(errors=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*network namespaces unavailable: needs root (test)*CI must run*"])
+
+
+def test_a_test_that_needs_docker_skips_with_the_reason_and_fails_when_ci_requires_it(
+    inner, monkeypatch
+):
+    monkeypatch.delenv("SWARM_REQUIRE_ROOT_TESTS", raising=False)
+    inner.makepyfile(NEEDS_DOCKER)
+    result = inner.runpytest("-rs", "-m", "swarm")  # in the swarm tier, like a netns test
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*a Docker engine unavailable: no package registry (test)*"])
+    monkeypatch.setenv("SWARM_REQUIRE_ROOT_TESTS", "1")
+    result = inner.runpytest()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["*a Docker engine unavailable: no package registry (test)*CI must run*"]
+    )
 
 
 def test_every_test_gets_one_tier(inner):

@@ -27,6 +27,7 @@ from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.routing import NoPeersAvailable, RetriesExhausted, RoutingError
+from swarm.transport.channel import GRPC_OPTIONS
 from swarm.transport.client import PeerClient
 from swarm.transport.server import start_server, stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
@@ -151,6 +152,15 @@ def test_client_maps_unreachable_peer_to_transport_error():
 
     with pytest.raises(TransportError):
         asyncio.run(go())
+
+
+def test_a_server_accepts_the_keepalive_pings_its_clients_send():
+    # A server that sees pings more often than it allows, while it sends nothing (a busy peer), closes the
+    # connection with GOAWAY "too many pings" and every call on it fails at once (swarm/transport/channel.py).
+    options = dict(GRPC_OPTIONS)
+    assert (
+        options["grpc.http2.min_ping_interval_without_data_ms"] <= options["grpc.keepalive_time_ms"]
+    )
 
 
 class Refuser(pb_grpc.StagePeerServicer):

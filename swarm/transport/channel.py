@@ -13,6 +13,11 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # ...and let those pings through as a server. By default a server allows one ping per 5 minutes while it sends
+    # nothing and answers more with GOAWAY "too many pings", which fails every call on the connection at once: a
+    # trainer whose only live peer of a stage was busy for ~30 s (a replica reloading its state after a groupmate
+    # was killed, seen in tests/test_compose_live.py) spent all its attempts on that error in an instant.
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # A new peer replacing a dead one at the same address should be reachable at once.
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),

@@ -18,7 +18,7 @@ class AveragingConfig:
     # an all-reduce that takes longer is abandoned (the step uses local grads)
     averaging_timeout_s: float = 30.0
     # A groupmate silent this long mid all-reduce is dropped from it (the replicas that miss its part reload: see
-    # HivemindStageOptimizer._global_step). Long enough for a groupmate whose view of the stage lags (its DHT reads
+    # HivemindStageOptimizer._finish_step). Long enough for a groupmate whose view of the stage lags (its DHT reads
     # stall for seconds on a loaded machine).
     chunk_timeout_s: float = 10.0
     load_state_timeout_s: float = 60.0  # how long a newcomer waits for its stage's state from peers

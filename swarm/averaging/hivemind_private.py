@@ -210,10 +210,33 @@ def schedule_gradient_averaging(opt: GlobalBatchOptimizer) -> None:
     opt._maybe_schedule_gradient_averaging()
 
 
-def global_step(opt: GlobalBatchOptimizer) -> None:
-    """All-reduce the accumulated gradients with the group (or fall back to local ones), step and count the step."""
-    # Private: the global step alone, taken when our rules (full batch, formed group) say so, not step()'s.
-    opt._update_global_epoch(None)
+def begin_global_step(opt: GlobalBatchOptimizer) -> bool:
+    """Hand the accumulated gradients to the all-reduce of the formed (or forming) group and return at once; False
+    if there is no group to average with (the step then uses this replica's gradients). The first half of
+    hivemind's global step (``Optimizer._update_global_epoch``), which then blocks for the all-reduce: the
+    compute thread must not (a groupmate killed mid all-reduce would hold it for ``averaging_timeout_s``)."""
+    # Private: the halves of _update_global_epoch for our settings (gradient averaging, no delayed or local updates,
+    # no state averaging), so that the wait between them happens off the compute thread.
+    with opt.tracker.pause_updates():
+        return opt._begin_averaging_gradients(None)
+
+
+def finish_global_step(opt: GlobalBatchOptimizer, began: bool) -> None:
+    """Once the all-reduce ``begin_global_step`` started is done (or none was): load the averaged gradients (this
+    replica's own if there was no group or the all-reduce failed), step, and count the step."""
+    # Private: the second half of _update_global_epoch (see begin_global_step). hivemind's version loads no
+    # gradients into the optimizer when no all-reduce began (it relies on .grad, which we leave empty): load the
+    # replica's own then, or a replica alone would step on nothing.
+    with opt.tracker.pause_updates():
+        if began:
+            opt._average_gradients_and_load_into_optimizer(opt.scheduled_grads)
+        else:
+            opt._load_local_gradients_into_optimizer()
+        opt.state_averager.step(increment_epoch=True, optimizer_step=True)
+        opt.tracker.update_epoch(new_epoch=opt.state_averager.local_epoch)
+        opt.state_averager.state_sharing_priority = opt.local_epoch
+        opt.grad_averager.reset_accumulated_grads_()
+        opt.grad_averager.state_sharing_priority = opt.local_epoch
 
 
 def tag_along_with_zero_weight(opt: GlobalBatchOptimizer, control) -> None:

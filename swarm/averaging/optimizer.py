@@ -8,11 +8,14 @@ apart are reached through :mod:`swarm.averaging.hivemind_private` (pinned versio
 
 Why synchronous (``delay_optimizer_step=False``, ``delay_grad_averaging=False``, no local updates): the
 optimizer step runs on the peer's compute thread, so it never races a forward or backward and the swarm
-optimises exactly what the single-process model does (no stale parameters). The price is that compute
-pauses during the all-reduce; hivemind starts matchmaking ``matchmaking_s`` before the batch is
-expected to fill, so the pause is mostly the all-reduce itself (tokens/s in bench/results/convergence.md). The
-delayed modes would run the step on hivemind's thread and write parameters under a running backward
-(or, with an offloaded optimizer, apply one step late), which breaks the parity the issue asks for.
+optimises exactly what the single-process model does (no stale parameters). The all-reduce itself does not hold
+the compute thread: ``maybe_step`` hands the gradients to hivemind's averager process and returns; the thread
+serves calls meanwhile (microbatches of the next batch are kept aside, see ``accumulate``) and takes the update
+once the all-reduce is done. hivemind starts matchmaking ``matchmaking_s`` before the batch is expected to fill,
+and the trainer closes each batch (``close_batch``), so the wait for the group is mostly the all-reduce itself
+(tokens/s in bench/results/convergence.md). The delayed modes would run the step on hivemind's thread and write
+parameters under a running backward (or, with an offloaded optimizer, apply one step late), which breaks the
+parity the issue asks for.
 
 How the replicas of a stage stay equal (each rule closes a way they drifted apart in measurements):
 
@@ -54,6 +57,9 @@ from swarm.optim import (
 
 logger = logging.getLogger(__name__)
 
+# A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
+UNREACHABLE_DONOR_TRIES = 3
+
 COMPRESSIONS = {
     "none": NoCompression,
     "fp16": Float16Compression,
@@ -81,6 +87,10 @@ class HivemindStageOptimizer:
         self.params = list(stage_module.parameters())
         self._later = LaterBatches()
         self._closed_through = -1  # the last global batch known closed (see close_batch)
+        # the all-reduce of the step under way (see maybe_step), and what _finish_step needs of its start
+        self._pending = None
+        self._step_started: tuple[int, int, float, bool] = (0, 0, 0.0, False)
+        self._hold_s = 0.0
         self._replicas: dict[
             int, int
         ] = {}  # global batch -> its stage's replicas the trainer reached
@@ -166,6 +176,10 @@ class HivemindStageOptimizer:
                 # (its trainer restarted, a replica holding part of it died). Step on what the stage has.
                 self.close_batch(self.step)
             return False
+        if self._pending is not None:
+            # This step's gradients already went to the all-reduce: a late microbatch joins the next batch.
+            self._later.add(self.step + 1, self.step, grads, num_samples)
+            return False
         return self._add(grads, num_samples)
 
     def _add(self, grads, num_samples: int) -> bool:
@@ -191,8 +205,10 @@ class HivemindStageOptimizer:
         averages, although the records may not show its peers yet (stepping alone, it would drift apart). Any
         thread: the next ``maybe_step`` reads it."""
         self._closed_through = max(self._closed_through, batch_step)
-        if replicas > self._replicas.get(batch_step, 0):
-            self._replicas[batch_step] = replicas
+        if replicas:
+            self._replicas[batch_step] = (
+                replicas  # the latest count: a trainer closes again while it waits
+            )
 
     def _catch_up(self) -> None:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
@@ -201,13 +217,34 @@ class HivemindStageOptimizer:
 
     def maybe_step(self) -> bool:
         """Take the stage's optimizer step if its global batch is in and the all-reduce group has formed
-        (called every ``step_check_s``; cheap when not). Waiting for the group happens in hivemind's
-        averager process, not here, so compute goes on meanwhile; only the all-reduce and the update
-        hold the compute thread. Returns True if the parameters changed."""
+        (called every ``step_check_s``; cheap when not). Waiting for the group and the all-reduce happen in
+        hivemind's averager process, not here, so compute goes on meanwhile; only loading the gradients and the
+        update hold the compute thread. Returns True if the parameters changed."""
         opt, tracker = self.opt, self.opt.tracker
+        if self._pending is not None:
+            # The step's all-reduce runs in hivemind's averager (bounded by averaging_timeout_s); the compute thread
+            # serves meanwhile and takes the step once it is done.
+            if not self._pending.done():
+                if time.perf_counter() - self._step_started[2] < self.config.averaging_timeout_s:
+                    return False
+                # hivemind bounds a round it scheduled itself only when someone waits for its result
+                logger.warning(
+                    "stage %d: the all-reduce of step %d did not end within %.0fs; stepping without it",
+                    self.stage_index,
+                    self.step,
+                    self.config.averaging_timeout_s,
+                )
+                self._pending.cancel()
+            self._finish_step()
+            self._catch_up()
+            return True
         tracker.batch_closed = self._closed_through >= self.step
-        if tracker.global_epoch <= self.step and tracker.global_progress.samples_accumulated == 0:
-            return False  # nothing to average
+        if (
+            tracker.global_epoch <= self.step
+            and tracker.global_progress.samples_accumulated == 0
+            and self.local_samples == 0
+        ):
+            return False  # nothing to average (this replica's own samples count before the records show them)
         if not tracker.ready_to_update_epoch:
             if tracker.global_progress.num_peers > 1:
                 hp.schedule_gradient_averaging(opt)
@@ -248,26 +285,45 @@ class HivemindStageOptimizer:
             # without it, and the check above then loads the peers' state (a missed group costs this replica's
             # samples of the batch, never a stalled stage or a replica out of step).
             return False
-        self._global_step()
+        self._begin_step(alone)
+        if self._pending is not None:
+            return False  # the all-reduce runs; a later check finishes the step
         self._catch_up()
         return True
 
-    def _global_step(self) -> None:
-        before = self.step
-        set_learning_rate(opt_inner := self.opt.opt, self.run, before)
+    def _begin_step(self, alone: bool) -> None:
+        """Start the stage's step: hand this replica's gradients to the group's all-reduce (hivemind's averager runs
+        it in its process), or with no group, step at once on them."""
+        self._step_started = (
+            self.opt.opt.skipped_steps,
+            self._partial.count.value,
+            time.perf_counter(),
+            alone,
+        )
+        set_learning_rate(self.opt.opt, self.run, self.step)
         self.opt.used_local_gradients = False
-        skipped = opt_inner.skipped_steps
-        partial = self._partial.count.value
+        began = hp.begin_global_step(self.opt)
+        self._hold_s = time.perf_counter() - self._step_started[2]
+        self._pending = self.opt.scheduled_grads if began else None
+        if self._pending is None:
+            self._finish_step(began=False)
+
+    def _finish_step(self, began: bool = True) -> None:
+        """The all-reduce is done (or there was none): load its result, step, count the step."""
+        before = self.step
+        skipped, partial, _, alone = self._step_started
         t0 = time.perf_counter()
-        hp.global_step(self.opt)
+        self._pending = None
+        hp.finish_global_step(self.opt, began)
         self.opt.tracker.batch_closed = False
-        took = time.perf_counter() - t0
+        took = self._hold_s + time.perf_counter() - t0  # what the step held the compute thread
         self.step_pause_s = max(took, 0.8 * self.step_pause_s + 0.2 * took)
+        opt_inner = self.opt.opt
         why = (
             "skipped its step"
             if opt_inner.skipped_steps > skipped
             else "stepped without its peers' gradients"
-            if self.opt.used_local_gradients
+            if self.opt.used_local_gradients and not alone
             else "received part of the all-reduce only"
             if self._partial.count.value > partial
             else None
@@ -331,9 +387,12 @@ class HivemindStageOptimizer:
             opt.scheduled_grads = None
         if doubtful:
             averager.state_sharing_priority = self.step - 0.5
-        deadline, alone = time.monotonic() + self.config.load_state_timeout_s, False
+        deadline, alone, unreachable = time.monotonic() + self.config.load_state_timeout_s, False, 0
         while True:
-            if alone := self._alone():
+            # Every donor refused the connection at once, several times over: they are gone (a busy donor makes the
+            # download wait, it does not fail it), though their records have not expired yet. A doubtful replica
+            # holds a whole state of its own: it keeps it rather than hold its compute thread until they expire.
+            if alone := self._alone() or (doubtful and unreachable >= UNREACHABLE_DONOR_TRIES):
                 # The replicas it would load from left (killed, drained, moved): their progress records expired
                 # (``--progress-ttl-s``). This replica is the stage's only one now; its own state is the stage's.
                 logger.warning(
@@ -344,10 +403,14 @@ class HivemindStageOptimizer:
                     self.step,
                 )
                 break
+            tried = time.monotonic()
             with opt.tracker.pause_updates():
                 loaded = averager.load_state_from_peers(
                     timeout=max(1.0, deadline - time.monotonic())
                 )
+            unreachable = (
+                unreachable + 1 if loaded is None and time.monotonic() - tried < 1.0 else 0
+            )
             if (loaded is not None and loaded >= want_step) or time.monotonic() >= deadline:
                 break
             # The peer we reached is at an older step (it steps next, or the one ahead is busy), or none answered

@@ -41,8 +41,10 @@ logger = logging.getLogger(__name__)
 FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 # How many times the trainer computes one stage's gradient of a microbatch before it gives up on it.
 MAX_RECOMPUTES = 8
-# Deadline of the calls that close a global batch (see Pipeline.close_batch).
+# Deadline of the calls that close a global batch (see Pipeline.close_batch), and how often a stage that is
+# behind is closed again.
 CLOSE_BATCH_TIMEOUT_S = 5.0
+RECLOSE_EVERY_S = 2.0
 # How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
 DRAINING_MEMORY_S = 30.0
 
@@ -177,13 +179,21 @@ class Pipeline:
         self, targets: list[int], *, stall_s: float, every_replica: bool = False
     ) -> bool:
         """Wait until each stage k has taken optimizer step ``targets[k]`` (with ``every_replica``: each of its
-        serving replicas has). Gives up (False) once no stage has advanced for ``stall_s``."""
+        serving replicas has). Gives up (False) once no stage has advanced for ``stall_s``. Every batch before the
+        targets is complete: a stage that is behind is closed again every ``RECLOSE_EVERY_S`` with a fresh count of
+        its replicas (one that died since the batch was closed would otherwise be waited for)."""
         deadline, last = time.monotonic() + stall_s, None
+        reclosed = time.monotonic()
         while True:
             steps = self.stage_steps(every_replica=every_replica)
             behind = [k for k, target in enumerate(targets) if steps[k] < target]
             if not behind:
                 return True
+            if time.monotonic() - reclosed >= RECLOSE_EVERY_S:
+                await self.close_batch(
+                    [steps[k] if k in behind else None for k in range(len(steps))]
+                )
+                reclosed = time.monotonic()
             if steps != last:
                 deadline, last = time.monotonic() + stall_s, steps
             elif time.monotonic() > deadline:
@@ -197,15 +207,16 @@ class Pipeline:
             await asyncio.sleep(self.config.refresh_s / 4)
             await self.refresh()
 
-    async def close_batch(self, batch_steps: list[int]) -> None:
+    async def close_batch(self, batch_steps: list[int | None]) -> None:
         """Tell every replica of each stage k that this trainer's part of its global batch ``batch_steps[k]`` is all
         committed, so the stage steps on what it has rather than wait for samples that will not come (a replica
         killed with its part), and how many of its replicas answered just now: the replicas to step with, whatever
         the stage's progress records (which outlive a killed replica, and lag a live one) say. Best effort: a
-        replica that does not answer steps on its own rules."""
+        replica that does not answer steps on its own rules. ``batch_steps[k]`` None: leave stage k alone."""
         targets = [
             (stage, record)
             for stage in range(self.num_stages)
+            if batch_steps[stage] is not None
             for record in list(self.records[stage].values())
             if record.state in (PeerState.SERVING, PeerState.DRAINING)
         ]

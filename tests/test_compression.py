@@ -8,6 +8,7 @@ import torch
 from conftest import relative_error, sample_tensor
 
 from swarm.compression import (
+    BYTES_PER_VALUE,
     CODEC_NAMES,
     WIRE_DTYPE_NAMES,
     CodecError,
@@ -360,3 +361,10 @@ def test_wire_dtype_names_round_trip_and_reject_unknown_names() -> None:
             dtype_from_name(bad)  # type: ignore[arg-type]
     with pytest.raises(CodecError, match="supported dtypes: float32"):
         wire_dtype_name(torch.complex64)
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+def test_the_bytes_per_value_table_matches_every_codec(codec_name: str) -> None:
+    # the run record describes its compression from this table without importing torch
+    encoded = get_codec(codec_name).encoded_size(32 * 1000, torch.float32)
+    assert BYTES_PER_VALUE[codec_name] == encoded / (32 * 1000)

@@ -56,23 +56,34 @@ TARGET_32X = 0.01
 
 @dataclass(frozen=True)
 class Scheme:
-    """A wire codec and an optional bottleneck width at the stage cut, written ``codec`` or ``codec+bnN``."""
+    """A wire codec and an optional bottleneck width at the stage cut, written ``codec``, ``codec+bnN``, or
+    ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``)."""
 
     codec: str
     bottleneck_dim: int | None = None
+    bottleneck_init: str = "random"
 
     @classmethod
     def parse(cls, text: str) -> Scheme:
-        codec, _, bottleneck = text.partition("+bn")
-        if bottleneck and not bottleneck.isdigit():
-            raise ValueError(f"scheme {text!r}: write CODEC or CODEC+bnWIDTH, e.g. int4+bn28")
-        return cls(codec, int(bottleneck) if bottleneck else None)
+        codec, *parts = text.split("+")
+        bottleneck, init = None, "random"
+        for part in parts:
+            if part.startswith("bn") and part[2:].isdigit():
+                bottleneck = int(part[2:])
+            elif part == "orth" and bottleneck is not None:
+                init = "orthogonal"
+            else:
+                raise ValueError(
+                    f"scheme {text!r}: write CODEC, CODEC+bnWIDTH or CODEC+bnWIDTH+orth, e.g. int4+bn28"
+                )
+        return cls(codec, bottleneck, init)
 
     @property
     def label(self) -> str:
-        return (
-            self.codec if self.bottleneck_dim is None else f"{self.codec}+bn{self.bottleneck_dim}"
-        )
+        if self.bottleneck_dim is None:
+            return self.codec
+        orth = "+orth" if self.bottleneck_init == "orthogonal" else ""
+        return f"{self.codec}+bn{self.bottleneck_dim}{orth}"
 
     def bytes_per_fp32_value(self, d_model: int, values: int) -> float:
         """Wire bytes of ``values`` activations of width d_model (a microbatch: B * T * d_model values), sent
@@ -154,6 +165,7 @@ def run_codec(
     workdir: Path,
     label: str | None = None,
     bottleneck_dim: int | None = None,
+    bottleneck_init: str = "random",
 ) -> QualityResult:
     """Train one run of ``cfg`` with ``codec`` (and a bottleneck of ``bottleneck_dim`` at the cut) on fresh
     peers (stopped afterwards); returns its curves. With ``cfg.preset`` None the run ``run_id`` must already be
@@ -164,7 +176,11 @@ def run_codec(
         else [
             "--preset",
             cfg.preset,
-            *([] if bottleneck_dim is None else ["--bottleneck-dim", bottleneck_dim]),
+            *(
+                []
+                if bottleneck_dim is None
+                else ["--bottleneck-dim", bottleneck_dim, "--bottleneck-init", bottleneck_init]
+            ),
             "--codec",
             codec,
             "--target-batch-size",
@@ -251,6 +267,7 @@ def run_all(
                 workdir=workdir,
                 label=label,
                 bottleneck_dim=scheme.bottleneck_dim,
+                bottleneck_init=scheme.bottleneck_init,
             )
             if d_model is not None:
                 values = cfg.microbatch_size * MODEL_PRESETS[cfg.preset].seq_len * d_model

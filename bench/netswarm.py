@@ -65,6 +65,7 @@ class SwarmSetup:
     codec: str  # wire codec of activations and gradients
     bottleneck_dim: int | None = None  # learned compression width at the stage cut; None = off
     bottleneck_init: str = "random"  # how the bottleneck pair starts (ModelConfig.bottleneck_init)
+    grad_codec: str = "same"  # wire codec of gradients ("same" = codec)
     rates_mbit: tuple[float | None, ...] = (5, 20, 100, None)  # slowest first; None = unlimited
 
     def run_config(self):
@@ -80,7 +81,13 @@ class SwarmSetup:
             bottleneck_dim=self.bottleneck_dim,
             bottleneck_init=self.bottleneck_init,
         )
-        return RunConfig(model=model, codec=self.codec, target_batch_size=TARGET_BATCH, lr=LR)
+        return RunConfig(
+            model=model,
+            codec=self.codec,
+            grad_codec=self.grad_codec,
+            target_batch_size=TARGET_BATCH,
+            lr=LR,
+        )
 
 
 @dataclass
@@ -198,7 +205,7 @@ def measure_setup(
         addr_file = workdir / "bootstrap.addr"
         started = time.monotonic()
         start_bootstrap(group, addr_file, where=Where.on(boot))
-        run_id = f"net-{setup.name}".replace("+", "-")
+        run_id = f"net-{setup.name}".replace("+", "-").replace("/", "-")
         publish_run_at(Where.on(boot), addr_file, run_id, setup.run_config(), timeout_s=timeout_s)
         peers = [
             start_peer(
@@ -380,6 +387,7 @@ def scheme_setups(schemes: str, rates: tuple[float | None, ...]) -> list[SwarmSe
                 codec=scheme.codec,
                 bottleneck_dim=scheme.bottleneck_dim,
                 bottleneck_init=scheme.bottleneck_init,
+                grad_codec=scheme.grad_codec,
                 rates_mbit=rates,
             )
         )
@@ -463,7 +471,7 @@ def main() -> None:
     results = [
         measure_setup(
             s,
-            workdir / f"{s.preset}-{s.name}",
+            workdir / f"{s.preset}-{s.name}".replace("/", "-"),
             warmup_s=args.warmup_seconds,
             seconds=args.seconds,
             min_steps=args.min_steps,

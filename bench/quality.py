@@ -57,15 +57,18 @@ TARGET_32X = 0.01
 @dataclass(frozen=True)
 class Scheme:
     """A wire codec and an optional bottleneck width at the stage cut, written ``codec``, ``codec+bnN``, or
-    ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``)."""
+    ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``); ``act/grad`` in
+    place of ``codec`` sends gradients in another codec (``--codec act --grad-codec grad``)."""
 
     codec: str
     bottleneck_dim: int | None = None
     bottleneck_init: str = "random"
+    grad_codec: str = "same"
 
     @classmethod
     def parse(cls, text: str) -> Scheme:
-        codec, *parts = text.split("+")
+        codecs, *parts = text.split("+")
+        codec, _, grad_codec = codecs.partition("/")
         bottleneck, init = None, "random"
         for part in parts:
             if part.startswith("bn") and part[2:].isdigit():
@@ -76,14 +79,15 @@ class Scheme:
                 raise ValueError(
                     f"scheme {text!r}: write CODEC, CODEC+bnWIDTH or CODEC+bnWIDTH+orth, e.g. int4+bn28"
                 )
-        return cls(codec, bottleneck, init)
+        return cls(codec, bottleneck, init, grad_codec or "same")
 
     @property
     def label(self) -> str:
+        codecs = self.codec if self.grad_codec == "same" else f"{self.codec}/{self.grad_codec}"
         if self.bottleneck_dim is None:
-            return self.codec
+            return codecs
         orth = "+orth" if self.bottleneck_init == "orthogonal" else ""
-        return f"{self.codec}+bn{self.bottleneck_dim}{orth}"
+        return f"{codecs}+bn{self.bottleneck_dim}{orth}"
 
     def bytes_per_fp32_value(self, d_model: int, values: int) -> float:
         """Wire bytes of ``values`` activations of width d_model (a microbatch: B * T * d_model values), sent
@@ -166,6 +170,7 @@ def run_codec(
     label: str | None = None,
     bottleneck_dim: int | None = None,
     bottleneck_init: str = "random",
+    grad_codec: str = "same",
 ) -> QualityResult:
     """Train one run of ``cfg`` with ``codec`` (and a bottleneck of ``bottleneck_dim`` at the cut) on fresh
     peers (stopped afterwards); returns its curves. With ``cfg.preset`` None the run ``run_id`` must already be
@@ -183,6 +188,8 @@ def run_codec(
             ),
             "--codec",
             codec,
+            "--grad-codec",
+            grad_codec,
             "--target-batch-size",
             cfg.target_batch_size,
             "--lr",
@@ -262,12 +269,13 @@ def run_all(
                 group,
                 cfg,
                 codec=scheme.codec,
-                run_id=f"quality-{i}-{scheme.label}",
+                run_id=f"quality-{i}-{scheme.label.replace('/', '-')}",
                 addr_file=addr_file,
                 workdir=workdir,
                 label=label,
                 bottleneck_dim=scheme.bottleneck_dim,
                 bottleneck_init=scheme.bottleneck_init,
+                grad_codec=scheme.grad_codec,
             )
             if d_model is not None:
                 values = cfg.microbatch_size * MODEL_PRESETS[cfg.preset].seq_len * d_model

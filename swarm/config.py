@@ -26,6 +26,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])  # the staged model
     # wire codec for activations and gradients (int4/int2: 4/2 bits per value; *sr: stochastic rounding)
     codec: str = field(default="none", metadata={"choices": CODEC_NAMES})
+    # wire codec for gradients crossing stage cuts, if not --codec (e.g. int4 activations, int8 gradients)
+    grad_codec: str = field(default="same", metadata={"choices": ("same", *CODEC_NAMES)})
     target_batch_size: int = 32  # samples a stage accumulates before each optimizer step
     lr: float = 1e-3  # peak AdamW learning rate
     weight_decay: float = 0.1  # AdamW weight decay on matrices (not on biases, norms or embeddings)
@@ -39,6 +41,10 @@ class RunConfig:
         if self.codec not in CODEC_NAMES:
             raise ValueError(
                 f"codec '{self.codec}' is unknown; choose one of {', '.join(CODEC_NAMES)}"
+            )
+        if self.grad_codec != "same" and self.grad_codec not in CODEC_NAMES:
+            raise ValueError(
+                f"grad_codec '{self.grad_codec}' is unknown; choose same or one of {', '.join(CODEC_NAMES)}"
             )
         if self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
@@ -67,14 +73,19 @@ class RunConfig:
         ill-typed or missing ones (``model`` is required) raise ValueError naming them. A codec this build
         does not know raises ``UnknownCodecError``: this process could neither decode nor send what the run's
         peers exchange, so it must not join (a newer version of swarm may know the codec)."""
-        codec = data.get("codec") if isinstance(data, dict) else None
-        if isinstance(codec, str) and codec not in CODEC_NAMES:
-            raise UnknownCodecError(
-                f"the run compresses activations and gradients with codec '{codec}', which this version of "
-                f"swarm cannot decode (it knows {', '.join(CODEC_NAMES)}): upgrade swarm on this machine to join "
-                f"the run"
-            )
+        for key, what in (("codec", "activations and gradients"), ("grad_codec", "gradients")):
+            codec = data.get(key) if isinstance(data, dict) else None
+            if isinstance(codec, str) and codec not in CODEC_NAMES and codec != "same":
+                raise UnknownCodecError(
+                    f"the run compresses {what} with codec '{codec}', which this version of swarm cannot "
+                    f"decode (it knows {', '.join(CODEC_NAMES)}): upgrade swarm on this machine to join the run"
+                )
         return parse_dataclass(cls, data, what="run config", required=("model",))
+
+    @property
+    def gradient_codec(self) -> str:
+        """The codec of the gradients crossing stage cuts: ``grad_codec``, or ``codec`` when it is "same"."""
+        return self.codec if self.grad_codec == "same" else self.grad_codec
 
     def activation_bytes_ratio(self) -> float:
         """How many times fewer bytes an activation crossing a stage cut takes on the wire than at full width
@@ -89,9 +100,10 @@ class RunConfig:
         cut = (
             "" if bottleneck is None else f", bottleneck {bottleneck} of {self.model.d_model} dims"
         )
+        grads = "" if self.gradient_codec == self.codec else f" (gradients {self.gradient_codec})"
         return (
-            f"codec {self.codec}{cut}: {self.activation_bytes_ratio():.1f}x fewer activation bytes than "
-            f"float32"
+            f"codec {self.codec}{grads}{cut}: {self.activation_bytes_ratio():.1f}x fewer activation bytes "
+            f"than float32"
         )
 
     def fingerprint(self) -> str:

@@ -312,3 +312,19 @@ def test_a_peer_and_a_trainer_refuse_to_join_a_run_whose_codec_they_cannot_decod
             assert "upgrade swarm on this machine to join the run" in last
     finally:
         node.shutdown()
+
+
+def test_gradients_may_cross_the_cuts_in_another_codec_which_the_record_names():
+    run = RunConfig(codec="int2", grad_codec="int8")
+    assert run.gradient_codec == "int8" and RunConfig(codec="int4").gradient_codec == "int4"
+    assert run.compression_scheme().startswith("codec int2 (gradients int8): ")
+    assert RunConfig.from_dict(run.to_dict()) == run
+    with pytest.raises(
+        ValueError, match="grad_codec 'int3' is unknown; choose same or one of none"
+    ):
+        RunConfig(grad_codec="int3")
+    record = {**run.to_dict(), "grad_codec": "int1"}
+    with pytest.raises(
+        UnknownCodecError, match="compresses gradients with codec 'int1', which this version"
+    ):
+        RunConfig.from_dict(record)

@@ -1,9 +1,8 @@
 """Blockwise 4-bit and 2-bit codecs (``int4``, ``int2``) and their stochastic-rounding twins (``int4sr``, ``int2sr``).
 
 The flat tensor is cut into blocks of ``BLOCK_SIZE`` = 32 elements (the last may be shorter), as in ``int8``. Each
-block is quantized to ``bits``-bit codes on one of two grids, whichever reproduces the block with the smaller
-squared error, and the grid is named by the sign bit of the block's scale (a scale is never negative, so the bit
-is free)::
+block is quantized to ``bits``-bit codes on one of two grids, and the grid is named by the sign bit of the
+block's scale (a scale is never negative, so the bit is free)::
 
     sign 0, "centred" grid: 2**bits - 1 levels  q * s / Q,          q in [-Q, Q], Q = 2**(bits-1) - 1
     sign 1, "midrise" grid: 2**bits levels      (q + 1/2) * s / H,  q in [-H, H), H = 2**(bits-1) - 1/2
@@ -12,7 +11,10 @@ is free)::
 exact zero, so a block where one outlier sets the scale keeps its many small values near zero (heavy tails: a
 Student-t block with 2 bits has 3x less error there than on the midrise grid). The midrise grid uses every code;
 for bell-shaped blocks it is the better one (at 2 bits it is nearly the Lloyd-Max quantizer of a normal
-distribution, levels at +-0.5 and +-1.5 steps). Candidate scales, chosen per block, measured on 1M samples:
+distribution, levels at +-0.5 and +-1.5 steps). A block takes the midrise grid when ``max |x| < 4 rms(x)``,
+else the centred one: on 1M samples of normal, Student-t (df 2 and 4) and Laplace data that rule is within 3%
+of picking, per block, the grid with the smaller squared error, for one quantization pass instead of two.
+Scales, measured on the same samples:
 
 * centred: ``s = max |x|`` (nothing is clipped);
 * midrise: ``s = min(max |x|, c * rms(x))`` with c = 1.5 at 2 bits (the normal distribution's optimal outer level
@@ -31,9 +33,10 @@ elements encode to the same bytes as the whole tensor.
 Stochastic rounding (``int4sr``, ``int2sr``) rounds each value up or down to a neighbouring level with the
 probability that makes its expectation exact (values inside the grid's range), so the quantization error is
 unbiased rather than minimal; averaged over many gradients the bias of round-to-nearest (small values always
-lost at 2 bits) goes away. The random numbers are a hash of the value's bits and its position in its block, not
-a generator's state: encoding stays a pure function of the input (thread-safe; segments equal the whole), and two
-different values, or one value at two positions, get unrelated dither.
+lost at 2 bits) goes away. The dither is not a generator's state but the value's own 16 low mantissa bits
+(effectively random for real-valued data) plus a fixed offset per position in the block: encoding stays a pure
+function of the input (thread-safe; segments equal the whole), and values without low bits (0.5, small
+integers) are still spread by their positions. Values the 2-bit midrise grid clips are biased by the clipping.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def _run_config_args(parser: argparse.ArgumentParser) -> None:
         choices=("random", "orthogonal"),
         default="random",
         help="with --bottleneck-dim: start the down/up pair as independent random matrices, or as "
-        "Q^T and Q for one orthonormal Q (a projection onto a subspace)",
+        "Q^T and Q for one orthonormal Q (a projection onto a subspace; measured worse than random on "
+        "tiny, see docs/compression.md)",
     )
     add_config_args(parser, RunConfig, skip={"model"})
 

@@ -32,7 +32,8 @@ class ModelConfig:
     bottleneck_dim: int | None = None
     # How the bottleneck pair starts: "random" (independent Gaussians: the pair maps the residual stream to an
     # unrelated random stream) or "orthogonal" (down = Q^T, up = Q for one orthonormal Q (d_model, bottleneck_dim)
-    # per cut, so the pair starts as a projection onto a subspace and stage k+1 sees stage k's stream in it).
+    # per cut, so the pair starts as a projection onto a subspace and stage k+1 sees stage k's stream in it;
+    # measured worse than random on tiny, see docs/compression.md).
     bottleneck_init: str = "random"
     seed: int = 0  # init seed; every replica of a stage initialises identically from (seed, stage)
 

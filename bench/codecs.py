@@ -235,6 +235,29 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def versus_int8(rows: list[Row]) -> str:
+    """The swarm codecs below 8 bits against swarm int8 on the same tensor, in the same run: speed ratios of
+    encode and decode (MB/s of float32 input, > 1 = faster than int8), bytes on the wire, and error."""
+    lines = [
+        "| tensor | codec | bytes/value vs int8 | encode speed vs int8 | decode speed vs int8 | "
+        "relative error vs int8 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    int8 = {row.tensor: row for row in rows if row.codec == "swarm int8"}
+    for row in rows:
+        reference = int8.get(row.tensor)
+        if not row.codec.startswith("swarm int") or row.codec == "swarm int8" or reference is None:
+            continue
+        if row.encode_mb_s is None or row.decode_mb_s is None or reference.decode_mb_s is None:
+            continue
+        lines.append(
+            f"| {row.tensor} | {row.codec} | {row.wire_bytes_per_value / reference.wire_bytes_per_value:.2f}x | "
+            f"{row.encode_mb_s / reference.encode_mb_s:.2f}x | {row.decode_mb_s / reference.decode_mb_s:.2f}x | "
+            f"{row.relative_error / reference.relative_error:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
 def failures_section(rows: list[Row]) -> str:
     """One line per codec that failed on some tensor, with what it raised, so failures are read, not skimmed."""
     failures = dict.fromkeys(f"- {row.codec}: {row.note}" for row in rows if row.note)
@@ -318,8 +341,12 @@ def main() -> None:
             "Tensors are float32: `normal` is N(0, 1); `student_t2` is Student-t with 2 degrees of freedom (heavy "
             "tails, infinite variance). MB/s counts 10^6 bytes of float32 input per second, best of "
             f"{args.repeats} runs. bytes/value is the payload size per element (float32 = 4). relative error is "
-            "||x - dec(enc(x))|| / ||x||. swarm int8 = blockwise absmax, 32-element blocks, one bfloat16 scale each.",
+            "||x - dec(enc(x))|| / ||x||. swarm int8 = blockwise absmax, 32-element blocks, one bfloat16 scale each; "
+            "int4 and int2 = 4 and 2 bits per value, 32-element blocks, one bfloat16 scale each whose sign bit picks "
+            "the block's grid; int4sr and int2sr the same with stochastic rounding (swarm/compression/lowbit.py).",
             table,
+            "Codecs below 8 bits against int8, measured side by side in this run:",
+            versus_int8(rows),
             failures_section(rows),
         ]
     )

@@ -64,6 +64,8 @@ class SwarmSetup:
     preset: str  # model preset (tiny = the demo's)
     codec: str  # wire codec of activations and gradients
     bottleneck_dim: int | None = None  # learned compression width at the stage cut; None = off
+    bottleneck_init: str = "random"  # how the bottleneck pair starts (ModelConfig.bottleneck_init)
+    grad_codec: str = "same"  # wire codec of gradients ("same" = codec)
     rates_mbit: tuple[float | None, ...] = (5, 20, 100, None)  # slowest first; None = unlimited
 
     def run_config(self):
@@ -74,8 +76,18 @@ class SwarmSetup:
         from swarm.config import RunConfig
         from swarm.model import MODEL_PRESETS
 
-        model = dataclasses.replace(MODEL_PRESETS[self.preset], bottleneck_dim=self.bottleneck_dim)
-        return RunConfig(model=model, codec=self.codec, target_batch_size=TARGET_BATCH, lr=LR)
+        model = dataclasses.replace(
+            MODEL_PRESETS[self.preset],
+            bottleneck_dim=self.bottleneck_dim,
+            bottleneck_init=self.bottleneck_init,
+        )
+        return RunConfig(
+            model=model,
+            codec=self.codec,
+            grad_codec=self.grad_codec,
+            target_batch_size=TARGET_BATCH,
+            lr=LR,
+        )
 
 
 @dataclass
@@ -193,7 +205,7 @@ def measure_setup(
         addr_file = workdir / "bootstrap.addr"
         started = time.monotonic()
         start_bootstrap(group, addr_file, where=Where.on(boot))
-        run_id = f"net-{setup.name}".replace("+", "-")
+        run_id = f"net-{setup.name}".replace("+", "-").replace("/", "-")
         publish_run_at(Where.on(boot), addr_file, run_id, setup.run_config(), timeout_s=timeout_s)
         peers = [
             start_peer(
@@ -361,6 +373,47 @@ def default_setups(
     return setups
 
 
+def scheme_setups(schemes: str, rates: tuple[float | None, ...]) -> list[SwarmSetup]:
+    """Setups on `tiny` from bench/quality.py's scheme syntax (CODEC, CODEC+bnN, CODEC+bnN+orth)."""
+    from quality import Scheme
+
+    setups = []
+    for text in filter(None, schemes.split(",")):
+        scheme = Scheme.parse(text)
+        setups.append(
+            SwarmSetup(
+                name=scheme.label,
+                preset="tiny",
+                codec=scheme.codec,
+                bottleneck_dim=scheme.bottleneck_dim,
+                bottleneck_init=scheme.bottleneck_init,
+                grad_codec=scheme.grad_codec,
+                rates_mbit=rates,
+            )
+        )
+    return setups
+
+
+def versus(results: list[SetupResult], baseline: str) -> str:
+    """Tokens/s of every setup divided by ``baseline``'s at the same rate, measured in this run."""
+    reference = next((r for r in results if r.setup.name == baseline), None)
+    if reference is None:
+        return f"(no {baseline} run to compare with)"
+    rates = list(dict.fromkeys(r for res in results for r in res.setup.rates_mbit))
+    rows = []
+    for res in results:
+        if res is reference:
+            continue
+        cells = []
+        for rate in rates:
+            a, b = res.windows.get(rate), reference.windows.get(rate)
+            cells.append(
+                "" if a is None or b is None else f"{a.tokens_per_s / b.tokens_per_s:.2f}x"
+            )
+        rows.append([f"{res.setup.name} / {baseline} ({res.setup.preset})", *cells])
+    return markdown_table(["ratio of tokens/s"] + [_rate_label(r) for r in rates], rows)
+
+
 def _parse_rates(text: str) -> tuple[float | None, ...]:
     rates = [float(r) or None for r in text.split(",") if r]
     limited = sorted(r for r in rates if r is not None)
@@ -375,6 +428,16 @@ def main() -> None:
     )
     parser.add_argument("--w2-rates", default="20,100,0", help="rates for the W2 configurations")
     parser.add_argument("--configs", default=None, help="only these config names, comma-separated")
+    parser.add_argument(
+        "--schemes",
+        default="",
+        help="more configs on tiny, in bench/quality.py's scheme syntax (e.g. int2+bn48,int4+bn28+orth)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default="int8+bottleneck32",
+        help="config every other one is also compared with (tokens/s ratio at each rate)",
+    )
     parser.add_argument("--seconds", type=float, default=12.0, help="least measured time per rate")
     parser.add_argument(
         "--min-steps", type=int, default=3, help="least global batches measured per rate"
@@ -396,9 +459,10 @@ def main() -> None:
     setups = default_setups(
         _parse_rates(args.rates), w2=args.w2, w2_rates=_parse_rates(args.w2_rates)
     )
-    if args.configs:
+    if args.configs is not None:
         wanted = set(args.configs.split(","))
         setups = [s for s in setups if s.name in wanted]
+    setups += scheme_setups(args.schemes, _parse_rates(args.rates))
     info = RunInfo(
         command="sudo .venv/bin/python bench/netswarm.py" + "".join(f" {a}" for a in sys.argv[1:])
     )
@@ -407,7 +471,7 @@ def main() -> None:
     results = [
         measure_setup(
             s,
-            workdir / f"{s.preset}-{s.name}",
+            workdir / f"{s.preset}-{s.name}".replace("/", "-"),
             warmup_s=args.warmup_seconds,
             seconds=args.seconds,
             min_steps=args.min_steps,
@@ -434,6 +498,10 @@ def main() -> None:
             "Speed-up over codec none at the same rate:",
             "",
             ratios,
+            "",
+            f"Against {args.baseline}, at the same rate:",
+            "",
+            versus(results, args.baseline),
             "",
             "Targets:",
             "",

@@ -1,10 +1,14 @@
-"""Training quality with compressed activations and gradients: validation loss per codec, same samples, same seed.
+"""Training quality with compressed activations and gradients: validation loss per scheme, same samples, same seed.
 
-Run from the repository root:  .venv/bin/python bench/quality.py [--steps 150] [--codecs none,fp16,int8]
+Run from the repository root:  .venv/bin/python bench/quality.py [--steps 150] [--codecs none,fp16,int8,int4+bn28]
 Writes bench/results/quality.md (table + provenance) and docs/compression_quality.png (loss curves; needs
 matplotlib, the ``plot`` extra).
 
-For each codec a fresh swarm on loopback (one bootstrap DHT node shared by all runs, a new run id and new peer
+A scheme is a wire codec, optionally with a learned bottleneck at the stage cut: ``int4+bn28`` is codec int4 on
+activations and gradients of width 28 instead of d_model (``--bottleneck-dim 28``). The table states each
+scheme's activation bytes per value of the uncompressed fp32 activation and the ratio to fp32.
+
+For each scheme a fresh swarm on loopback (one bootstrap DHT node shared by all runs, a new run id and new peer
 processes per codec, 1 peer per stage) trains the demo config for the same number of global batches. What is
 held equal: the model init (peers initialise from the model seed), the data order (trainer ``--seed``), the
 schedule and the validation windows. By default one microbatch is in flight, which makes a run deterministic:
@@ -19,6 +23,7 @@ import argparse
 import math
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,8 +47,58 @@ from swarm.coordinator.localswarm import (  # noqa: E402
     start_trainer,
     wait_ready,
 )
+from swarm.model import MODEL_PRESETS  # noqa: E402
 
 TARGET = 0.02  # |val(int8) - val(none)| / val(none) must stay within this
+# issue 20: the best scheme at >= 32x fewer activation bytes than fp32 ends within this of codec none
+TARGET_32X = 0.01
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A wire codec and an optional bottleneck width at the stage cut, written ``codec``, ``codec+bnN``, or
+    ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``); ``act/grad`` in
+    place of ``codec`` sends gradients in another codec (``--codec act --grad-codec grad``)."""
+
+    codec: str
+    bottleneck_dim: int | None = None
+    bottleneck_init: str = "random"
+    grad_codec: str = "same"
+
+    @classmethod
+    def parse(cls, text: str) -> Scheme:
+        codecs, *parts = text.split("+")
+        codec, _, grad_codec = codecs.partition("/")
+        bottleneck, init = None, "random"
+        for part in parts:
+            if part.startswith("bn") and part[2:].isdigit():
+                bottleneck = int(part[2:])
+            elif part == "orth" and bottleneck is not None:
+                init = "orthogonal"
+            else:
+                raise ValueError(
+                    f"scheme {text!r}: write CODEC, CODEC+bnWIDTH or CODEC+bnWIDTH+orth, e.g. int4+bn28"
+                )
+        return cls(codec, bottleneck, init, grad_codec or "same")
+
+    @property
+    def label(self) -> str:
+        codecs = self.codec if self.grad_codec == "same" else f"{self.codec}/{self.grad_codec}"
+        if self.bottleneck_dim is None:
+            return codecs
+        orth = "+orth" if self.bottleneck_init == "orthogonal" else ""
+        return f"{codecs}+bn{self.bottleneck_dim}{orth}"
+
+    def bytes_per_fp32_value(self, d_model: int, values: int) -> float:
+        """Wire bytes of ``values`` activations of width d_model (a microbatch: B * T * d_model values), sent
+        through this scheme, per value: 4 for fp32 without a bottleneck."""
+        import torch
+
+        from swarm.compression import get_codec
+
+        width = d_model if self.bottleneck_dim is None else self.bottleneck_dim
+        wire = get_codec(self.codec).encoded_size(values // d_model * width, torch.float32)
+        return wire / values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,13 +144,15 @@ class QualityConfig:
 
 @dataclass
 class QualityResult:
-    label: str  # codec name, or "none (repeat)"
+    label: str  # scheme label, or "none (repeat)"
     codec: str
     losses: list[float]  # mean training loss per global batch
     # (samples trained, validation loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     # the trainer's whole-run average (loopback; for information)
     tokens_per_s: float = float("nan")
+    # activation wire bytes per value of the fp32 activation without bottleneck (fp32 = 4)
+    bytes_per_value: float = 4.0
 
     @property
     def final_val(self) -> float:
@@ -111,17 +168,28 @@ def run_codec(
     addr_file: Path,
     workdir: Path,
     label: str | None = None,
+    bottleneck_dim: int | None = None,
+    bottleneck_init: str = "random",
+    grad_codec: str = "same",
 ) -> QualityResult:
-    """Train one run of ``cfg`` with ``codec`` on fresh peers (stopped afterwards); returns its curves.
-    With ``cfg.preset`` None the run ``run_id`` must already be published (its codec is then the record's)."""
+    """Train one run of ``cfg`` with ``codec`` (and a bottleneck of ``bottleneck_dim`` at the cut) on fresh
+    peers (stopped afterwards); returns its curves. With ``cfg.preset`` None the run ``run_id`` must already be
+    published (its codec and model are then the record's)."""
     run_flags = (
         []
         if cfg.preset is None
         else [
             "--preset",
             cfg.preset,
+            *(
+                []
+                if bottleneck_dim is None
+                else ["--bottleneck-dim", bottleneck_dim, "--bottleneck-init", bottleneck_init]
+            ),
             "--codec",
             codec,
+            "--grad-codec",
+            grad_codec,
             "--target-batch-size",
             cfg.target_batch_size,
             "--lr",
@@ -179,29 +247,46 @@ def run_codec(
     )
 
 
-def run_all(cfg: QualityConfig, workdir: Path, *, repeat_none: bool = False) -> list[QualityResult]:
-    """One bootstrap node, then one run per codec (and a second 'none' run if ``repeat_none``)."""
-    plan = [(c, c) for c in cfg.codecs] + ([("none", "none (repeat)")] if repeat_none else [])
+def run_all(
+    cfg: QualityConfig,
+    workdir: Path,
+    *,
+    repeat_none: bool = False,
+    on_result: Callable[[list[QualityResult]], None] | None = None,
+) -> list[QualityResult]:
+    """One bootstrap node, then one run per scheme (and a second 'none' run if ``repeat_none``);
+    ``on_result`` gets the results so far after each run (to write partial tables)."""
+    plan = [(Scheme.parse(c), Scheme.parse(c).label) for c in cfg.codecs]
+    plan += [(Scheme("none"), "none (repeat)")] if repeat_none else []
+    d_model = MODEL_PRESETS[cfg.preset].d_model if cfg.preset else None
     results = []
     with ProcessGroup(workdir) as group:
         addr_file = workdir / "bootstrap.addr"
         start_bootstrap(group, addr_file)
-        for i, (codec, label) in enumerate(plan):
-            print(f"  run {i + 1}/{len(plan)}: codec {label}, {cfg.steps} steps", flush=True)
+        for i, (scheme, label) in enumerate(plan):
+            print(f"  run {i + 1}/{len(plan)}: {label}, {cfg.steps} steps", flush=True)
             result = run_codec(
                 group,
                 cfg,
-                codec=codec,
-                run_id=f"quality-{i}-{codec}",
+                codec=scheme.codec,
+                run_id=f"quality-{i}-{scheme.label.replace('/', '-')}",
                 addr_file=addr_file,
                 workdir=workdir,
                 label=label,
+                bottleneck_dim=scheme.bottleneck_dim,
+                bottleneck_init=scheme.bottleneck_init,
+                grad_codec=scheme.grad_codec,
             )
+            if d_model is not None:
+                values = cfg.microbatch_size * MODEL_PRESETS[cfg.preset].seq_len * d_model
+                result.bytes_per_value = scheme.bytes_per_fp32_value(d_model, values)
             print(
                 f"    final validation loss {result.final_val:.4f}, {result.tokens_per_s:,.0f} tokens/s",
                 flush=True,
             )
             results.append(result)
+            if on_result is not None:
+                on_result(results)
     return results
 
 
@@ -213,28 +298,57 @@ def relative_gap(result: QualityResult, reference: QualityResult) -> float:
 def report(results: list[QualityResult], cfg: QualityConfig) -> str:
     reference = results[0]
     headers = [
-        "codec",
+        "scheme",
+        "activation bytes per fp32 value",
+        "x fewer than fp32",
         "final validation loss",
         "gap vs none",
-        f"within {TARGET:.0%}",
         "validation loss at each checkpoint (samples: loss)",
         "train loss, last 5 steps",
     ]
     rows = []
     for r in results:
-        gap = relative_gap(r, reference)
+        gap = signed_gap(r, reference)
         curve = ", ".join(f"{s}: {v:.3f}" for s, v in r.val_curve)
         rows.append(
             [
                 r.label,
+                f"{r.bytes_per_value:.4f}",
+                f"{4 / r.bytes_per_value:.1f}",
                 f"{r.final_val:.4f}",
-                f"{100 * gap:.2f}%",
-                "yes" if gap <= TARGET else "**no**",
+                f"{100 * gap:+.2f}%",
                 curve,
                 f"{sum(r.losses[-5:]) / len(r.losses[-5:]):.4f}",
             ]
         )
     return markdown_table(headers, rows)
+
+
+def signed_gap(result: QualityResult, reference: QualityResult) -> float:
+    """(val(result) - val(reference)) / val(reference): positive = worse than the reference."""
+    return (result.final_val - reference.final_val) / reference.final_val
+
+
+def pareto(results: list[QualityResult]) -> str:
+    """Per compression ratio class (>= 4x, 16x, 32x, 64x, 100x fewer activation bytes than fp32), the scheme with
+    the smallest validation-loss gap among those that reach it."""
+    reference = results[0]
+    lines = []
+    for ratio in (4, 16, 32, 64, 100):
+        eligible = [r for r in results[1:] if 4 / r.bytes_per_value >= ratio]
+        if not eligible:
+            lines.append(f"- >= {ratio}x: no scheme measured")
+            continue
+        best = min(eligible, key=lambda r: signed_gap(r, reference))
+        gap = signed_gap(best, reference)
+        verdict = ""
+        if ratio == 32:
+            verdict = f" ({'meets' if gap <= TARGET_32X else 'misses'} the {TARGET_32X:.0%} target)"
+        lines.append(
+            f"- >= {ratio}x: best {best.label} ({4 / best.bytes_per_value:.1f}x), "
+            f"{100 * gap:+.2f}% validation loss vs none{verdict}"
+        )
+    return "\n".join(lines)
 
 
 def plot(results: list[QualityResult], cfg: QualityConfig, path: Path) -> None:
@@ -256,10 +370,12 @@ def plot(results: list[QualityResult], cfg: QualityConfig, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--steps", type=int, default=150, help="global batches (32 samples) per codec"
+        "--steps", type=int, default=150, help="global batches (32 samples) per scheme"
     )
     parser.add_argument(
-        "--codecs", default="none,fp16,int8", help="comma-separated, starting with none"
+        "--codecs",
+        default="none,fp16,int8",
+        help="comma-separated schemes (CODEC or CODEC+bnWIDTH), starting with none",
     )
     parser.add_argument(
         "--in-flight", type=int, default=1, help="microbatches in flight (1 = deterministic)"
@@ -283,32 +399,55 @@ def main() -> None:
     )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-quality-"))
     print(f"logs in {workdir}", flush=True)
-    results = run_all(cfg, workdir, repeat_none=args.repeat_none)
-    info.finish()
-    plot(results, cfg, args.plot)
-    table = report(results, cfg)
     info.extra += [
         f"model preset {cfg.preset}, 2 stages x 1 peer (`--threads 1`), loopback; {cfg.steps} global batches of "
-        f"{cfg.samples_per_step} samples = {cfg.steps * cfg.samples_per_step} samples per codec; microbatch "
+        f"{cfg.samples_per_step} samples = {cfg.steps * cfg.samples_per_step} samples per scheme; microbatch "
         f"{cfg.microbatch_size}, in flight {cfg.in_flight}; lr {cfg.lr} with {cfg.warmup_steps} warmup steps and "
         f"cosine decay; trainer seed {cfg.seed}; validation on {cfg.eval_batches} fixed batches",
         f"plot: {args.plot.relative_to(REPO_ROOT) if args.plot.is_relative_to(REPO_ROOT) else args.plot}",
     ]
-    int8 = next((r for r in results if r.label == "int8"), None)
-    verdict = (
-        "no int8 run"
-        if int8 is None
-        else f"int8 vs none: {100 * relative_gap(int8, results[0]):.2f}% "
-        f"({'meets' if relative_gap(int8, results[0]) <= TARGET else 'misses'} the {TARGET:.0%} target)"
+
+    def write(results: list[QualityResult], *, partial: bool) -> Path:
+        info.finish()
+        plot(results, cfg, args.plot)
+        table = report(results, cfg)
+        int8 = next((r for r in results if r.label == "int8"), None)
+        verdict = (
+            "no int8 run"
+            if int8 is None
+            else f"int8 vs none: {100 * relative_gap(int8, results[0]):.2f}% "
+            f"({'meets' if relative_gap(int8, results[0]) <= TARGET else 'misses'} the {TARGET:.0%} target)"
+        )
+        status = (
+            f"**Partial: {len(results)} of {len(cfg.codecs)} schemes measured so far.**\n\n"
+            if partial
+            else ""
+        )
+        body = "\n".join(
+            [
+                status + table,
+                "",
+                "Best scheme per compression class (activation bytes vs fp32 at full width):",
+                "",
+                pareto(results),
+                f"- {verdict}.",
+            ]
+        )
+        return write_result(
+            args.out,
+            title="Validation loss per compression scheme (same samples, same seed)",
+            info=info,
+            body=body,
+        )
+
+    results = run_all(
+        cfg,
+        workdir,
+        repeat_none=args.repeat_none,
+        on_result=lambda so_far: write(so_far, partial=len(so_far) < len(cfg.codecs)),
     )
-    body = "\n".join([table, "", f"- {verdict}."])
-    path = write_result(
-        args.out,
-        title="Validation loss per wire codec (same samples, same seed)",
-        info=info,
-        body=body,
-    )
-    print("\n" + table + f"\n\n{verdict}\nwritten to {path} and {args.plot}")
+    path = write(results, partial=False)
+    print("\n" + report(results, cfg) + f"\n\n{pareto(results)}\nwritten to {path} and {args.plot}")
 
 
 if __name__ == "__main__":

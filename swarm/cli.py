@@ -41,6 +41,14 @@ def _run_config_args(parser: argparse.ArgumentParser) -> None:
         help="with --preset: compress activations at stage cuts to this width (learned "
         "down/up projections, SWARM's bottleneck); default off",
     )
+    group.add_argument(
+        "--bottleneck-init",
+        choices=("random", "orthogonal"),
+        default="random",
+        help="with --bottleneck-dim: start the down/up pair as independent random matrices, or as "
+        "Q^T and Q for one orthonormal Q (a projection onto a subspace; measured worse than random on "
+        "tiny, see docs/compression.md)",
+    )
     add_config_args(parser, RunConfig, skip={"model"})
 
 
@@ -51,7 +59,11 @@ def _run_config_from_args(args: argparse.Namespace):
 
     if args.preset is None:
         return None
-    model = dataclasses.replace(MODEL_PRESETS[args.preset], bottleneck_dim=args.bottleneck_dim)
+    model = dataclasses.replace(
+        MODEL_PRESETS[args.preset],
+        bottleneck_dim=args.bottleneck_dim,
+        bottleneck_init=args.bottleneck_init,
+    )
     return config_from_args(RunConfig, args, model=model)
 
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 from conftest import record_wire
 
+from swarm.compression import UnknownCodecError
 from swarm.config import RunConfig
 from swarm.discovery.records import RecordError, StageRecord
 from swarm.model import MODEL_PRESETS, ModelConfig
@@ -125,7 +126,7 @@ def _cli(*args):
         (["peer", "--stage", "-2"], "stage must be >= 0, got -2"),
         (["train", "--microbatch-size", "0"], "microbatch_size (0)"),
         (["peer", "--preset", "huge"], "invalid choice: 'huge'"),
-        (["peer", "--codec", "int4"], "argument --codec: invalid choice: 'int4' (choose from"),
+        (["peer", "--codec", "int3"], "argument --codec: invalid choice: 'int3' (choose from"),
         (["demo", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (["train", "--steps", "many"], "invalid int value: 'many'"),
         (["peer", "--announce-host", "10.0.0.1"], "--announce-host needs an explicit --dht-port"),
@@ -256,3 +257,74 @@ def test_model_and_stage_records_follow_the_same_rule(fresh_warnings):
     assert (
         len(warnings) == 2 and "colour, depth" in warnings[0] and "stage record" in warnings[1]
     ), warnings
+
+
+def test_the_run_record_names_its_compression_scheme_and_its_byte_ratio():
+    tiny = MODEL_PRESETS["tiny"]  # d_model 128
+    assert RunConfig(model=tiny).compression_scheme() == (
+        "codec none: 1.0x fewer activation bytes than float32"
+    )
+    scheme = RunConfig(
+        model=tiny.__class__(**{**tiny.to_dict(), "bottleneck_dim": 28}), codec="int4"
+    )
+    # 4 bytes x 128 values at full width vs 18/32 bytes x 28 values
+    assert scheme.activation_bytes_ratio() == pytest.approx(4 * 128 / (18 / 32 * 28))
+    assert scheme.compression_scheme() == (
+        "codec int4, bottleneck 28 of 128 dims: 32.5x fewer activation bytes than float32"
+    )
+    assert RunConfig.from_dict(scheme.to_dict()) == scheme  # the record carries both parts
+
+
+def test_a_run_whose_codec_this_build_cannot_decode_is_refused_by_name():
+    record = RunConfig(codec="int2").to_dict()
+    record["codec"] = "int1"  # what a newer peer might publish
+    with pytest.raises(UnknownCodecError) as caught:
+        RunConfig.from_dict(record)
+    message = str(caught.value)
+    assert "codec 'int1', which this version of swarm cannot decode" in message
+    assert "(it knows none, fp16, bf16, int8, int4, int2, int4sr, int2sr)" in message
+    assert "upgrade swarm on this machine to join the run" in message
+
+
+def test_a_peer_and_a_trainer_refuse_to_join_a_run_whose_codec_they_cannot_decode(boot):
+    """A run published by a newer version with a codec this build lacks: `swarm peer` and `swarm train` exit 1
+    with one line naming the run, the codec and what to do, before serving or sending anything."""
+    from swarm.discovery.dht import DHTConfig, config_key, get_dht_time, start_dht
+
+    record = RunConfig(model=ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16)).to_dict()
+    record["codec"] = "int1"
+    node = start_dht(DHTConfig(initial_peers=boot), client_mode=True)
+    try:
+        stored = node.store(config_key("from-the-future"), record, get_dht_time() + 600)
+        assert stored
+        for command in (
+            ["peer", "--stage", "0", "--threads", "1"],
+            ["train", "--peers-wait-s", "5"],
+        ):
+            result = _cli(*command, "--run-id", "from-the-future", "--initial-peers", *boot)
+            assert result.returncode == 1, result
+            assert "Traceback" not in result.stderr, result.stderr
+            last = result.stderr.strip().splitlines()[-1]
+            assert last.startswith(
+                f"swarm {command[0]}: error: run 'from-the-future': the run compresses"
+            ), last
+            assert "codec 'int1', which this version of swarm cannot decode" in last
+            assert "upgrade swarm on this machine to join the run" in last
+    finally:
+        node.shutdown()
+
+
+def test_gradients_may_cross_the_cuts_in_another_codec_which_the_record_names():
+    run = RunConfig(codec="int2", grad_codec="int8")
+    assert run.gradient_codec == "int8" and RunConfig(codec="int4").gradient_codec == "int4"
+    assert run.compression_scheme().startswith("codec int2 (gradients int8): ")
+    assert RunConfig.from_dict(run.to_dict()) == run
+    with pytest.raises(
+        ValueError, match="grad_codec 'int3' is unknown; choose same or one of none"
+    ):
+        RunConfig(grad_codec="int3")
+    record = {**run.to_dict(), "grad_codec": "int1"}
+    with pytest.raises(
+        UnknownCodecError, match="compresses gradients with codec 'int1', which this version"
+    ):
+        RunConfig.from_dict(record)

@@ -140,7 +140,8 @@ def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == (
-        f"run 'status': 2 stages, codec none, target batch {B} samples, config {RUN.fingerprint()}"
+        f"run 'status': 2 stages, codec none: 1.0x fewer activation bytes than float32, target batch {B} "
+        f"samples, config {RUN.fingerprint()}"
     )
     stage_of, listed, serving = None, {}, {}
     assert lines[-1].startswith("bottleneck: stage ")

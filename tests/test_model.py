@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -399,3 +400,39 @@ def test_tiny_preset_overfits_a_fixed_batch():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(256), abs=0.3)  # uniform over bytes at init
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_an_orthogonal_bottleneck_starts_as_a_projection_shared_by_both_sides_of_each_cut():
+    random_init = ModelConfig(
+        d_model=32, n_heads=4, n_layers=3, seq_len=16, num_stages=3, bottleneck_dim=8, seed=5
+    )
+    orthogonal = dataclasses.replace(random_init, bottleneck_init="orthogonal")
+    model = build_full_model(orthogonal)
+    for cut in (0, 1):
+        down = model.stages[cut].bottleneck_out.weight  # (b, d)
+        up = model.stages[cut + 1].bottleneck_in.weight  # (d, b)
+        # down then up is the orthogonal projection onto a b-dimensional subspace: up = down^T, down up = I
+        torch.testing.assert_close(up, down.T)
+        torch.testing.assert_close(down @ up, torch.eye(8), atol=1e-6, rtol=0)
+    # each cut has its own subspace
+    assert not torch.allclose(
+        model.stages[0].bottleneck_out.weight, model.stages[1].bottleneck_out.weight
+    )
+    # a replica building one stage alone gets the same matrices (no state shared between the stages' builds)
+    torch.testing.assert_close(
+        build_stage(orthogonal, 2).bottleneck_in.weight,
+        model.stages[2].bottleneck_in.weight,
+        rtol=0,
+        atol=0,
+    )
+    # every other parameter is the random init's, so the two inits compare like for like
+    baseline = build_full_model(random_init)
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), baseline.named_parameters()):
+        if "bottleneck" in name and name.endswith("weight"):
+            assert not torch.equal(ours, theirs), name
+        else:
+            assert torch.equal(ours, theirs), name
+    with pytest.raises(
+        ValueError, match="bottleneck_init must be one of random, orthogonal, got 'pca'"
+    ):
+        dataclasses.replace(random_init, bottleneck_init="pca")

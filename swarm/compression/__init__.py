@@ -1,4 +1,5 @@
-"""Tensor codecs for the wire: ``none``, ``fp16``, ``bf16`` and blockwise ``int8``.
+"""Tensor codecs for the wire: ``none``, ``fp16``, ``bf16``, blockwise ``int8``, ``int4`` and ``int2`` (and ``int4sr``,
+``int2sr``: 4 and 2 bits with stochastic rounding).
 
 Usage: ``codec = get_codec(request.codec)``; ``payload = codec.encode(flat)`` on the sender and
 ``codec.decode(payload, numel, dtype_from_name(request.dtype))`` (or ``codec.decode_into(payload, out_slice)``) on
@@ -20,7 +21,7 @@ from swarm.compression.errors import (
     NonFiniteTensorError,
     UnknownCodecError,
 )
-from swarm.compression.names import CODEC_NAMES
+from swarm.compression.names import BYTES_PER_VALUE, CODEC_NAMES
 from swarm.lazy import lazy_exports
 
 if TYPE_CHECKING:
@@ -28,6 +29,12 @@ if TYPE_CHECKING:
     from swarm.compression.cast import BFloat16Codec, Float16Codec, NoneCodec
     from swarm.compression.dtypes import WIRE_DTYPE_NAMES, dtype_from_name, wire_dtype_name
     from swarm.compression.int8 import BlockwiseInt8Codec
+    from swarm.compression.lowbit import (
+        BlockwiseInt2Codec,
+        BlockwiseInt4Codec,
+        StochasticInt2Codec,
+        StochasticInt4Codec,
+    )
     from swarm.compression.registry import get_codec
     from swarm.compression.segments import segment_ranges
 
@@ -43,15 +50,22 @@ __getattr__ = lazy_exports(
         "dtype_from_name": "swarm.compression.dtypes",
         "wire_dtype_name": "swarm.compression.dtypes",
         "BlockwiseInt8Codec": "swarm.compression.int8",
+        "BlockwiseInt4Codec": "swarm.compression.lowbit",
+        "BlockwiseInt2Codec": "swarm.compression.lowbit",
+        "StochasticInt4Codec": "swarm.compression.lowbit",
+        "StochasticInt2Codec": "swarm.compression.lowbit",
         "get_codec": "swarm.compression.registry",
         "segment_ranges": "swarm.compression.segments",
     },
 )
 
 __all__ = [
+    "BYTES_PER_VALUE",
     "CODEC_NAMES",
     "WIRE_DTYPE_NAMES",
     "BFloat16Codec",
+    "BlockwiseInt2Codec",
+    "BlockwiseInt4Codec",
     "BlockwiseInt8Codec",
     "Codec",
     "CodecError",
@@ -59,6 +73,8 @@ __all__ = [
     "Float16Codec",
     "NonFiniteTensorError",
     "NoneCodec",
+    "StochasticInt2Codec",
+    "StochasticInt4Codec",
     "UnknownCodecError",
     "dtype_from_name",
     "get_codec",

@@ -100,10 +100,10 @@ def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Ten
         require_finite(
             original, "tensor to encode", "find where the NaN/Inf appeared instead of shipping it"
         )
-        _raise_scale_overflow(original)  # finite float64 values beyond the float32 range
-    scale = _bfloat16_at_least(absmax)  # (nb,); Inf where absmax exceeds the bfloat16 range
+        raise_scale_overflow(original, "int8")  # finite float64 values beyond the float32 range
+    scale = bfloat16_at_least(absmax)  # (nb,); Inf where absmax exceeds the bfloat16 range
     if not bool(torch.isfinite(scale).all()):
-        _raise_scale_overflow(original)
+        raise_scale_overflow(original, "int8")
     wide_scale = scale.to(blocks.dtype)  # (nb,)
     # q = round(x / scale * 127), computed as x * (127 / scale): one multiply per element instead of a division.
     # 127 / scale overflows for scales below ~2**-120, so such blocks are first lifted by the exact factor 2**100.
@@ -120,14 +120,14 @@ def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Ten
     rows[:, _SCALE_BYTES:] = q.to(torch.int8).view(torch.uint8)
 
 
-def _raise_scale_overflow(original: torch.Tensor) -> None:
+def raise_scale_overflow(original: torch.Tensor, codec_name: str) -> None:
     raise CodecOverflowError(
         f"tensor to encode has values up to {float(original.abs().max()):.4g}, beyond the bfloat16 scales of the "
-        f"int8 codec ({torch.finfo(torch.bfloat16).max:.4g}): scale the tensor down before sending it"
+        f"{codec_name} codec ({torch.finfo(torch.bfloat16).max:.4g}): scale the tensor down before sending it"
     )
 
 
-def _bfloat16_at_least(values: torch.Tensor) -> torch.Tensor:
+def bfloat16_at_least(values: torch.Tensor) -> torch.Tensor:
     """Round finite non-negative float32 ``values`` (n,) up to the nearest bfloat16 (Inf past its range).
 
     Rounding up, not to nearest, keeps |x| / scale <= 1, so the largest value of a block maps to exactly ±127.

@@ -6,12 +6,27 @@ from swarm.compression.base import Codec
 from swarm.compression.cast import BFloat16Codec, Float16Codec, NoneCodec
 from swarm.compression.errors import UnknownCodecError
 from swarm.compression.int8 import BlockwiseInt8Codec
+from swarm.compression.lowbit import (
+    BlockwiseInt2Codec,
+    BlockwiseInt4Codec,
+    StochasticInt2Codec,
+    StochasticInt4Codec,
+)
 from swarm.compression.names import CODEC_NAMES
 
 # codecs are stateless and thread-safe, so one shared instance each is enough
 _CODECS: dict[str, Codec] = {
     codec.name: codec
-    for codec in (NoneCodec(), Float16Codec(), BFloat16Codec(), BlockwiseInt8Codec())
+    for codec in (
+        NoneCodec(),
+        Float16Codec(),
+        BFloat16Codec(),
+        BlockwiseInt8Codec(),
+        BlockwiseInt4Codec(),
+        BlockwiseInt2Codec(),
+        StochasticInt4Codec(),
+        StochasticInt2Codec(),
+    )
 }
 
 if tuple(_CODECS) != CODEC_NAMES:

@@ -97,7 +97,7 @@ def _agreement_line(run, records) -> str:
 
 def format_status(run_id: str, run, stages, trainers=None) -> str:
     lines = [
-        f"run '{run_id}': {run.model.num_stages} stages, codec {run.codec}, "
+        f"run '{run_id}': {run.model.num_stages} stages, {run.compression_scheme()}, "
         f"target batch {run.target_batch_size} samples, config {run.fingerprint()}"
     ]
     for index, records in enumerate(stages):

@@ -15,6 +15,7 @@ from pathlib import Path
 import hivemind
 from hivemind.utils import get_dht_time
 
+from swarm.compression import UnknownCodecError
 from swarm.config import RunConfig
 from swarm.discovery.config import DHTConfig
 from swarm.discovery.records import (
@@ -148,6 +149,8 @@ class RunDirectory:
             return None
         try:
             return RunConfig.from_dict(found.value)
+        except UnknownCodecError as e:  # a well-formed record this build cannot serve
+            raise UnknownCodecError(f"run '{self.run_id}': {e}") from None
         except (ValueError, TypeError) as e:
             raise RecordError(
                 f"run '{self.run_id}' has a malformed config record in the DHT: {e}"

@@ -12,6 +12,8 @@ from typing import Any
 
 from swarm.schema import parse_dataclass
 
+BOTTLENECK_INITS = ("random", "orthogonal")
+
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
@@ -28,6 +30,11 @@ class ModelConfig:
     # Linear(d_model -> bottleneck_dim), the stage after begins with Linear(bottleneck_dim -> d_model).
     # None = activations cross cuts at full width d_model.
     bottleneck_dim: int | None = None
+    # How the bottleneck pair starts: "random" (independent Gaussians: the pair maps the residual stream to an
+    # unrelated random stream) or "orthogonal" (down = Q^T, up = Q for one orthonormal Q (d_model, bottleneck_dim)
+    # per cut, so the pair starts as a projection onto a subspace and stage k+1 sees stage k's stream in it;
+    # measured worse than random on tiny, see docs/compression.md).
+    bottleneck_init: str = "random"
     seed: int = 0  # init seed; every replica of a stage initialises identically from (seed, stage)
 
     def __post_init__(self) -> None:
@@ -48,6 +55,11 @@ class ModelConfig:
         ):
             raise ValueError(
                 f"ModelConfig.bottleneck_dim must be a positive int or None, got {self.bottleneck_dim!r}"
+            )
+        if self.bottleneck_init not in BOTTLENECK_INITS:
+            raise ValueError(
+                f"ModelConfig.bottleneck_init must be one of {', '.join(BOTTLENECK_INITS)}, "
+                f"got {self.bottleneck_init!r}"
             )
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"ModelConfig.seed must be a non-negative int, got {self.seed!r}")

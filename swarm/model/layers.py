@@ -58,11 +58,34 @@ class Block(nn.Module):
 
 
 class Bottleneck(nn.Linear):
-    """A Linear at a stage cut (d_model -> bottleneck_dim or back).
+    """A Linear at stage cut ``cut`` (between stages cut and cut + 1): d_model -> bottleneck_dim, or back.
 
-    Initialised with std 1/sqrt(fan_in) rather than 0.02: the pair of projections around a cut then
+    ``bottleneck_init`` "random": std 1/sqrt(fan_in) rather than 0.02, so the pair of projections around a cut
     preserves activation scale at init instead of shrinking it by ~(0.02^2 * width) per projection.
+    "orthogonal": the down projection is Q^T and the up projection Q for one orthonormal Q (d, b) per cut
+    (``cut_projection``), so up(down(h)) starts as the orthogonal projection of h onto a b-dimensional
+    subspace: each coordinate crossing the cut has the scale of h's, and stage cut + 1 starts from stage cut's
+    residual stream (its part in the subspace) instead of from a random mix of it.
     """
+
+    def __init__(self, in_features: int, out_features: int, *, cut: int) -> None:
+        super().__init__(in_features, out_features)
+        self.cut = cut
+
+
+def cut_projection(config: ModelConfig, cut: int) -> Tensor:
+    """The orthonormal (d_model, bottleneck_dim) matrix of cut ``cut``: the same in both stages around it (its
+    seed is a hash of (config.seed, cut), apart from either stage's generator)."""
+    import hashlib
+
+    digest = hashlib.sha256(f"swarm-cut-init:{config.seed}:{cut}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    gaussian = torch.randn(
+        config.d_model, config.bottleneck_dim, generator=generator, dtype=torch.float64
+    )
+    q, r = torch.linalg.qr(gaussian)  # (d, b) orthonormal columns
+    # fix the signs (QR is unique up to them) so every LAPACK gives the same Q
+    return (q * torch.sign(torch.diagonal(r))).float()
 
 
 def init_stage_parameters(
@@ -81,8 +104,12 @@ def init_stage_parameters(
     with torch.no_grad():
         for name, sub in module.named_modules():
             if isinstance(sub, Bottleneck):
+                # drawn either way, so every other parameter is the same under both inits
                 sub.weight.normal_(0.0, 1.0 / math.sqrt(sub.in_features), generator=generator)
                 sub.bias.zero_()
+                if config.bottleneck_init == "orthogonal":
+                    q = cut_projection(config, sub.cut)  # (d, b)
+                    sub.weight.copy_(q.T if sub.out_features == config.bottleneck_dim else q)
             elif isinstance(sub, nn.Linear):
                 std = residual_std if getattr(sub, "is_residual_projection", False) else INIT_STD
                 sub.weight.normal_(0.0, std, generator=generator)

@@ -39,14 +39,14 @@ class Stage(nn.Module):
             self.tok_emb = nn.Embedding(config.vocab_size, d)
             self.pos_emb = nn.Embedding(config.seq_len, d)
         elif config.bottleneck_dim is not None:
-            self.bottleneck_in = Bottleneck(config.bottleneck_dim, d)
+            self.bottleneck_in = Bottleneck(config.bottleneck_dim, d, cut=index - 1)
         self.blocks = nn.ModuleList(Block(config) for _ in config.stage_layers(index))
         if self.is_last:
             self.ln_f = nn.LayerNorm(d)
             # No weight tying: the embedding lives on stage 0, the head on the last stage.
             self.head = nn.Linear(d, config.vocab_size, bias=False)
         elif config.bottleneck_dim is not None:
-            self.bottleneck_out = Bottleneck(d, config.bottleneck_dim)
+            self.bottleneck_out = Bottleneck(d, config.bottleneck_dim, cut=index)
 
     @property
     def input_width(self) -> int | None:

@@ -146,6 +146,9 @@ class Peer:
                 f"--stage {self.stage_index} does not exist"
             )
         self.run = published
+        logger.info(
+            "run '%s' compresses activations: %s", self.run_id, published.compression_scheme()
+        )
 
     async def _start_announcer(self) -> None:
         self._announcer = Announcer(

@@ -73,7 +73,9 @@ class Pipeline:
         self.run = run
         self.config = config
         self.num_stages = run.model.num_stages
-        self.codec = get_codec(run.codec)
+        self.codec = get_codec(run.codec)  # activations
+        # gradients: the trainer sends them in it, and asks for them in it (a request's codec is its reply's)
+        self.grad_codec = get_codec(run.gradient_codec)
         self.router = Router(routing)
         self.rng = random.Random(seed)
         self.clients = ClientPool(segment_bytes=config.segment_bytes)
@@ -363,14 +365,22 @@ class Pipeline:
         raise AssertionError("unreachable")
 
     def _meta(
-        self, stage: int, microbatch_id: str, samples: int, batch_step: int | None = None, **flags
+        self,
+        stage: int,
+        microbatch_id: str,
+        samples: int,
+        batch_step: int | None = None,
+        *,
+        codec,
+        **flags,
     ) -> pb.RequestMeta:
+        """The request header; ``codec`` is what the peer replies in (tensors carry their own codec)."""
         meta = pb.RequestMeta(
             protocol_version=PROTOCOL_VERSION,
             run_id=self.run_id,
             stage=stage,
             microbatch_id=microbatch_id,
-            codec=self.codec.name,
+            codec=codec.name,
             num_samples=samples,
             **flags,
         )
@@ -382,12 +392,15 @@ class Pipeline:
         self, stage, microbatch_id, h, *, targets=None, eval_only=False, batch_step=None
     ):
         tensors = [("input", h)] + ([("targets", targets)] if targets is not None else [])
+        compute_loss = targets is not None and not eval_only
         meta = self._meta(
             stage,
             microbatch_id,
             h.shape[0],
             batch_step,
-            compute_loss=targets is not None and not eval_only,
+            # the loss call replies with the input's gradient, a forward call with activations
+            codec=self.grad_codec if compute_loss else self.codec,
+            compute_loss=compute_loss,
             eval_only=eval_only,
         )
 
@@ -404,9 +417,11 @@ class Pipeline:
             holder = self.records[stage].get(forward_peer)
             if holder is not None and holder.endpoint == endpoint:
                 try:
-                    meta = self._meta(stage, microbatch_id, grad.shape[0], batch_step)
+                    meta = self._meta(
+                        stage, microbatch_id, grad.shape[0], batch_step, codec=self.grad_codec
+                    )
                     return await client.backward(
-                        meta, [("grad_output", grad)], self.codec, timeout_s=timeout_s
+                        meta, [("grad_output", grad)], self.grad_codec, timeout_s=timeout_s
                     )
                 except NotCached:
                     pass  # evicted there: send the inputs along for a recompute at the same peer
@@ -416,11 +431,22 @@ class Pipeline:
         return attempt
 
     def _backward_with_inputs(self, stage, microbatch_id, grad, inputs, batch_step):
-        meta = self._meta(stage, microbatch_id, grad.shape[0], batch_step, include_inputs=True)
+        meta = self._meta(
+            stage,
+            microbatch_id,
+            grad.shape[0],
+            batch_step,
+            codec=self.grad_codec,
+            include_inputs=True,
+        )
 
         async def attempt(endpoint: str, timeout_s: float) -> Reply:
+            # one codec per call: the inputs of this recompute travel in the gradient codec too
             return await self.clients.get(endpoint).backward(
-                meta, [("grad_output", grad), ("input", inputs)], self.codec, timeout_s=timeout_s
+                meta,
+                [("grad_output", grad), ("input", inputs)],
+                self.grad_codec,
+                timeout_s=timeout_s,
             )
 
         return attempt

@@ -273,6 +273,15 @@ def measure_setup(
 # ---------------------------------------------------------------------------------------- report
 
 
+def _ratio_cells(res, reference, rates) -> list[str]:
+    """``res``'s tokens/s over ``reference``'s at each rate ("" where either has no window there)."""
+    cells = []
+    for rate in rates:
+        a, b = res.windows.get(rate), reference.windows.get(rate)
+        cells.append("" if a is None or b is None else f"{a.tokens_per_s / b.tokens_per_s:.2f}x")
+    return cells
+
+
 def _rate_label(rate: float | None) -> str:
     return "unlimited" if rate is None else f"{rate:g} Mbit/s"
 
@@ -307,13 +316,9 @@ def tables(results: list[SetupResult]) -> tuple[str, str, list[str]]:
         for res in results:
             if res.setup.preset != preset or res is none:
                 continue
-            cells = []
-            for rate in rates:
-                a, b = res.windows.get(rate), none.windows.get(rate)
-                cells.append(
-                    "" if a is None or b is None else f"{a.tokens_per_s / b.tokens_per_s:.2f}x"
-                )
-            ratio_rows.append([f"{res.setup.name} / none ({preset})", *cells])
+            ratio_rows.append(
+                [f"{res.setup.name} / none ({preset})", *_ratio_cells(res, none, rates)]
+            )
         int8 = by_name.get((preset, "int8", None))
         if int8 is None:
             continue
@@ -404,13 +409,12 @@ def versus(results: list[SetupResult], baseline: str) -> str:
     for res in results:
         if res is reference:
             continue
-        cells = []
-        for rate in rates:
-            a, b = res.windows.get(rate), reference.windows.get(rate)
-            cells.append(
-                "" if a is None or b is None else f"{a.tokens_per_s / b.tokens_per_s:.2f}x"
-            )
-        rows.append([f"{res.setup.name} / {baseline} ({res.setup.preset})", *cells])
+        rows.append(
+            [
+                f"{res.setup.name} / {baseline} ({res.setup.preset})",
+                *_ratio_cells(res, reference, rates),
+            ]
+        )
     return markdown_table(["ratio of tokens/s"] + [_rate_label(r) for r in rates], rows)
 
 

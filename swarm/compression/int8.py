@@ -61,14 +61,7 @@ class BlockwiseInt8Codec(Codec):
         work = out if out.dtype == work_dtype else torch.empty(out.numel(), dtype=work_dtype)
         for blocks, rows in self._block_views(work, data):
             _dequantize_into(rows, blocks)
-        if work is out:
-            return
-        if out.dtype == torch.float16:
-            # a block's largest value decodes up to half a step above it and its bfloat16 scale may exceed 65504:
-            # saturate, as a float16 near its limit should, instead of rounding to Inf
-            limit = torch.finfo(torch.float16).max
-            work.clamp_(-limit, limit)
-        out.copy_(work)
+        copy_saturating(work, out)
 
     def _block_views(
         self, values: torch.Tensor, payload: torch.Tensor
@@ -118,6 +111,18 @@ def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Ten
     q = torch.mul(blocks, multiplier[:, None]).round_().clamp_(-_QMAX, _QMAX)  # (nb, b)
     rows[:, :_SCALE_BYTES] = scale.view(torch.uint8).view(-1, _SCALE_BYTES)
     rows[:, _SCALE_BYTES:] = q.to(torch.int8).view(torch.uint8)
+
+
+def copy_saturating(work: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy values decoded in float32 (``work``) into ``out`` unless they are the same tensor. Into float16: a
+    block's largest value decodes up to half a step above it and its bfloat16 scale may exceed 65504, so saturate,
+    as a float16 near its limit should, instead of rounding to Inf."""
+    if work is out:
+        return
+    if out.dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max
+        work.clamp_(-limit, limit)
+    out.copy_(work)
 
 
 def raise_scale_overflow(original: torch.Tensor, codec_name: str) -> None:

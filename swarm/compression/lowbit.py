@@ -47,7 +47,7 @@ from typing import ClassVar
 import torch
 
 from swarm.compression.base import Codec, require_finite, tensor_from_raw
-from swarm.compression.int8 import bfloat16_at_least, raise_scale_overflow
+from swarm.compression.int8 import bfloat16_at_least, copy_saturating, raise_scale_overflow
 
 _SCALE_BYTES = 2  # one bfloat16 per block; its sign bit names the grid
 # blocks whose max |x| is below _SMALL (above _LARGE) are scaled by _LIFT (1 / _LIFT) while quantized
@@ -99,14 +99,7 @@ class BlockwiseLowBitCodec(Codec):
         work = out if out.dtype == work_dtype else torch.empty(out.numel(), dtype=work_dtype)
         for blocks, rows in self._block_views(work, data):
             self._dequantize_into(rows, blocks)
-        if work is out:
-            return
-        if out.dtype == torch.float16:
-            limit = torch.finfo(
-                torch.float16
-            ).max  # saturate like int8 does instead of rounding to Inf
-            work.clamp_(-limit, limit)
-        out.copy_(work)
+        copy_saturating(work, out)
 
     def _block_views(
         self, values: torch.Tensor, payload: torch.Tensor

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -269,6 +270,14 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
 def main(argv: list[str] | None = None) -> int:
     from swarm.errors import SwarmError, UsageError
 
+    # Ctrl-C (SIGINT) stops every command, also one started with SIGINT ignored (a command in the background of
+    # a script, or the child of a program whose libraries set it so, as hivemind's averagers do): Python would
+    # leave it ignored, and `swarm status --watch` or a peer could then only be killed.
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    ):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:] if argv is None else list(argv)
     # Only the command given gets its flags (and imports what they need): `swarm --help` stays instant.
     command = next((arg for arg in argv if arg in COMMANDS), None)

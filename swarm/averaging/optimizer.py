@@ -91,9 +91,8 @@ class HivemindStageOptimizer:
         self._pending = None
         self._step_started: tuple[int, int, float, bool] = (0, 0, 0.0, False)
         self._hold_s = 0.0
-        self._replicas: dict[
-            int, int
-        ] = {}  # global batch -> its stage's replicas the trainer reached
+        # global batch -> its stage's replicas the trainer reached
+        self._replicas: dict[int, int] = {}
         self.step_pause_s = (
             0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
         )
@@ -205,10 +204,8 @@ class HivemindStageOptimizer:
         averages, although the records may not show its peers yet (stepping alone, it would drift apart). Any
         thread: the next ``maybe_step`` reads it."""
         self._closed_through = max(self._closed_through, batch_step)
-        if replicas:
-            self._replicas[batch_step] = (
-                replicas  # the latest count: a trainer closes again while it waits
-            )
+        if replicas:  # the latest count wins: a trainer closes again while it waits
+            self._replicas[batch_step] = replicas
 
     def _catch_up(self) -> None:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
@@ -306,10 +303,11 @@ class HivemindStageOptimizer:
         self._hold_s = time.perf_counter() - self._step_started[2]
         self._pending = self.opt.scheduled_grads if began else None
         if self._pending is None:
-            self._finish_step(began=False)
+            self._finish_step()
 
-    def _finish_step(self, began: bool = True) -> None:
-        """The all-reduce is done (or there was none): load its result, step, count the step."""
+    def _finish_step(self) -> None:
+        """The all-reduce is done (or none began): load its result, step, count the step."""
+        began = self._pending is not None
         before = self.step
         skipped, partial, _, alone = self._step_started
         t0 = time.perf_counter()

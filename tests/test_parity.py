@@ -42,20 +42,20 @@ PEER_FLAGS = [
 MICROBATCH, EVAL_BATCHES = 8, 4
 
 
-# What a replica logs when it repairs a departure from lockstep (swarm/averaging/optimizer.py): it missed its
-# stage's all-reduce or got part of it, or fell behind, and loaded its peers' state. The run then leaves the
-# one-process trajectory (the README counts 1 to 4 such misses per averaging run on a loaded machine).
-REPAIRS = (
-    r"reloading the stage's state from its peers|is behind its peers|downloaded the state of step"
-)
-# Relative validation-loss gap to one process (full precision, from the metrics file). Measured on 8 batches
-# (2 x 2 averaging peers, lockstep): below 0.0005% on a run without a repair (3.6185 both), and 0.01% on 2
-# earlier runs, read from the summary line's 3 decimals (within its rounding, 0.014%); fp32 summation order is
-# the only difference. One earlier run ended 0.18% apart; its logs were gone before its repairs could be
-# counted. What the bound must tell apart: per-stage against exact global clipping moves the same 8 batches by
-# 0.26% (train_reference with clipping="stage" vs "global": 3.6185 vs 3.6091); replicas clipping each stage
-# to max_grad_norm instead of max_grad_norm / sqrt(2) end 0.56% apart. 0.05% is 100x the clean gap and 5x
-# below the smaller of those.
+# What a replica logs when its run leaves the one-process trajectory: any warning of the stage optimizer
+# (swarm/averaging/optimizer.py: it missed its stage's all-reduce or got part of it, fell behind, loaded its peers'
+# state) or of hivemind's averaging (a groupmate's part timed out). The README counts 1 to 4 such repairs per
+# averaging run on a loaded machine. A departure that logs nothing is the bug this test exists to catch: one
+# replica stepping on its own gradients unseen ended a run 0.2% from one process.
+REPAIRS = r"WARN(ING)? swarm\.averaging|\[WARN\] \[hivemind\.averaging"
+# Relative validation-loss gap to one process (full precision, from the metrics file). Measured on 8 batches (2 x 2
+# averaging peers, lockstep): below 0.0005% on a run without a repair (3.6185 both), and 0.01% on 2 earlier runs,
+# read from the summary line's 3 decimals (within its rounding, 0.014%); fp32 summation order is the only
+# difference. Two runs that ended 0.18% and 0.2% apart had a replica step alone unseen (fixed:
+# hivemind_private.begin_global_step). What the bound must tell apart: per-stage against exact global clipping moves
+# the same 8 batches by 0.26% (train_reference with clipping="stage" vs "global": 3.6185 vs 3.6091); replicas
+# clipping each stage to max_grad_norm instead of max_grad_norm / sqrt(2) end 0.56% apart. 0.05% is 100x the clean
+# gap and 5x below the smaller of those.
 CLEAN_GAP = 0.0005
 # A run with a repair trains some stage on fewer than the global batch once or more; the bound is then the
 # one the long run measured with a repaired partial all-reduce (0.88% after 60 batches, bench/results/
@@ -91,7 +91,7 @@ def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm):
         "val_loss"
     ]
     first_loss = float(trainer.wait_for(r"^step 1/\d+ \| loss ([\d.]+)", timeout_s=5).group(1))
-    repairs = [line for p in peers for line in p.lines if re.search(REPAIRS, line)]
+    repairs = [f"{p.name}: {line}" for p in peers for line in p.lines if re.search(REPAIRS, line)]
 
     reference = train_reference(
         RUN,
@@ -109,4 +109,4 @@ def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm):
         f"validation loss after {RUN.total_steps} batches: swarm {swarm_val:.4f}, one process "
         f"{one_process_val:.4f} ({gap:.3%} apart, {len(repairs)} repairs)"
     )
-    assert gap <= (REPAIRED_GAP if repairs else CLEAN_GAP), repairs
+    assert gap <= (REPAIRED_GAP if repairs else CLEAN_GAP), "\n".join(repairs) or "no repair logged"

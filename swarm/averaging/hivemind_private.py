@@ -40,6 +40,8 @@ from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
 from hivemind.optim.progress_tracker import ProgressTracker  # noqa: E402
 from hivemind.optim.state_averager import TrainingStateAverager  # noqa: E402
 
+logger = logging.getLogger(__name__)
+
 
 class ExactDeltaReducer(TensorPartReducer):
     """Makes every member of an all-reduce group end with bit-identical averages, so replicas stay bit-identical
@@ -211,14 +213,32 @@ def schedule_gradient_averaging(opt: GlobalBatchOptimizer) -> None:
 
 
 def begin_global_step(opt: GlobalBatchOptimizer) -> bool:
-    """Hand the accumulated gradients to the all-reduce of the formed (or forming) group and return at once; False
-    if there is no group to average with (the step then uses this replica's gradients). The first half of
-    hivemind's global step (``Optimizer._update_global_epoch``), which then blocks for the all-reduce: the
-    compute thread must not (a groupmate killed mid all-reduce would hold it for ``averaging_timeout_s``)."""
+    """Hand the accumulated gradients to the all-reduce of the group that formed and return at once; False if no
+    group formed (the step then uses this replica's gradients). The first half of hivemind's global step
+    (``Optimizer._update_global_epoch``), which then blocks for the all-reduce: the compute thread must not (a
+    groupmate killed mid all-reduce would hold it for ``averaging_timeout_s``).
+
+    Whether to average is the formed group's to say, not the progress records': hivemind's own first half skips a
+    formed group when its records show one peer, and they lag on a loaded machine (a replica then stepped alone on
+    its half of the batch, silently, and its groupmate waited out ``next_chunk_timeout`` for its part)."""
     # Private: the halves of _update_global_epoch for our settings (gradient averaging, no delayed or local updates,
     # no state averaging), so that the wait between them happens off the compute thread.
+    control = opt.scheduled_grads
+    if control is None or control.triggered or control.done():
+        opt.scheduled_grads = None
+        return False
     with opt.tracker.pause_updates():
-        return opt._begin_averaging_gradients(None)
+        try:
+            opt.scheduled_grads = opt.grad_averager.step(
+                control=control, reset_accumulators=True, wait=False
+            )
+            return True
+        except Exception:
+            logger.exception("handing the gradients to the all-reduce failed; leaving the group")
+            if not control.done():
+                tag_along_with_zero_weight(opt, control)
+            opt.scheduled_grads = None
+            return False
 
 
 def finish_global_step(opt: GlobalBatchOptimizer, began: bool) -> None:

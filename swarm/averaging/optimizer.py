@@ -326,7 +326,9 @@ class HivemindStageOptimizer:
             if self._partial.count.value > partial
             else None
         )
-        if why and self.opt.tracker.global_progress.num_peers > 1:
+        # (Not gated on the progress records showing peers: they lag, and a replica that took part in a group had
+        # peers whatever they show. One truly alone finds no donor and keeps its state, saying so.)
+        if why:
             # This replica missed the stage's all-reduce and stepped on its own gradients, got only part of the
             # averaged gradient (a groupmate's part timed out: it used its own values there), or skipped the step
             # (a non-finite average): its parameters now differ from its peers'. Take theirs rather than carry (and

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.engine import DockerEngine, EngineError, compose_command
@@ -109,6 +109,9 @@ class ComposeProject:
     name: str
     overrides: tuple[Path, ...] = ()
     environment: dict[str, str] | None = None
+    # service -> its container's id: asking Compose costs seconds (v1), and a killed and started container keeps
+    # its id, so watching a service's log is one `docker logs` a poll
+    _containers: dict[str, str] = field(default_factory=dict, repr=False)
 
     def compose(self, *args: str, check: bool = True, capture: bool = False, log=None):
         files = [arg for path in (COMPOSE_FILE, *self.overrides) for arg in ("-f", str(path))]
@@ -126,10 +129,12 @@ class ComposeProject:
 
     def container(self, service: str) -> str:
         """The id of the service's container (it must exist)."""
-        out = self.compose("ps", "-q", service, capture=True).stdout.split()
-        if len(out) != 1:
-            raise RuntimeError(f"service {service} of {self.name} has {len(out)} containers")
-        return out[0]
+        if service not in self._containers:
+            out = self.compose("ps", "-q", service, capture=True).stdout.split()
+            if len(out) != 1:
+                raise RuntimeError(f"service {service} of {self.name} has {len(out)} containers")
+            self._containers[service] = out[0]
+        return self._containers[service]
 
     def inspect(self, service: str) -> dict:
         done = subprocess.run(
@@ -172,6 +177,7 @@ class ComposeProject:
     def down(self, log=None) -> None:
         """Remove the project's containers, network and volume."""
         self.compose("down", "--volumes", "--remove-orphans", "--timeout", "10", log=log)
+        self._containers.clear()
 
 
 def trainer_step(logs: str) -> int:

@@ -289,13 +289,29 @@ def test_a_run_whose_codec_this_build_cannot_decode_is_refused_by_name():
 def test_a_peer_and_a_trainer_refuse_to_join_a_run_whose_codec_they_cannot_decode(boot):
     """A run published by a newer version with a codec this build lacks: `swarm peer` and `swarm train` exit 1
     with one line naming the run, the codec and what to do, before serving or sending anything."""
-    from swarm.discovery.dht import DHTConfig, config_key, get_dht_time, start_dht
+    from swarm.discovery.dht import (
+        DHTConfig,
+        config_key,
+        get_dht_time,
+        run_signing_payload,
+        start_dht,
+    )
 
     record = RunConfig(model=ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16)).to_dict()
     record["codec"] = "int1"
     node = start_dht(DHTConfig(initial_peers=boot), client_mode=True)
     try:
-        stored = node.store(config_key("from-the-future"), record, get_dht_time() + 600)
+        owner = (
+            node.swarm_identity
+        )  # the newer version's run, signed by its owner as this one expects
+        signed = {
+            "config": record,
+            "owner": owner.public_key,
+            "signature": owner.sign(run_signing_payload("from-the-future", record)),
+        }
+        stored = node.store(
+            config_key("from-the-future"), signed, get_dht_time() + 600, subkey=owner.owner_marker
+        )
         assert stored
         for command in (
             ["peer", "--stage", "0", "--threads", "1"],

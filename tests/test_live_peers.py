@@ -244,7 +244,13 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
     assert b.executor.param_digest() == digest and (info.step, info.param_digest) == (2, digest)
     printed, runs_listed = capsys.readouterr().out.splitlines()  # the status, then the runs list
     runs = {run["run_id"]: run for run in json.loads(runs_listed)["runs"]}
-    assert runs["agree"] == {"run_id": "agree", "num_stages": 2, "config": RUN.fingerprint()}
+    # every node of the run lists it, each under its own signed entry; all name the one owner
+    assert runs["agree"] == {
+        "run_id": "agree",
+        "num_stages": 2,
+        "config": RUN.fingerprint(),
+        "owners": [a.directory.owner],
+    }
     printed = json.loads(printed)
     assert printed.pop("time") <= document.pop("time") and printed == document
     assert document["run_id"] == "agree" and document["config"] == RUN.fingerprint()

@@ -115,6 +115,11 @@ class HivemindStageOptimizer:
         run, config = self.run, self.config
         # hivemind advises a request timeout below the matchmaking time (else matchmaking can deadlock).
         request_timeout = min(5.0, config.matchmaking_s / 2)
+        if private_key is None:
+            # A DHT node signs owner-marked records with one key (hivemind keeps its first signature validator): the
+            # progress records must be marked with that key, the one start_dht keeps with the node.
+            identity = getattr(dht, "swarm_identity", None)
+            private_key = identity.private_key if identity is not None else RSAPrivateKey()
         return hp.GlobalBatchOptimizer(
             dht=dht,
             run_id=stage_run_id(run_id, self.stage_index),
@@ -139,7 +144,7 @@ class HivemindStageOptimizer:
                 hp.SampleSumGradientAverager, request_timeout=request_timeout
             ),
             tracker_opts=dict(
-                private_key=private_key or RSAPrivateKey(),
+                private_key=private_key,
                 min_refresh_period=0.2,
                 default_refresh_period=0.5,
                 metadata_expiration=config.progress_ttl_s,

@@ -152,7 +152,7 @@ async def export_run(
 ) -> str:
     dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
     try:
-        directory = RunDirectory(dht, run_id)
+        directory = RunDirectory(dht, run_id, run_owner=dht_config.run_owner)
         run = await directory.get_run()
         if run is None:
             raise StageUnavailable(

@@ -133,7 +133,7 @@ async def run_monitor(
     dht = None
     try:
         dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
-        directory = RunDirectory(dht, run_id)
+        directory = RunDirectory(dht, run_id, run_owner=dht_config.run_owner)
         print(
             f"swarm monitor: dashboard of run '{run_id}' at http://{host}:{server.server_port}/",
             flush=True,

@@ -150,7 +150,10 @@ async def print_runs(dht_config: DHTConfig, *, as_json: bool = False) -> int:
         print("no run is published in this DHT (check --initial-peers)")
     else:
         for run_id, run in sorted(runs.items()):
-            print(f"run '{run_id}': {run['num_stages']} stages, config {run['config']}")
+            owners = ", ".join(run["owners"])
+            print(
+                f"run '{run_id}': {run['num_stages']} stages, config {run['config']}, owner {owners}"
+            )
     return 0
 
 
@@ -162,7 +165,7 @@ async def print_status(
         raise ValueError(f"--watch takes a number of seconds > 0, got {watch_s}")
     dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
     try:
-        directory = RunDirectory(dht, run_id)
+        directory = RunDirectory(dht, run_id, run_owner=dht_config.run_owner)
         while True:
             found = await read_status(directory)
             if found is None:

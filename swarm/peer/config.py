@@ -59,7 +59,7 @@ class PeerConfig:
         for name in ("slowdown", "fail_probability", "hang_after_calls", "lose_commit_probability")
     } | {
         name: "advanced: limits"
-        for name in ("max_microbatch_size", "calibration_batch", "peer_id", "drain_notice_s")
+        for name in ("max_microbatch_size", "calibration_batch", "drain_notice_s")
     }
 
     run_id: str = "demo"  # the run to join
@@ -69,7 +69,6 @@ class PeerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # gRPC port (0 = any free port)
     announce_host: str | None = None  # address others should dial, if not --host
-    peer_id: str | None = None  # stable identity (default: random per start)
     threads: int = 1  # torch intra-op threads for this peer's compute
     heartbeat_s: float = 1.0  # seconds between DHT announcements
     ttl_s: float = 5.0  # announcement lifetime: a silent peer disappears from routing after this

@@ -13,13 +13,13 @@ import contextlib
 import logging
 import random
 import time
-import uuid
 
 import torch
 
 from swarm.averaging import HivemindStageOptimizer
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
+from swarm.identity import Identity
 from swarm.model import build_stage
 from swarm.optim import LocalStageOptimizer
 from swarm.peer.admission import Admission
@@ -47,7 +47,9 @@ class Peer:
     def __init__(self, config: PeerConfig):
         self.config = config
         self.run_id = config.run_id
-        self.peer_id = config.peer_id or uuid.uuid4().hex[:16]
+        # its key: the peer id derives from it, and it signs every record the peer writes in the DHT
+        self.identity = Identity.load_or_create(config.dht.identity_path)
+        self.peer_id = self.identity.peer_id
         self.state = PeerState.STARTING
         # (when, samples applied, busy seconds) of the executor at the last summary (--log-every-s); set anew
         # with each executor (its counts start at zero)
@@ -70,7 +72,7 @@ class Peer:
             fail_probability=config.fail_probability,
             hang_after_calls=config.hang_after_calls,
             lose_commit_probability=config.lose_commit_probability,
-            rng=random.Random(config.peer_id),
+            rng=random.Random(self.peer_id),
         )
         self._announcer: Announcer | None = None
         self._worker: PriorityWorker | None = None
@@ -124,9 +126,10 @@ class Peer:
             self.config.dht,
             host=self.config.host,
             announce_host=self.config.announce_host,
+            identity=self.identity,
         )
         self._stack.callback(self.dht.shutdown)
-        self.directory = RunDirectory(self.dht, self.run_id)
+        self.directory = RunDirectory(self.dht, self.run_id, run_owner=self.config.dht.run_owner)
 
     async def _resolve_run(self, run: RunConfig | None, wait_s: float) -> None:
         published = await self.directory.get_run()
@@ -219,7 +222,13 @@ class Peer:
             peers_step = ahead[0].step if ahead else 0
             # Built on the event loop's thread, which owns signal handling.
             optimizer = HivemindStageOptimizer(
-                stage_module, run, dht=self.dht, run_id=self.run_id, config=config.averaging
+                stage_module,
+                run,
+                dht=self.dht,
+                run_id=self.run_id,
+                config=config.averaging,
+                # its progress records are signed by the key this node's DHT validator holds (it keeps one)
+                private_key=self.identity.private_key,
             )
         else:
             optimizer = LocalStageOptimizer(stage_module, run)

@@ -156,7 +156,7 @@ class Rebalancer:
         if move is None:
             return False
         key = claim_key(move.from_stage, period)
-        await self.directory.claim(key, self.peer_id, ttl_s=2 * self.config.period_s)
+        await self.directory.claim(key, ttl_s=2 * self.config.period_s)
         # Let claims of peers that read a different view land, then the deterministic winner goes.
         await asyncio.sleep(min(1.0, 0.1 * self.config.period_s))
         if not is_my_turn(await self.directory.claimers(key), self.peer_id, period):

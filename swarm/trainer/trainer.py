@@ -126,7 +126,11 @@ class Trainer:
         self.pipeline = pipeline
         self.corpus = corpus
         self.run = run
-        self.trainer_id = uuid.uuid4().hex[:8]
+        # its identity's peer id (it signs the trainer's records); microbatch ids add a per-start prefix, so a
+        # restarted trainer's ids never meet its former ones at a peer (held or applied)
+        identity = pipeline.directory.identity
+        self.trainer_id = identity.peer_id if identity is not None else uuid.uuid4().hex[:16]
+        self._microbatch_prefix = f"{self.trainer_id[:8]}.{uuid.uuid4().hex[:6]}"
         self.metrics_port: int | None = None  # where its Prometheus metrics are served, if they are
         self._generator = torch.Generator().manual_seed(config.seed)
         self._next_microbatch = 0
@@ -147,7 +151,7 @@ class Trainer:
                     start_dht, config.dht, host=config.host, client_mode=True
                 )
                 stack.callback(dht.shutdown)
-            directory = RunDirectory(dht, config.run_id)
+            directory = RunDirectory(dht, config.run_id, run_owner=config.dht.run_owner)
             run = await directory.wait_for_run(timeout_s=config.peers_wait_s)
             corpus = await asyncio.to_thread(ByteCorpus.load, config.data)
             pipeline = Pipeline(
@@ -322,7 +326,7 @@ class Trainer:
 
     def _microbatch_id(self) -> str:
         self._next_microbatch += 1
-        return f"{self.trainer_id}-{self._next_microbatch}"
+        return f"{self._microbatch_prefix}-{self._next_microbatch}"
 
     async def _announce(self) -> None:
         """Publish this trainer's progress (``latest``) in the DHT for a few heartbeats."""

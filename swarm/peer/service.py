@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from swarm.compression import CODEC_NAMES
-from swarm.errors import InvalidRequest, StreamTimeout, TransportError, WrongPeer
+from swarm.errors import InvalidRequest, StreamTimeout, SwarmError, TransportError, WrongPeer
 from swarm.peer.admission import Admission
 from swarm.peer.config import LimitsConfig
 from swarm.peer.executor import StageExecutor
@@ -115,6 +115,12 @@ class StageService(pb_grpc.StagePeerServicer):
                     output = await self._compute(
                         self.executor.forward, meta.microbatch_id, x, keep=not meta.eval_only
                     )
+                    if not torch.isfinite(output).all():
+                        # this replica's fault, not the request's: the caller retries elsewhere
+                        raise SwarmError(
+                            f"stage {stage.index} computed non-finite activations for microbatch "
+                            f"{meta.microbatch_id} on this peer; try another peer of the stage"
+                        )
                     yield self._reply(num_tensors=1)
                     async for frame in tensor_frames("output", output, codec):
                         yield frame

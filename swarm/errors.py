@@ -72,6 +72,12 @@ class PeerOverloaded(SwarmError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class StreamTimeout(SwarmError):
+    """The caller's request stream went silent, or trickled, past the peer's read deadlines; the call was cut."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class StageUnavailable(SwarmError):
     """No live peer serves a stage (after waiting as long as configured)."""
 
@@ -82,6 +88,11 @@ class TransportError(SwarmError):
     """The call failed in transit: connection refused or reset, deadline passed, peer died mid-call."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class BadReply(TransportError):
+    """A peer's reply failed the caller's checks (shape, dtype, non-finite values, a malformed frame): the
+    peer is faulty or lying. Never sent on the wire: the caller raises it, bans the peer and retries."""
 
 
 class UsageError(SwarmError, ValueError):
@@ -102,6 +113,7 @@ WIRE_ERRORS: tuple[type[SwarmError], ...] = (
     GradientsDropped,
     PeerDraining,
     PeerOverloaded,
+    StreamTimeout,
     StageUnavailable,
     TransportError,
 )

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from swarm.errors import PeerDraining, TransportError
+from swarm.errors import PeerDraining, PeerOverloaded, TransportError
 from swarm.peer.admission import Admission
 
 
@@ -50,21 +50,27 @@ def test_new_work_is_refused_only_past_the_drain_notice():
     asyncio.run(body())
 
 
-def test_calls_are_counted_in_flight_and_reset_the_quiet_time():
+def test_calls_are_counted_open_only_their_work_in_flight_and_they_reset_the_quiet_time():
     clock = Clock()
     adm = admission(clock)
 
     async def body():
         async with adm.call(new_work=True, stage_index=0):
             async with adm.call(new_work=True, stage_index=0):
-                assert adm.in_flight == 2
-            assert adm.in_flight == 1
+                assert (adm.open_calls, adm.in_flight) == (2, 0)  # open, idle: no load
+                with adm.working(max_in_flight=1):
+                    assert adm.in_flight == 1
+                    with pytest.raises(PeerOverloaded, match="--max-queued-calls=1"):
+                        with adm.working(max_in_flight=1):
+                            pass
+                assert adm.in_flight == 0
+            assert adm.open_calls == 1
             clock.now += 7.0
-        assert adm.in_flight == 0 and adm.quiet_s == 0.0
+        assert adm.open_calls == 0 and adm.quiet_s == 0.0
         with pytest.raises(ValueError):
             async with adm.call(new_work=True, stage_index=0):
                 raise ValueError("a failing call still ends")
-        assert adm.in_flight == 0
+        assert adm.open_calls == 0
 
     asyncio.run(body())
 

@@ -57,9 +57,14 @@ def test_slowdown_below_one_is_refused():
 
 @pytest.fixture
 def executors():
-    """A two-stage run's executors that hold at most two uncommitted gradients each."""
-    cache = CacheConfig(max_pending=2)
-    return [local_executor(RUN, stage, cache=cache) for stage in (0, 1)]
+    """A two-stage run's executors whose held-gradient budget fits two uncommitted gradients each (a stage's
+    parameter gradients and its reply's (2, T, D) input gradient), not three."""
+    activation_bytes = 2 * MODEL.seq_len * MODEL.d_model * 4
+    out = []
+    for stage in (0, 1):
+        one = local_executor(RUN, stage).gradient_bytes + activation_bytes
+        out.append(local_executor(RUN, stage, cache=CacheConfig(held_gradient_bytes=2 * one)))
+    return out
 
 
 def test_a_full_pending_queue_refuses_new_work_before_computing_and_loses_nothing(executors):
@@ -70,7 +75,9 @@ def test_a_full_pending_queue_refuses_new_work_before_computing_and_loses_nothin
     replies = {mb: last.forward_loss_backward(mb, h[mb], targets, 2) for mb in ("a", "b")}
     grads = {mb: first.backward(mb, replies[mb][1], None, 2) for mb in ("a", "b")}
     busy = (last.busy_s, first.busy_s)
-    with pytest.raises(PeerOverloaded, match=r"2 computed gradients already wait.*max_pending=2"):
+    with pytest.raises(
+        PeerOverloaded, match=r"2 computed gradients \(.* MiB\) already wait.*--held-gradient-bytes"
+    ):
         last.forward_loss_backward("c", h["c"], targets, 2)
     with pytest.raises(PeerOverloaded, match="retry at another peer"):
         first.backward("c", replies["a"][1], None, 2)
@@ -123,14 +130,19 @@ def _train_first_stage(ex, ids: str, inputs_for: str = "") -> None:
 
 
 def test_beyond_the_graph_cache_only_inputs_are_kept_and_backward_recomputes_the_same_gradients():
-    small = local_executor(NO_STEP, 0, cache=CacheConfig(graph_cache_size=1))
     roomy = local_executor(NO_STEP, 0)
+    roomy.forward("probe", _tokens(0), keep=False)
+    one_graph = local_executor(NO_STEP, 0)
+    one_graph.forward("probe", _tokens(0), keep=True)
+    graph_bytes = one_graph.graphs_kept[1]  # what autograd saves for one microbatch
+    assert graph_bytes > 0
+    small = local_executor(NO_STEP, 0, cache=CacheConfig(graph_cache_bytes=graph_bytes))
     outs = [
         [ex.forward(mb, _tokens(seed), keep=True) for seed, mb in enumerate("abc")]
         for ex in (small, roomy)
     ]
     assert small.cached_microbatches == roomy.cached_microbatches == 3
-    assert small._graphs_kept() == 1 and roomy._graphs_kept() == 3
+    assert small.graphs_kept == (1, graph_bytes) and roomy.graphs_kept == (3, 3 * graph_bytes)
     for kept, recomputed in zip(*outs):  # whether the graph was kept does not change the output
         assert torch.equal(kept, recomputed)
     _train_first_stage(small, "abc")
@@ -231,7 +243,10 @@ def clock(monkeypatch) -> FakeClock:
 
 
 def test_held_gradients_wait_for_their_commit_only_the_hold_then_a_commit_is_refused(clock):
-    last = local_executor(NO_STEP, 1, cache=CacheConfig(commit_hold_s=10.0, max_pending=1))
+    one = local_executor(NO_STEP, 1).gradient_bytes  # the budget fits one held gradient, not two
+    last = local_executor(
+        NO_STEP, 1, cache=CacheConfig(commit_hold_s=10.0, held_gradient_bytes=one)
+    )
     calls = {mb: _last_stage_call(seed) for seed, mb in enumerate("ab")}
     last.forward_loss_backward("a", *calls["a"], B)
     clock.now += 9.9  # within the hold: the commit (say, through the Commit RPC after a broken stream) counts
@@ -241,7 +256,7 @@ def test_held_gradients_wait_for_their_commit_only_the_hold_then_a_commit_is_ref
     )  # idempotent: asked again, answered "applied before", counted once
     once = _grad_sums(last)
     last.forward_loss_backward("b", *calls["b"], B)
-    # The one held gradient fills max_pending: new gradient work is refused, nothing is evicted for it.
+    # The one held gradient fills the budget: new gradient work is refused, nothing is evicted for it.
     with pytest.raises(PeerOverloaded):
         last.forward_loss_backward("c", *calls["a"], B)
     clock.now += (
@@ -269,9 +284,9 @@ def test_a_commit_for_gradients_never_computed_here_is_refused_and_counts_nothin
     "kwargs, message",
     [
         ({"commit_hold_s": 0}, "commit_hold_s must be > 0"),
-        ({"graph_cache_size": -1}, "cache sizes must be >= 0"),
-        ({"max_pending": 0}, r"max_pending \(0\) and applied_ids_size \(100000\) must be >= 1"),
-        ({"applied_ids_size": 0}, r"max_pending \(64\) and applied_ids_size \(0\) must be >= 1"),
+        ({"graph_cache_bytes": -1}, "cache sizes must be >= 0"),
+        ({"held_gradient_bytes": -1}, r"held_gradient_bytes \(-1\) must be >= 0"),
+        ({"applied_ids_size": 0}, r"applied_ids_size \(0\) >= 1"),
     ],
 )
 def test_cache_config_refuses_sizes_that_would_refuse_or_forget_everything(kwargs, message):

@@ -182,7 +182,7 @@ def _bad_cases():
                 meta(compute_loss=True), ("input", bad_width), ("targets", targets())
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "width 31",
+            "shape [2, 16, 31] does not fit stage 1",
         ),
         "wrong dtype": (
             lambda: frames_of(

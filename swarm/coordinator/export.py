@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 import torch
 
@@ -16,6 +15,7 @@ from swarm.config import RunConfig
 from swarm.coordinator.agreement import describe_disagreement, step_groups
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.discovery.records import StageRecord
+from swarm.durable import load_tensors, save_atomic
 from swarm.errors import StageUnavailable, SwarmError
 from swarm.model import FullModel, generate, state_digest
 from swarm.states import PeerState
@@ -164,8 +164,7 @@ async def export_run(
     finally:
         dht.shutdown()
     FullModel.from_stage_states(run.model, states)  # refuse to write something that does not load
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(
+    save_atomic(
         {"format": EXPORT_FORMAT, "run": run.to_dict(), "stages": states, "steps": steps}, out
     )
     return f"exported run '{run_id}' (stages at optimizer steps {steps}) to {out}"
@@ -174,8 +173,8 @@ async def export_run(
 def load_exported(path: str) -> tuple[RunConfig, FullModel]:
     """The run config and the assembled model of an export file. ValueError if it is not one."""
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as e:
+        blob = load_tensors(path)
+    except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path} as a swarm export: {e}") from None
     if not isinstance(blob, dict) or blob.get("format") != EXPORT_FORMAT:
         raise ValueError(

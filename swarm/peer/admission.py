@@ -1,8 +1,11 @@
 """Which calls a peer takes, and what it knows about the calls it is running.
 
 Every call the service handles passes through :meth:`Admission.call`: refused while draining past the
-notice window, failed or hung on purpose under fault injection, then counted in flight until it ends.
-The peer's lifecycle reads the counts (its heartbeat's ``in_flight``) and waits on them to drain
+notice window, failed or hung on purpose under fault injection, then counted open until it ends. Only the
+part of a call that is work (:meth:`Admission.working`: its request all received, waiting for or running on
+the compute thread, sending its reply) counts in flight, the load the peer announces: a caller holding an
+idle stream open costs the peer no compute and must not make it look busy to the trainers choosing peers.
+The peer's lifecycle reads the counts (its heartbeat's ``in_flight``) and waits on the open calls to drain
 (:meth:`Admission.wait_until_drained`); nothing else writes them.
 """
 
@@ -13,9 +16,9 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
-from swarm.errors import PeerDraining, TransportError
+from swarm.errors import PeerDraining, PeerOverloaded, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ class Admission:
         self.fail_probability, self.hang_after_calls = fail_probability, hang_after_calls
         self.lose_commit_probability = lose_commit_probability
         self._rng, self._clock = rng or random.Random(), clock
-        self._in_flight = 0
+        self._open = 0  # calls admitted and not yet ended (what a drain waits for)
+        self._in_flight = 0  # of those, calls doing work (see working())
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_call_at = clock()  # when a call last started or ended
@@ -65,8 +69,13 @@ class Admission:
 
     @property
     def in_flight(self) -> int:
-        """Calls being handled right now."""
+        """Calls doing work right now (see :meth:`working`): the load the peer announces."""
         return self._in_flight
+
+    @property
+    def open_calls(self) -> int:
+        """Calls admitted and not yet ended, idle ones included."""
+        return self._open
 
     @property
     def quiet_s(self) -> float:
@@ -90,16 +99,31 @@ class Admission:
                 f"send it to another peer of stage {stage_index}"
             )
         await self._inject_faults()
-        self._in_flight += 1
+        self._open += 1
         self._last_call_at = self._clock()
         self._idle.clear()
         try:
             yield
         finally:
-            self._in_flight -= 1
+            self._open -= 1
             self._last_call_at = self._clock()
-            if self._in_flight == 0:
+            if self._open == 0:
                 self._idle.set()
+
+    @contextlib.contextmanager
+    def working(self, *, max_in_flight: int) -> Iterator[None]:
+        """Count the block (a call's compute and reply, inside :meth:`call`) in flight. Raises PeerOverloaded
+        when ``max_in_flight`` calls already are: the compute queue is full, the caller tries another peer."""
+        if self._in_flight >= max_in_flight:
+            raise PeerOverloaded(
+                f"peer {self.peer_id} has {self._in_flight} calls queued or running on its compute thread "
+                f"(--max-queued-calls={max_in_flight}); retry at another peer of the stage"
+            )
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
 
     def lose_commit(self) -> str | None:
         """Fault injection (off by default): whether to lose this call's commit, and how, a third of the time
@@ -146,7 +170,7 @@ class Admission:
             raise RuntimeError("wait_until_drained needs begin_drain first")
         deadline = self._drain_started + self.drain_timeout_s - _DEADLINE_MARGIN_S
         while self._clock() < deadline:
-            if not self.accepts_new_work and self._in_flight == 0:
+            if not self.accepts_new_work and self._open == 0:
                 cached = cached_microbatches()
                 if cached == 0:
                     return 0

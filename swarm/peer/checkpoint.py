@@ -1,8 +1,9 @@
 """A peer's checkpoints: its stage's parameters and optimizer state (with the step), one file per stage.
 
-Files are written atomically (temporary file, then rename), so a peer killed mid-write leaves the previous
-checkpoint intact. Each file records the run config's fingerprint: a checkpoint of another run's model is
-refused with a sentence instead of being loaded into the wrong shapes.
+Files are written atomically and durably (a unique temporary file, fsynced, then renamed: see
+:mod:`swarm.durable`), so a peer killed mid-write leaves the previous checkpoint intact, and read with
+``weights_only=True``, so a planted file cannot run code. Each file records the run config's fingerprint:
+a checkpoint of another run's model is refused with a sentence instead of being loaded into the wrong shapes.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from swarm.config import RunConfig
+from swarm.durable import load_tensors, save_atomic
 
 
 class CheckpointStore:
@@ -24,21 +24,20 @@ class CheckpointStore:
 
     def save(self, state: dict, *, run: RunConfig) -> Path:
         """Write ``state`` (``StageExecutor.state_dict()``: stage, params, optimizer, step) for its stage."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.path(state["stage"])
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save({**state, "config_hash": run.fingerprint(), "run": run.to_dict()}, tmp)
-        tmp.replace(path)
-        return path
+        return save_atomic(
+            {**state, "config_hash": run.fingerprint(), "run": run.to_dict()},
+            self.path(state["stage"]),
+        )
 
     def load(self, stage: int, *, run: RunConfig) -> dict | None:
         """The saved state of ``stage``, or None if there is none. Raises ValueError if it was written for a
-        run with another config (delete it or use another --checkpoint-dir)."""
+        run with another config (delete it or use another --checkpoint-dir), or holds anything but tensors
+        and plain values."""
         path = self.path(stage)
         if not path.exists():
             return None
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if state.get("config_hash") != run.fingerprint():
+        state = load_tensors(path)
+        if not isinstance(state, dict) or state.get("config_hash") != run.fingerprint():
             raise ValueError(
                 f"checkpoint {path} was written for another run config ({state.get('run')}); "
                 f"delete it or point --checkpoint-dir elsewhere"

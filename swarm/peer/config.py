@@ -14,15 +14,17 @@ from swarm.discovery.config import DHTConfig
 class CacheConfig:
     FLAG_TITLE = "advanced: caches and commits"
 
-    # microbatches whose autograd graph is kept, so backward needs no recompute
-    graph_cache_size: int = 8
+    # bytes of autograd graphs kept so backward needs no recompute (the tensors they save; beyond it only
+    # the inputs are kept and backward recomputes)
+    graph_cache_bytes: int = 256 << 20
     # bytes of stage inputs kept for backward (oldest evicted first)
     input_cache_bytes: int = 256 << 20
     # backward replies kept so a retried backward returns the same answer
     reply_cache_size: int = 256
     applied_ids_size: int = 100_000  # microbatch ids remembered as applied (never counted twice)
-    # computed gradients waiting for their caller's commit (one gradient copy each)
-    max_pending: int = 64
+    # bytes of computed gradients waiting for their callers' commits (a copy of the stage's parameter
+    # gradients each); new gradient work is refused (RESOURCE_EXHAUSTED) past it, one is always admitted
+    held_gradient_bytes: int = 1 << 30
     # Seconds a computed gradient waits for its caller's commit, from the moment its reply is ready; a commit
     # after that is refused (GradientsDropped) and the caller computes it again. Callers that lost the call
     # (a broken stream) commit through the Commit RPC within this time; one that hears nothing by then knows
@@ -32,19 +34,50 @@ class CacheConfig:
     dropped_ids_size: int = 4096
 
     def __post_init__(self):
-        if min(self.graph_cache_size, self.reply_cache_size) < 0 or self.input_cache_bytes < 0:
+        if min(self.graph_cache_bytes, self.reply_cache_size, self.input_cache_bytes) < 0:
             raise ValueError(
-                f"cache sizes must be >= 0, got graph_cache_size={self.graph_cache_size}, "
+                f"cache sizes must be >= 0, got graph_cache_bytes={self.graph_cache_bytes}, "
                 f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}"
             )
         if not self.commit_hold_s > 0:
             raise ValueError(
                 f"commit_hold_s must be > 0 (seconds a gradient waits for its commit), got {self.commit_hold_s}"
             )
-        if self.max_pending < 1 or self.applied_ids_size < 1:
+        if self.held_gradient_bytes < 0 or self.applied_ids_size < 1:
             raise ValueError(
-                f"max_pending ({self.max_pending}) and applied_ids_size ({self.applied_ids_size}) must be "
-                f">= 1: with none, a peer would refuse every gradient or forget every applied microbatch"
+                f"held_gradient_bytes ({self.held_gradient_bytes}) must be >= 0 and applied_ids_size "
+                f"({self.applied_ids_size}) >= 1: with none, a peer would forget every applied microbatch"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LimitsConfig:
+    """What one peer lets callers take, so no caller (faulty or hostile) can exhaust it. Everything past a
+    limit is refused with a gRPC status and a sentence; see docs/security.md, "Bounded resources"."""
+
+    FLAG_TITLE = "advanced: limits"
+
+    # bytes of request tensors all calls together may hold, reserved from each tensor's header before any
+    # of it is allocated (and the parameters a GetState copies); past it: RESOURCE_EXHAUSTED
+    request_memory_bytes: int = 1 << 30
+    # calls one caller (IP address) may have open at once; more are refused with RESOURCE_EXHAUSTED
+    max_streams_per_caller: int = 64
+    # calls queued for or running on the compute thread; more are refused with RESOURCE_EXHAUSTED
+    max_queued_calls: int = 32
+    # seconds a call's request may go without a frame before the call is cut (DEADLINE_EXCEEDED)
+    read_idle_s: float = 30.0
+    # seconds a call has to send its whole request, and a GetState to be read (a trickle is cut)
+    read_total_s: float = 600.0
+
+    def __post_init__(self):
+        if min(self.request_memory_bytes, self.max_streams_per_caller, self.max_queued_calls) < 1:
+            raise ValueError(
+                f"request_memory_bytes ({self.request_memory_bytes}), max_streams_per_caller "
+                f"({self.max_streams_per_caller}) and max_queued_calls ({self.max_queued_calls}) must be >= 1"
+            )
+        if not 0 < self.read_idle_s <= self.read_total_s:
+            raise ValueError(
+                f"need 0 < read_idle_s <= read_total_s, got {self.read_idle_s} and {self.read_total_s}"
             )
 
 
@@ -93,6 +126,7 @@ class PeerConfig:
     log_every_s: float = 30.0
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     # save this peer's stage state here (periodically and on drain); resume from it
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 10  # optimizer steps between checkpoints (with --checkpoint-dir)

@@ -31,6 +31,9 @@ class _Cached:
     inputs: torch.Tensor
     # (leaf input with requires_grad, output) while the graph is kept; None once dropped
     graph: tuple[torch.Tensor, torch.Tensor] | None
+    graph_bytes: int = (
+        0  # bytes the graph holds (tensors saved for backward), counted while it is kept
+    )
 
 
 def _busy(method):
@@ -80,6 +83,11 @@ class StageExecutor:
         self.busy_s = 0.0
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_bytes = 0
+        self._graph_bytes = 0  # bytes of the graphs kept in _cache
+        self._graph_bytes_per_token = 0.0  # measured on the last graph kept; 0 until then
+        self._param_ids = {p.untyped_storage().data_ptr() for p in stage_module.parameters()}
+        # bytes one held gradient takes: a copy of every trainable parameter's gradient
+        self._gradient_bytes = sum(_nbytes(p) for p in stage_module.parameters() if p.requires_grad)
         self._ledger = CommitLedger(cache)
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
@@ -170,18 +178,26 @@ class StageExecutor:
 
     @_busy
     def forward(self, microbatch_id: str, x: torch.Tensor, *, keep: bool) -> torch.Tensor:
-        """Run the stage. With ``keep``, hold what backward needs: the graph while the graph budget
-        allows, else just the inputs (backward then recomputes)."""
+        """Run the stage. With ``keep``, hold what backward needs: the graph while ``graph_cache_bytes``
+        allows (its size predicted from the last graph kept, then measured), else just the inputs (backward
+        then recomputes)."""
         self._check_input(x)
+        tokens = x.shape[0] * x.shape[1]
+        predicted = self._graph_bytes_per_token * tokens
         with self._timed_compute("_fwd_s_per_sample", x.shape[0]):
             if not keep:
                 with torch.no_grad():
                     out = self.stage_module(x)
-            elif self._graphs_kept() < self.cache_config.graph_cache_size:
+            elif self._graph_bytes + predicted <= self.cache_config.graph_cache_bytes:
                 leaf = self._leaf(x)
-                with torch.enable_grad():
+                saved = [0]
+                with torch.enable_grad(), self._count_saved(saved):
                     out = self.stage_module(leaf)
-                self._remember(microbatch_id, _Cached(x, (leaf, out)))
+                self._graph_bytes_per_token = saved[0] / tokens
+                if self._graph_bytes + saved[0] <= self.cache_config.graph_cache_bytes:
+                    self._remember(microbatch_id, _Cached(x, (leaf, out), saved[0]))
+                else:  # the prediction was short: keep only the inputs
+                    self._remember(microbatch_id, _Cached(x, None))
                 out = out.detach()
             else:
                 with torch.no_grad():
@@ -204,10 +220,10 @@ class StageExecutor:
     ) -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient in one call. The parameter gradients are held until
         :meth:`commit` (or dropped by :meth:`abort`). Raises PeerOverloaded, before computing, when
-        ``max_pending`` gradients already wait for their commit."""
+        ``held_gradient_bytes`` of gradients already wait for their commit."""
         if (known := self._ledger.known_reply(microbatch_id)) is not UNKNOWN:
             return known
-        self._ledger.check_room(microbatch_id)
+        self._ledger.check_room(microbatch_id, self._gradient_bytes + _nbytes(x))
         self._check_input(x)
         self._check_targets(x, targets)
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
@@ -237,10 +253,10 @@ class StageExecutor:
         """Compute this microbatch's gradients; return the gradient of the stage input (None on the first
         stage, whose input is token ids). Parameter gradients are held until :meth:`commit`. Raises
         NotCached if this peer holds neither the graph nor the inputs and none were sent, PeerOverloaded
-        (before computing) when ``max_pending`` gradients already wait for their commit."""
+        (before computing) when ``held_gradient_bytes`` of gradients already wait for their commit."""
         if (known := self._ledger.known_reply(microbatch_id)) is not UNKNOWN:
             return known
-        self._ledger.check_room(microbatch_id)
+        self._ledger.check_room(microbatch_id, self._gradient_bytes + _nbytes(grad_output))
         cached = self._cache.get(microbatch_id)
         if cached is None and inputs is None:
             raise NotCached(
@@ -259,7 +275,9 @@ class StageExecutor:
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
             if cached is not None and cached.graph is not None:
                 leaf, out = cached.graph
-                cached.graph = None  # autograd frees it below; a retry after a failure recomputes
+                self._drop_graph(
+                    cached
+                )  # autograd frees it below; a retry after a failure recomputes
             else:  # recompute from the inputs
                 leaf = self._leaf(x)
                 with torch.enable_grad():
@@ -311,6 +329,26 @@ class StageExecutor:
         return len(self._ledger)
 
     @property
+    def held_gradient_bytes(self) -> int:
+        """Bytes of the computed gradients waiting for their commit (bounded by ``held_gradient_bytes``)."""
+        return self._ledger.held_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one copy of the stage's parameters (what a snapshot takes)."""
+        return sum(_nbytes(p) for p in self.stage_module.parameters())
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes one held gradient of this stage takes (its reply's tensor aside)."""
+        return self._gradient_bytes
+
+    @property
+    def graphs_kept(self) -> tuple[int, int]:
+        """Autograd graphs kept for backward, and their bytes (bounded by ``graph_cache_bytes``)."""
+        return sum(e.graph is not None for e in self._cache.values()), self._graph_bytes
+
+    @property
     def gradients_dropped(self) -> int:
         """Held gradients dropped uncommitted (aborted calls, holds that ran out) since the start."""
         return self._ledger.dropped_count
@@ -342,7 +380,7 @@ class StageExecutor:
         # Kept graphs reference the parameters before this step (autograd would refuse them): keep only
         # the inputs, so pending backwards recompute against the new parameters.
         for entry in self._cache.values():
-            entry.graph = None
+            self._drop_graph(entry)
 
     def parameters_changed(self) -> None:
         """Tell the executor that something else wrote its parameters (the optimizer downloading its peers'
@@ -416,13 +454,29 @@ class StageExecutor:
     def _leaf(x: torch.Tensor) -> torch.Tensor:
         return x.detach().requires_grad_() if x.is_floating_point() else x
 
-    def _graphs_kept(self) -> int:
-        return sum(entry.graph is not None for entry in self._cache.values())
+    @contextlib.contextmanager
+    def _count_saved(self, total: list[int]):
+        """Add to ``total[0]`` the bytes of the tensors autograd saves for backward in the block, parameters
+        excepted (they live anyway): what keeping the graph costs."""
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in self._param_ids:
+                total[0] += _nbytes(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def _drop_graph(self, entry: _Cached) -> None:
+        if entry.graph is not None:
+            entry.graph = None
+            self._graph_bytes -= entry.graph_bytes
 
     def _remember(self, microbatch_id: str, entry: _Cached) -> None:
         self._forget(microbatch_id)
         self._cache[microbatch_id] = entry
         self._cache_bytes += _nbytes(entry.inputs)
+        self._graph_bytes += entry.graph_bytes if entry.graph is not None else 0
         while self._cache_bytes > self.cache_config.input_cache_bytes and self._cache:
             self._forget(next(iter(self._cache)))
 
@@ -430,6 +484,7 @@ class StageExecutor:
         entry = self._cache.pop(microbatch_id, None)
         if entry is not None:
             self._cache_bytes -= _nbytes(entry.inputs)
+            self._drop_graph(entry)
 
     def snapshot(self, *, include_grads: bool) -> dict[str, torch.Tensor]:
         """Copies of the parameters ("param/<name>") and optionally of the accumulated gradients

@@ -12,8 +12,8 @@ ledger keeps what makes that exactly once:
   (a retried call gets the same reply instead of a second computation);
 - why a dropped gradient was dropped, for the error its late commit gets.
 
-No eviction: with ``max_pending`` gradients held, new gradient work is refused before it is computed, so a
-held gradient is never lost to make room. Not thread-safe: the peer's compute thread owns it.
+No eviction: once the held gradients fill ``held_gradient_bytes``, new gradient work is refused before it is
+computed, so a held gradient is never lost to make room. Not thread-safe: the peer's compute thread owns it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import torch
 
 from swarm.errors import AlreadyApplied, GradientsDropped, PeerOverloaded
 from swarm.peer.config import CacheConfig
@@ -39,11 +41,13 @@ class Held:
     reply: object
     num_samples: int
     expires_at: float  # time.monotonic() after which a commit is refused and the gradient dropped
+    nbytes: int  # memory it holds: the parameter gradients and the reply's tensor
 
 
 class CommitLedger:
     def __init__(self, config: CacheConfig):
-        self.max_pending = config.max_pending
+        self.max_bytes = config.held_gradient_bytes
+        self.held_bytes = 0  # bytes of the gradients held now
         self.commit_hold_s = config.commit_hold_s
         self.reply_cache_size = config.reply_cache_size
         self.applied_ids_size = config.applied_ids_size
@@ -75,15 +79,17 @@ class CommitLedger:
             )
         return UNKNOWN
 
-    def check_room(self, microbatch_id: str) -> None:
-        """Refuse new gradient work while ``max_pending`` computed gradients wait for their commit. Evicting
-        one instead would lose it silently: its caller counts a microbatch whose commit then finds nothing.
-        Called after :meth:`known_reply` (which drops expired holds first), so a retry of a call whose reply
-        is held still gets it."""
-        if len(self._held) >= self.max_pending:
+    def check_room(self, microbatch_id: str, nbytes: int) -> None:
+        """Refuse new gradient work of ``nbytes`` while the computed gradients waiting for their commit would
+        then pass ``held_gradient_bytes`` (one is always admitted, so a stage larger than the budget still
+        works, one microbatch at a time). Evicting one instead would lose it silently: its caller counts a
+        microbatch whose commit then finds nothing. Called after :meth:`known_reply` (which drops expired
+        holds first), so a retry of a call whose reply is held still gets it."""
+        if self._held and self.held_bytes + nbytes > self.max_bytes:
             raise PeerOverloaded(
                 f"microbatch {microbatch_id} refused: {len(self._held)} computed gradients "
-                f"already wait for their callers' commits (max_pending={self.max_pending}); retry at "
+                f"({self.held_bytes / 2**20:.1f} MiB) already wait for their callers' commits and another "
+                f"{nbytes / 2**20:.1f} MiB would pass --held-gradient-bytes={self.max_bytes}; retry at "
                 f"another peer of the stage"
             )
 
@@ -91,14 +97,18 @@ class CommitLedger:
         """Hold a computed gradient. Call it before the reply is sent: a caller that counts
         ``commit_hold_s`` from the reply's arrival then never stops waiting before the hold ends here."""
         expires_at = time.monotonic() + self.commit_hold_s
-        self._held[microbatch_id] = Held(grads, reply, num_samples, expires_at)
+        nbytes = _nbytes(grads) + _nbytes(reply if isinstance(reply, tuple) else [reply])
+        self._held[microbatch_id] = Held(grads, reply, num_samples, expires_at, nbytes)
+        self.held_bytes += nbytes
 
     def take(self, microbatch_id: str) -> Held | None:
         """The held gradient to apply now, recorded as applied; None if it was applied before. Raises
         GradientsDropped if none is held and none was applied (nothing counted: compute it again)."""
         self._expire()
         held = self._held.pop(microbatch_id, None)
-        if held is None:
+        if held is not None:
+            self.held_bytes -= held.nbytes
+        else:
             if microbatch_id in self._applied:
                 return None
             reason = self._dropped.get(
@@ -114,8 +124,10 @@ class CommitLedger:
 
     def drop(self, microbatch_id: str, reason: str) -> None:
         """Drop a held gradient uncommitted (a later commit gets GradientsDropped naming ``reason``)."""
-        if self._held.pop(microbatch_id, None) is None:
+        held = self._held.pop(microbatch_id, None)
+        if held is None:
             return
+        self.held_bytes -= held.nbytes
         self.dropped_count += 1
         _bounded_put(self._dropped, microbatch_id, reason, self.dropped_ids_size)
         logger.debug("dropped the held gradients of microbatch %s: %s", microbatch_id, reason)
@@ -130,6 +142,11 @@ class CommitLedger:
                 microbatch_id,
                 f"no commit came within the {self.commit_hold_s:g}s hold after its reply",
             )
+
+
+def _nbytes(values) -> int:
+    """Bytes of the tensors among ``values`` (None and numbers count nothing)."""
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def _bounded_put(table: OrderedDict, key: str, value, size: int) -> None:

@@ -320,6 +320,7 @@ class Peer:
             compute=self._worker.compute,
             compute_urgent=self._worker.compute_urgent,
             submit_urgent=self._worker.submit_urgent,
+            limits=self.config.limits,
         )
         service = StageService(context)
         if self.config.metrics_port is not None:

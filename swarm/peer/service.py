@@ -6,11 +6,18 @@ thread): it never imports the peer's lifecycle, so the lifecycle can build it wi
 Validation order matters for "bad input loses nothing": the request header (protocol, run, stage, codec,
 state) is checked first, tensor headers are checked before their payload is received, payloads are
 checked while decoding (lengths, finiteness), and only then does the executor touch any state.
+
+Bounds (docs/security.md, "Bounded resources"): every streaming call is admitted by :class:`CallLimits`
+(streams per caller, request memory reserved from the tensor headers, whose every dimension is checked
+against this stage of the run's model first), reads its request under :class:`DeadlineFrames`' deadlines, and
+queues for the compute thread only while fewer than ``max_queued_calls`` calls do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,14 +25,16 @@ from typing import Any
 import torch
 
 from swarm.compression import CODEC_NAMES
-from swarm.errors import InvalidRequest, TransportError, WrongPeer
+from swarm.errors import InvalidRequest, StreamTimeout, SwarmError, TransportError, WrongPeer
 from swarm.peer.admission import Admission
+from swarm.peer.config import LimitsConfig
 from swarm.peer.executor import StageExecutor
+from swarm.peer.limits import CallLimits, Reservation, caller_address
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.states import PeerState
-from swarm.transport.server import stream_handler, unary_handler
+from swarm.transport.server import DeadlineFrames, stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, codec_or_invalid, tensor_frames
 
 logger = logging.getLogger(__name__)
@@ -47,12 +56,14 @@ class ServiceContext:
     # run a cheap fn(*args) there ahead of queued compute
     compute_urgent: Callable[..., Awaitable[Any]]
     submit_urgent: Callable[..., None]  # queue a cheap fn(*args) ahead of compute, without waiting
+    limits: LimitsConfig = LimitsConfig()  # memory, streams, queue and read deadlines
 
 
 class StageService(pb_grpc.StagePeerServicer):
     def __init__(self, context: ServiceContext):
         self.ctx = context
         self.limits = StreamLimits()
+        self.calls = CallLimits(context.limits)
         # commits answered through the Commit RPC (the in-call one was not confirmed)
         self.late_commits = 0
         # called as each call ends: (method, seconds, outcome); see swarm.transport.server
@@ -66,80 +77,111 @@ class StageService(pb_grpc.StagePeerServicer):
 
     @stream_handler
     async def Forward(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
-        reader = FrameReader(request_iterator, limits=self.limits)
-        meta = await reader.request()
-        self._check_request(meta)
-        async with self.ctx.admission.call(new_work=not meta.eval_only, stage_index=meta.stage):
-            codec = codec_or_invalid(meta.codec)
-            stage = self.executor.stage_module
-            wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
-            tensors = await self._read_tensors(
-                reader, meta, {"input", "targets"} if wants_loss else {"input"}
-            )
-            x = _require(tensors, "input")
-            if meta.eval_only and stage.is_last:
-                loss = await self.ctx.compute(
-                    self.executor.eval_loss, x, _require(tensors, "targets")
+        with self.calls.call(caller_address(context.peer())) as reservation:
+            frames = self._deadlines(request_iterator)
+            reader = FrameReader(frames, limits=self.limits)
+            meta = await reader.request()
+            self._check_request(meta)
+            async with self.ctx.admission.call(new_work=not meta.eval_only, stage_index=meta.stage):
+                codec = codec_or_invalid(meta.codec)
+                stage = self.executor.stage_module
+                wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
+                tensors = await self._read_tensors(
+                    reader, meta, {"input", "targets"} if wants_loss else {"input"}, reservation
                 )
-                yield self._reply(loss=loss)
-            elif meta.compute_loss:
-                loss, grad_input = await self.ctx.compute(
-                    self.executor.forward_loss_backward,
-                    meta.microbatch_id,
-                    x,
-                    _require(tensors, "targets"),
-                    _num_samples(meta, x),
-                )
-                async for frame in self._reply_and_commit(
-                    reader, meta, codec, grad_input, loss=loss
-                ):
-                    yield frame
-            elif stage.is_last:
-                raise InvalidRequest(
-                    "the last stage needs compute_loss (with targets) or eval_only"
-                )
-            else:
-                output = await self.ctx.compute(
-                    self.executor.forward, meta.microbatch_id, x, keep=not meta.eval_only
-                )
-                yield self._reply(num_tensors=1)
-                async for frame in tensor_frames("output", output, codec):
-                    yield frame
+                x = _require(tensors, "input")
+                if meta.eval_only and stage.is_last:
+                    loss = await self._compute(
+                        self.executor.eval_loss, x, _require(tensors, "targets")
+                    )
+                    yield self._reply(loss=loss)
+                elif meta.compute_loss:
+                    loss, grad_input = await self._compute(
+                        self.executor.forward_loss_backward,
+                        meta.microbatch_id,
+                        x,
+                        _require(tensors, "targets"),
+                        _num_samples(meta, x),
+                    )
+                    async for frame in self._reply_and_commit(
+                        reader, frames, meta, codec, grad_input, loss=loss
+                    ):
+                        yield frame
+                elif stage.is_last:
+                    raise InvalidRequest(
+                        "the last stage needs compute_loss (with targets) or eval_only"
+                    )
+                else:
+                    output = await self._compute(
+                        self.executor.forward, meta.microbatch_id, x, keep=not meta.eval_only
+                    )
+                    if not torch.isfinite(output).all():
+                        # this replica's fault, not the request's: the caller retries elsewhere
+                        raise SwarmError(
+                            f"stage {stage.index} computed non-finite activations for microbatch "
+                            f"{meta.microbatch_id} on this peer; try another peer of the stage"
+                        )
+                    yield self._reply(num_tensors=1)
+                    async for frame in tensor_frames("output", output, codec):
+                        yield frame
 
     @stream_handler
     async def Backward(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
-        reader = FrameReader(request_iterator, limits=self.limits)
-        meta = await reader.request()
-        self._check_request(meta)
-        # A draining peer still finishes backward for microbatches it ran forward for.
-        async with self.ctx.admission.call(new_work=meta.include_inputs, stage_index=meta.stage):
-            codec = codec_or_invalid(meta.codec)
-            tensors = await self._read_tensors(
-                reader, meta, {"grad_output", "input"} if meta.include_inputs else {"grad_output"}
-            )
-            grad_output = _require(tensors, "grad_output")
-            inputs = _require(tensors, "input") if meta.include_inputs else None
-            grad_input = await self.ctx.compute(
-                self.executor.backward,
-                meta.microbatch_id,
-                grad_output,
-                inputs,
-                _num_samples(meta, grad_output),
-            )
-            async for frame in self._reply_and_commit(reader, meta, codec, grad_input):
-                yield frame
+        with self.calls.call(caller_address(context.peer())) as reservation:
+            frames = self._deadlines(request_iterator)
+            reader = FrameReader(frames, limits=self.limits)
+            meta = await reader.request()
+            self._check_request(meta)
+            # A draining peer still finishes backward for microbatches it ran forward for.
+            async with self.ctx.admission.call(
+                new_work=meta.include_inputs, stage_index=meta.stage
+            ):
+                codec = codec_or_invalid(meta.codec)
+                allowed = {"grad_output", "input"} if meta.include_inputs else {"grad_output"}
+                tensors = await self._read_tensors(reader, meta, allowed, reservation)
+                grad_output = _require(tensors, "grad_output")
+                inputs = _require(tensors, "input") if meta.include_inputs else None
+                grad_input = await self._compute(
+                    self.executor.backward,
+                    meta.microbatch_id,
+                    grad_output,
+                    inputs,
+                    _num_samples(meta, grad_output),
+                )
+                async for frame in self._reply_and_commit(reader, frames, meta, codec, grad_input):
+                    yield frame
 
-    async def _read_tensors(self, reader: FrameReader, meta: pb.RequestMeta, allowed: set[str]):
+    def _deadlines(self, request_iterator) -> DeadlineFrames:
+        limits = self.ctx.limits
+        return DeadlineFrames(
+            request_iterator, idle_s=limits.read_idle_s, total_s=limits.read_total_s
+        )
+
+    async def _compute(self, fn, *args, **kwargs):
+        """Run ``fn`` on the compute thread, counted in flight (the load announced); PeerOverloaded when
+        ``max_queued_calls`` calls already wait for it or run there."""
+        with self.ctx.admission.working(max_in_flight=self.ctx.limits.max_queued_calls):
+            return await self.ctx.compute(fn, *args, **kwargs)
+
+    async def _read_tensors(
+        self,
+        reader: FrameReader,
+        meta: pb.RequestMeta,
+        allowed: set[str],
+        reservation: Reservation,
+    ):
         if meta.num_tensors > len(allowed):
             raise InvalidRequest(
                 f"the call announces {meta.num_tensors} tensors; at most {len(allowed)} "
                 f"({sorted(allowed)}) are expected"
             )
-        return await reader.tensors(meta.num_tensors, check=self._header_check(allowed=allowed))
+        check = self._header_check(allowed=allowed, reservation=reservation)
+        return await reader.tensors(meta.num_tensors, check=check)
 
     async def _reply_and_commit(
         self,
         reader: FrameReader,
+        frames: DeadlineFrames,
         meta: pb.RequestMeta,
         codec,
         grad_input,
@@ -162,6 +204,8 @@ class StageService(pb_grpc.StagePeerServicer):
             if grad_input is not None:
                 async for frame in tensor_frames("grad_input", grad_input, codec):
                     yield frame
+            # The commit comes once the caller has read the reply; after the hold it could not count anyway.
+            frames.expect_within(self.executor.cache_config.commit_hold_s)
             commit = await reader.commit()
             if commit.microbatch_id != meta.microbatch_id:
                 raise InvalidRequest(
@@ -215,23 +259,38 @@ class StageService(pb_grpc.StagePeerServicer):
         if request.run_id != self.ctx.run_id:
             raise WrongPeer(f"this peer serves run '{self.ctx.run_id}', not '{request.run_id}'")
         ex = self.executor
+        total_s = self.ctx.limits.read_total_s
+        with self.calls.call(caller_address(context.peer())) as reservation:
+            # The copy lives until the caller has read it all: count it, and give the caller a deadline.
+            copies = 2 if request.include_grads else 1
+            reservation.reserve(copies * ex.state_bytes, "a copy of the stage's state")
 
-        def take():
-            return ex.step, ex.samples_accumulated, ex.snapshot(include_grads=request.include_grads)
+            def take():
+                return (
+                    ex.step,
+                    ex.samples_accumulated,
+                    ex.snapshot(include_grads=request.include_grads),
+                )
 
-        step, samples, tensors = await self.ctx.compute_urgent(take)
-        yield pb.Frame(
-            reply=pb.ReplyMeta(
-                step=step,
-                state=self.ctx.state(),
-                samples_accumulated=samples,
-                num_tensors=len(tensors),
-            )
-        )
-        codec = codec_or_invalid("none")  # state travels exactly
-        for name, tensor in tensors.items():
-            async for frame in tensor_frames(name, tensor, codec):
-                yield frame
+            try:
+                async with asyncio.timeout(total_s):
+                    step, samples, tensors = await self.ctx.compute_urgent(take)
+                    yield pb.Frame(
+                        reply=pb.ReplyMeta(
+                            step=step,
+                            state=self.ctx.state(),
+                            samples_accumulated=samples,
+                            num_tensors=len(tensors),
+                        )
+                    )
+                    codec = codec_or_invalid("none")  # state travels exactly
+                    for name, tensor in tensors.items():
+                        async for frame in tensor_frames(name, tensor, codec):
+                            yield frame
+            except TimeoutError:
+                raise StreamTimeout(
+                    f"the state was not read within --read-total-s={total_s:g}s; the call is cut"
+                ) from None
 
     @unary_handler
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
@@ -283,9 +342,14 @@ class StageService(pb_grpc.StagePeerServicer):
                 f"not stage {meta.stage}; refresh the peer list from the DHT"
             )
 
-    def _header_check(self, *, allowed: set[str]) -> Callable:
+    def _header_check(self, *, allowed: set[str], reservation: Reservation) -> Callable:
+        """Check a tensor header against this stage of the run's model before any of its payload is
+        allocated: its name, dtype and rank, every dimension (samples <= max_microbatch_size, tokens <= the
+        model's seq_len, the width of this stage's boundary, the same samples and tokens as the call's other
+        tensors), then reserve its bytes from the peer's request memory."""
         stage = self.executor.stage_module
-        max_batch = self.ctx.max_microbatch_size
+        max_batch, seq_len = self.ctx.max_microbatch_size, stage.config.seq_len
+        first: list[tuple[str, int, int]] = []  # (name, samples, tokens) of the call's first tensor
 
         def check(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str) -> None:
             if name not in allowed:
@@ -297,17 +361,33 @@ class StageService(pb_grpc.StagePeerServicer):
                     f"tensor '{name}' has {shape[0]} samples, more than the "
                     f"{max_batch} this peer accepts per microbatch; split it"
                 )
-            if name == "targets":
-                want_dtype, want_ndim = torch.int64, 2
+            if name == "targets" or (name == "input" and stage.is_first):
+                want_dtype, width = torch.int64, None  # (B, T) token ids
             elif name == "input":
-                want_dtype, want_ndim = (torch.int64, 2) if stage.is_first else (torch.float32, 3)
+                want_dtype, width = torch.float32, stage.input_width  # (B, T, D_in)
             else:
-                want_dtype, want_ndim = torch.float32, 3
+                want_dtype, width = torch.float32, stage.output_width  # grad_output: (B, T, D_out)
+            want_ndim = 2 if width is None else 3
             if dtype != want_dtype or len(shape) != want_ndim:
                 raise InvalidRequest(
                     f"tensor '{name}' for stage {stage.index} must be {want_dtype} with "
                     f"{want_ndim} dims, got {dtype} of shape {list(shape)}"
                 )
+            samples, tokens = shape[0], shape[1]
+            if samples < 1 or not 1 <= tokens <= seq_len or (width and shape[2] != width):
+                raise InvalidRequest(
+                    f"tensor '{name}' of shape {list(shape)} does not fit stage {stage.index}: it takes "
+                    f"1..{max_batch} samples of 1..{seq_len} tokens (the model's seq_len)"
+                    + (f" of width {width}" if width else "")
+                )
+            if first and first[0][1:] != (samples, tokens):
+                raise InvalidRequest(
+                    f"tensor '{name}' holds {samples} samples of {tokens} tokens, tensor '{first[0][0]}' "
+                    f"of this call {first[0][1]} of {first[0][2]}"
+                )
+            first.append((name, samples, tokens))
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            reservation.reserve(nbytes, f"tensor '{name}' of shape {list(shape)}")
 
         return check
 

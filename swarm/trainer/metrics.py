@@ -68,5 +68,10 @@ class _TrainerCollector:
                 "swarm_trainer_recomputed_gradients",
                 "Stage gradients computed again because a peer did not count them",
             ),
+            (
+                len(pipeline.banned_for_run),
+                "swarm_trainer_peers_banned_for_bad_replies",
+                "Peers banned for the rest of the run for a reply that failed the checks",
+            ),
         ):
             yield family(CounterMetricFamily, name, doc, value)

@@ -25,7 +25,7 @@ from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
-from swarm.errors import NotCached, StageUnavailable, SwarmError
+from swarm.errors import BadReply, InvalidRequest, NotCached, StageUnavailable, SwarmError
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
@@ -91,6 +91,9 @@ class Pipeline:
         # swarm.trainer.commits), and gradients computed again because a peer did not count them
         self.unconfirmed_commits = 0
         self.recomputed_gradients = 0
+        # peers banned for the rest of the run for a bad reply (wrong shape or dtype, non-finite values, output
+        # the next stage refused): routing never picks them again
+        self.banned_for_run: set[str] = set()
         self._refreshed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
 
@@ -126,7 +129,9 @@ class Pipeline:
         serving = {
             pid: r.throughput * (FORWARD_COST + BACKWARD_COST)
             for pid, r in self.records[stage].items()
-            if r.state == PeerState.SERVING and (stage, pid) not in self._draining_replies
+            if r.state == PeerState.SERVING
+            and (stage, pid) not in self._draining_replies
+            and pid not in self.banned_for_run
         }
         self.router.update_peers(stage, serving, now)
 
@@ -259,21 +264,43 @@ class Pipeline:
         held: list[tuple[int, Reply, Callable[[], Awaitable[Reply]]]] = []
         stage_inputs: list[torch.Tensor] = []
         forward_peers: list[str] = []
-        h = x
-        for stage in range(self.num_stages - 1):
-            stage_inputs.append(h)
-            reply, peer = await self._call(
-                stage, samples * FORWARD_COST, self._forward_attempt(stage, microbatch_id, h)
-            )
-            h = _tensor(reply, "output", peer)
-            forward_peers.append(peer)
         last = self.num_stages - 1
         tags = batch_steps or [None] * self.num_stages
         cost = samples * (FORWARD_COST + BACKWARD_COST)
-        attempt = self._forward_attempt(
-            last, microbatch_id, h, targets=targets, batch_step=tags[last]
-        )
-        reply, _ = await self._call(last, cost, attempt)
+        h, stage, suspect = x, 0, None
+        while True:
+            del stage_inputs[stage:], forward_peers[stage:]
+            stage_inputs.append(h)
+            try:
+                if stage < last:
+                    attempt = self._forward_attempt(stage, microbatch_id, h)
+                    reply, peer = await self._call(stage, samples * FORWARD_COST, attempt)
+                else:
+                    attempt = self._forward_attempt(
+                        last, microbatch_id, h, targets=targets, batch_step=tags[last]
+                    )
+                    reply, peer = await self._call(last, cost, attempt)
+            except InvalidRequest as e:
+                # Stage k refused its input. The trainer's own tokens are checked; an activation came from a
+                # peer of stage k - 1: ask another peer of that stage once, and if the call then passes, the
+                # first one sent something wrong (banned for the run). Refused again, the request is wrong.
+                others = (
+                    set(self.router.peers(stage - 1)) - {forward_peers[stage - 1]} if stage else ()
+                )
+                if stage == 0 or suspect is not None or not others:
+                    if suspect is not None:
+                        self._unban(suspect)
+                    raise
+                suspect = forward_peers[stage - 1]
+                self._ban_for_run(stage - 1, suspect, e, f"stage {stage} refused its output")
+                stage -= 1
+                h = stage_inputs[stage]
+                continue
+            forward_peers.append(peer)
+            if stage == last:
+                break
+            h = _tensor(reply, "output", peer)
+            stage += 1
         held.append((last, reply, functools.partial(self._recompute, last, cost, attempt)))
         loss = reply.meta.loss
         grad = reply.tensors.get("grad_input")
@@ -393,6 +420,11 @@ class Pipeline:
     ):
         tensors = [("input", h)] + ([("targets", targets)] if targets is not None else [])
         compute_loss = targets is not None and not eval_only
+        if stage < self.num_stages - 1:  # (B, T, width of the next cut)
+            width = self.run.model.boundary_dim(stage + 1)
+            expect = {"output": ((*h.shape[:2], width), torch.float32)}
+        else:
+            expect = self._expect_grad(stage, h) if compute_loss else {}
         meta = self._meta(
             stage,
             microbatch_id,
@@ -406,7 +438,7 @@ class Pipeline:
 
         async def attempt(endpoint: str, timeout_s: float) -> Reply:
             return await self.clients.get(endpoint).forward(
-                meta, tensors, self.codec, timeout_s=timeout_s
+                meta, tensors, self.codec, timeout_s=timeout_s, expect=expect
             )
 
         return attempt
@@ -421,7 +453,11 @@ class Pipeline:
                         stage, microbatch_id, grad.shape[0], batch_step, codec=self.grad_codec
                     )
                     return await client.backward(
-                        meta, [("grad_output", grad)], self.grad_codec, timeout_s=timeout_s
+                        meta,
+                        [("grad_output", grad)],
+                        self.grad_codec,
+                        timeout_s=timeout_s,
+                        expect=self._expect_grad(stage, inputs),
                     )
                 except NotCached:
                     pass  # evicted there: send the inputs along for a recompute at the same peer
@@ -447,9 +483,16 @@ class Pipeline:
                 [("grad_output", grad), ("input", inputs)],
                 self.grad_codec,
                 timeout_s=timeout_s,
+                expect=self._expect_grad(stage, inputs),
             )
 
         return attempt
+
+    @staticmethod
+    def _expect_grad(stage: int, inputs: torch.Tensor) -> dict:
+        """A gradient call's reply: the gradient of the stage's input, shaped like it (none for stage 0, whose
+        input is token ids)."""
+        return {} if stage == 0 else {"grad_input": (tuple(inputs.shape), torch.float32)}
 
     # ------------------------------------------------------------------ the one retry helper
 
@@ -492,6 +535,8 @@ class Pipeline:
                     # e.g. moved to this stage later); no new work here until the DHT says otherwise.
                     self._draining_replies[(stage, peer)] = now
                     self._update_router(stage, now)
+                if isinstance(e, BadReply):
+                    self._ban_for_run(stage, peer, e, "its reply failed the checks")
                 # raises RetriesExhausted naming the stage when the budget is spent
                 request.failed(peer, e, now)
                 if kind is Failure.GIVE_UP:
@@ -510,6 +555,25 @@ class Pipeline:
                 self._draining_replies[(stage, peer)] = now
                 self._update_router(stage, now)
             return reply, peer
+
+    def _ban_for_run(self, stage: int, peer: str, error: SwarmError, why: str) -> None:
+        """Never route to ``peer`` again in this run (logged once per peer)."""
+        if peer in self.banned_for_run:
+            return
+        self.banned_for_run.add(peer)
+        logger.warning(
+            "stage %d peer %s banned for the rest of the run: %s (%s)", stage, peer, why, error
+        )
+        self._update_router(stage, time.monotonic())
+
+    def _unban(self, peer: str) -> None:
+        """Lift a run ban that a second opinion did not confirm."""
+        self.banned_for_run.discard(peer)
+        logger.warning(
+            "peer %s is routed again: another peer's output was refused the same way", peer
+        )
+        for stage in range(self.num_stages):
+            self._update_router(stage, time.monotonic())
 
     async def _choose(self, request: StageRequest) -> str:
         """A peer for ``request``; when none is eligible, wait (bounded) for one to appear or a ban to end."""

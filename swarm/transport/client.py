@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -14,6 +15,7 @@ import torch
 from swarm.compression import Codec
 from swarm.errors import (
     ERROR_METADATA_KEY,
+    BadReply,
     InvalidRequest,
     SwarmError,
     TransportError,
@@ -24,6 +26,9 @@ from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.channel import GRPC_OPTIONS
 from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
+
+# What a caller expects of a reply: tensor name -> (shape, dtype). A reply carrying anything else is a BadReply.
+Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 @dataclass
@@ -70,8 +75,10 @@ class PeerClient:
         codec: Codec,
         *,
         timeout_s: float,
+        expect: Expected | None = None,
     ) -> Reply:
-        """Forward; with ``meta.compute_loss`` the reply carries gradients and the call commits."""
+        """Forward; with ``meta.compute_loss`` the reply carries gradients and the call commits. With
+        ``expect``, the reply is checked (see :meth:`_check_reply`) before it is used or committed."""
         return await self._stream(
             self._stub.Forward,
             meta,
@@ -79,6 +86,7 @@ class PeerClient:
             codec,
             timeout_s,
             commit=meta.compute_loss and not meta.eval_only,
+            expect=expect,
         )
 
     async def backward(
@@ -88,8 +96,11 @@ class PeerClient:
         codec: Codec,
         *,
         timeout_s: float,
+        expect: Expected | None = None,
     ) -> Reply:
-        return await self._stream(self._stub.Backward, meta, tensors, codec, timeout_s, commit=True)
+        return await self._stream(
+            self._stub.Backward, meta, tensors, codec, timeout_s, commit=True, expect=expect
+        )
 
     async def info(self, run_id: str = "", *, timeout_s: float) -> pb.InfoResponse:
         try:
@@ -107,7 +118,15 @@ class PeerClient:
         return await self._read(call)
 
     async def _stream(
-        self, method, meta: pb.RequestMeta, tensors, codec, timeout_s, *, commit: bool
+        self,
+        method,
+        meta: pb.RequestMeta,
+        tensors,
+        codec,
+        timeout_s,
+        *,
+        commit: bool,
+        expect: Expected | None = None,
     ) -> Reply:
         meta.num_tensors = len(tensors)
         reply_read = asyncio.Event()
@@ -126,11 +145,14 @@ class PeerClient:
                     yield pb.Frame(commit=pb.Commit(microbatch_id=meta.microbatch_id))
 
         if not commit:
-            return await self._read(method(frames(), timeout=timeout_s))
+            return await self._read(method(frames(), timeout=timeout_s), expect=expect)
         call = method(frames(), timeout=timeout_s + self._commit_grace_s)
         reply_ok = False
         try:
-            reply = await asyncio.wait_for(self._read(call, keep_open=True), timeout_s)
+            # a reply that fails the checks is never committed: the peer drops its gradients
+            reply = await asyncio.wait_for(
+                self._read(call, keep_open=True, expect=expect), timeout_s
+            )
             reply_ok = True
         except asyncio.TimeoutError:
             call.cancel()  # the peer sees the cancellation and drops what it computed: no commit, no count
@@ -192,12 +214,23 @@ class PeerClient:
             raise typed_error(e, peer=self.endpoint) from None
         return reply.step
 
-    async def _read(self, call, *, keep_open: bool = False) -> Reply:
+    async def _read(
+        self, call, *, keep_open: bool = False, expect: Expected | None = None
+    ) -> Reply:
         done = False
         try:
             reader = FrameReader(call, limits=self._limits)
             meta = await reader.reply()
-            tensors = await reader.tensors(meta.num_tensors)
+            check = None
+            if expect is not None:
+                if meta.num_tensors > len(expect):
+                    raise InvalidRequest(
+                        f"{meta.num_tensors} tensors announced, at most {len(expect)} expected"
+                    )
+                check = functools.partial(_check_header, expect)
+            tensors = await reader.tensors(meta.num_tensors, check)
+            if expect is not None:
+                _check_values(meta, tensors)
             if not keep_open:
                 await reader.end()
             done = True
@@ -205,8 +238,8 @@ class PeerClient:
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
         except InvalidRequest as e:
-            # A malformed reply is the peer's fault, not ours: treat it like a transport failure.
-            raise TransportError(f"peer {self.endpoint} sent a malformed reply: {e}") from None
+            # A malformed or wrong reply is the peer's fault, not ours: the caller bans it and goes elsewhere.
+            raise BadReply(f"peer {self.endpoint} sent a bad reply: {e}") from None
         finally:
             if not done:
                 call.cancel()
@@ -221,6 +254,27 @@ class PeerClient:
                 )
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
+
+
+def _check_header(expect: Expected, name: str, shape, dtype: torch.dtype, codec: str) -> None:
+    """A reply tensor's header must be one ``expect`` names, with its shape and dtype (before allocation)."""
+    if name not in expect:
+        raise InvalidRequest(f"unexpected tensor '{name}' (expected {sorted(expect)})")
+    want_shape, want_dtype = expect[name]
+    if tuple(shape) != tuple(want_shape) or dtype != want_dtype:
+        raise InvalidRequest(
+            f"tensor '{name}' is {dtype} of shape {list(shape)}, expected {want_dtype} of shape "
+            f"{list(want_shape)} for what was sent"
+        )
+
+
+def _check_values(meta: pb.ReplyMeta, tensors: dict[str, torch.Tensor]) -> None:
+    """The reply's loss and floating-point tensors are finite."""
+    if meta.has_loss and not math.isfinite(meta.loss):
+        raise InvalidRequest(f"the loss is {meta.loss}")
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise InvalidRequest(f"tensor '{name}' holds non-finite values")
 
 
 def typed_error(error: grpc.aio.AioRpcError, *, peer: str) -> SwarmError:

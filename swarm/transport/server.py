@@ -10,12 +10,39 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from swarm.errors import ERROR_METADATA_KEY, SwarmError, wire_name
+from swarm.errors import ERROR_METADATA_KEY, StreamTimeout, SwarmError, wire_name
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.channel import GRPC_OPTIONS
+from swarm.transport.tensors import MalformedFrame
 
 logger = logging.getLogger(__name__)
+
+# At most one log line per this many seconds about garbage frames; the lines in between are counted.
+GARBAGE_LOG_EVERY_S = 10.0
+
+
+class _RateLimitedLog:
+    """One warning line now and then for an event a caller can repeat at will (garbage frames): a flood of
+    them must not flood the log, nor hide that it happened."""
+
+    def __init__(self, every_s: float, clock=time.monotonic):
+        self.every_s, self._clock = every_s, clock
+        self._last: float | None = None
+        self.suppressed = 0
+
+    def warning(self, message: str, *args) -> None:
+        now = self._clock()
+        if self._last is not None and now - self._last < self.every_s:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            message += f" ({self.suppressed} more like it in the last {now - self._last:.0f}s)"
+        self._last, self.suppressed = now, 0
+        logger.warning(message, *args)
+
+
+_garbage_log = _RateLimitedLog(GARBAGE_LOG_EVERY_S)
 
 
 async def start_server(
@@ -34,6 +61,47 @@ async def start_server(
     return server, bound
 
 
+class DeadlineFrames:
+    """A call's request frames, read under deadlines: each frame within ``idle_s`` of asking for it, and the
+    whole request within ``total_s`` of the first read, so a silent or trickling caller cannot hold a stream
+    (and what was allocated for it) forever. A late frame raises :class:`StreamTimeout` (DEADLINE_EXCEEDED).
+    :meth:`expect_within` replaces both deadlines for a frame that comes only after the reply (the commit)."""
+
+    def __init__(self, frames, *, idle_s: float, total_s: float, clock=time.monotonic):
+        self._frames = frames.__aiter__()
+        self._idle_s, self._total_s, self._clock = idle_s, total_s, clock
+        self._deadline: float | None = None  # set at the first read
+        self._next_within_s: float | None = None
+
+    def __aiter__(self):
+        return self
+
+    def expect_within(self, timeout_s: float) -> None:
+        """The next frames may take up to ``timeout_s`` each, whatever the request's deadlines were."""
+        self._next_within_s = timeout_s
+
+    async def __anext__(self):
+        now = self._clock()
+        if self._deadline is None:
+            self._deadline = now + self._total_s
+        if self._next_within_s is not None:
+            timeout_s, why = self._next_within_s, f"within {self._next_within_s:g}s"
+        else:
+            timeout_s = min(self._idle_s, self._deadline - now)
+            why = (
+                f"within --read-idle-s={self._idle_s:g}s of the last"
+                if timeout_s == self._idle_s
+                else f"in all within --read-total-s={self._total_s:g}s"
+            )
+        try:
+            return await asyncio.wait_for(self._frames.__anext__(), max(timeout_s, 0.0))
+        except asyncio.TimeoutError:
+            raise StreamTimeout(
+                f"the request's frames did not arrive {why}; the call is cut (send a request without "
+                f"pauses, on a link fast enough for it)"
+            ) from None
+
+
 def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
     """Wrap a streaming handler so that a :class:`SwarmError` ends the call with its status, message and class
     name (see :func:`abort_with`), and any other exception with INTERNAL (logged with its traceback, never
@@ -47,7 +115,10 @@ def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
                 yield frame
         except SwarmError as e:
             outcome = type(e).__name__
-            await _drain(request_iterator)
+            if isinstance(e, MalformedFrame):
+                _garbage_log.warning("%s from %s: %s", fn.__name__, context.peer(), e)
+            else:
+                await _drain(request_iterator)
             await abort_with(context, e)
         except grpc.aio.AbortError:
             raise

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
+from google.protobuf.message import DecodeError
 
 from swarm.compression import Codec, CodecError, dtype_from_name, get_codec, wire_dtype_name
 from swarm.errors import InvalidRequest
@@ -81,6 +82,10 @@ async def tensor_frames(
         yield pb.Frame(chunk=await pending)
 
 
+class MalformedFrame(InvalidRequest):
+    """A frame that does not parse as a swarm ``Frame``: garbage, or another protocol on the port."""
+
+
 class FrameReader:
     """Reads a call's frames in protocol order and rebuilds tensors, validating everything it reads.
 
@@ -96,6 +101,10 @@ class FrameReader:
             return await self._frames.__anext__()
         except StopAsyncIteration:
             return None
+        except DecodeError as e:  # gRPC parses each message as it is read
+            raise MalformedFrame(
+                f"a frame could not be parsed ({e}); the sender speaks another protocol or sent garbage"
+            ) from None
 
     async def _expect(self, kind: str, context: str) -> pb.Frame:
         frame = await self._next()

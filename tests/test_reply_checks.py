@@ -1,0 +1,72 @@
+"""The trainer checks every reply: a peer that sends a wrong one is banned for the run, its microbatch goes to
+another peer, and training goes on (real peers, real DHT, real gRPC; the trainer's pipeline in this process)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from livepeers import RUN, T
+
+from swarm.trainer.pipeline import Pipeline
+
+pytestmark = pytest.mark.integration
+
+B = 2
+
+
+def _wrong_shape(out: torch.Tensor) -> torch.Tensor:
+    return out[:, :-1]  # one token short
+
+
+def _nan(out: torch.Tensor) -> torch.Tensor:
+    # an honest peer whose replica diverged: it answers with an error of its own (banned with back-off only)
+    return out.clone().fill_(float("nan"))
+
+
+def _overflow(out: torch.Tensor) -> torch.Tensor:
+    # finite, so it passes the trainer's own checks; the next stage's loss is not: a second opinion decides
+    return out.clone().fill_(3e38)
+
+
+@pytest.mark.parametrize("corrupt", [_wrong_shape, _nan, _overflow], ids=lambda f: f.__name__[1:])
+def test_a_peer_with_bad_replies_is_banned_for_the_run_and_training_goes_on(
+    peers, loop_thread, corrupt
+):
+    run_id = f"rc-{corrupt.__name__[1:]}"
+    bad, good, last = peers(run_id, 0), peers(run_id, 0), peers(run_id, 1)
+    honest = bad.executor.forward
+    bad.executor.forward = lambda mb, x, *, keep: corrupt(honest(mb, x, keep=keep))
+
+    async def body():
+        pipeline = Pipeline(last.directory, RUN, seed=0)
+        await pipeline.start()
+        try:
+            deadline = time.monotonic() + 30
+            while len(pipeline.router.peers(0)) < 2:  # both stage-0 peers announced
+                assert time.monotonic() < deadline, pipeline.router.peers(0)
+                await pipeline._next_refresh(timeout_s=1.0)
+            losses = []
+            # Routing is random: the bad peer is picked within a few microbatches (never in 40: p = 2**-40).
+            for i in range(40):
+                tokens = torch.randint(
+                    0, 256, (B, T + 1), generator=torch.Generator().manual_seed(i)
+                )
+                losses.append((await pipeline.train_microbatch(f"mb{i}", tokens)).loss)
+                if i >= 4 and (
+                    pipeline.banned_for_run
+                    or bad.executor.microbatches_applied == 0
+                    and pipeline.failed_calls
+                ):
+                    break
+            return losses, set(pipeline.banned_for_run)
+        finally:
+            await pipeline.close()
+
+    losses, banned = loop_thread.run(body(), timeout_s=300)
+    assert banned == (set() if corrupt is _nan else {bad.peer_id})
+    assert all(torch.isfinite(torch.tensor(losses)))
+    # every microbatch counted once per stage, none of them by the bad peer
+    assert good.executor.microbatches_applied == last.executor.microbatches_applied == len(losses)
+    assert bad.executor.microbatches_applied == 0

@@ -10,6 +10,8 @@ import asyncio
 import logging
 import os
 import stat
+import subprocess
+import sys
 
 import hivemind
 import pytest
@@ -218,3 +220,40 @@ def test_a_record_signed_over_another_run_id_does_not_verify():
     assert not owner.private_key.get_public_key().verify(
         run_signing_payload("run-b", body), signature
     )
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_trainer_pinned_to_another_owner_refuses_the_run_and_says_why(nodes):
+    """Real CLI: `swarm train --run-owner` with a fingerprint that did not sign the run's config exits 1 with one
+    line naming the keys that did and what to check; `swarm status` names the run's owner."""
+    honest, _, _ = nodes
+    run_id = "pinned-elsewhere"
+    asyncio.run(RunDirectory(honest, run_id).publish_run(RUN, ttl_s=600))
+    boot = [str(a) for a in honest.get_visible_maddrs()]
+    owner = honest.swarm_identity.fingerprint
+    wrong = "0" * 32
+    result = _cli(
+        "train",
+        "--run-id",
+        run_id,
+        "--run-owner",
+        wrong,
+        "--peers-wait-s",
+        "3",
+        "--initial-peers",
+        *boot,
+    )
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"has configs only from keys {owner}, not from its pinned owner {wrong}" in last, last
+    assert "check --run-owner" in last
+    listed = _cli("status", "--list-runs", "--initial-peers", *boot)
+    assert (
+        f"run '{run_id}': 2 stages, config {RUN.fingerprint()}, owner {owner}" in listed.stdout
+    ), listed

@@ -20,7 +20,7 @@ class DHTConfig:
     # restarts (its libp2p key is kept next to it, at PATH.p2p); without it, a new identity each start
     identity_path: str | None = None
     # fingerprint of the run owner's key (printed when the run is created): a run config signed by any other key is
-    # refused (without it, a run with exactly one owner is accepted, and its fingerprint logged)
+    # refused (without it, the one config published under the run id is accepted, and its owner logged)
     run_owner: str | None = None
     nat_traversal: bool = False  # UPnP/NAT-PMP and AutoNAT probing (sends traffic to your gateway)
     initial_peers_wait_s: float = 60.0  # how long to wait for an "@FILE" of initial peers to appear

@@ -339,6 +339,12 @@ class RunDirectory:
     async def wait_for_run(self, *, timeout_s: float, poll_s: float = 0.5) -> RunConfig:
         deadline = time.monotonic() + timeout_s
         while (config := await self.get_run()) is None:
+            if time.monotonic() > deadline and self._refused:
+                raise TimeoutError(
+                    f"run '{self.run_id}' has configs only from keys {', '.join(sorted(self._refused))}, not from "
+                    f"its pinned owner {self.run_owner}: check --run-owner against the fingerprint the run's "
+                    f"creator printed"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no run '{self.run_id}' was published in the DHT within {timeout_s:.0f}s: "

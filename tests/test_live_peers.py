@@ -90,7 +90,7 @@ def test_a_killed_peers_record_expires_within_its_ttl_and_is_no_longer_routed(pe
 
 STATUS_LINE = re.compile(
     r"^  (\S+)\s+(\S+)\s+(\w+)\s+([\d.]+) samples/s\s+in flight (\d+)\s+step (\d+)\s+"
-    r"digest ([0-9a-f]{16}|-)$"
+    r"digest ([0-9a-f]{16}|-)\s+heartbeat (\d+)s ago$"
 )
 
 
@@ -143,7 +143,7 @@ def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
     lines = done.stdout.splitlines()
     assert lines[0] == (
         f"run 'status': 2 stages, codec none: 1.0x fewer activation bytes than float32, target batch {B} "
-        f"samples, config {RUN.fingerprint()}"
+        f"samples, config {RUN.fingerprint()}, owner {first.directory.owner}"
     )
     stage_of, listed, serving = None, {}, {}
     assert lines[-1].startswith("bottleneck: stage ")
@@ -154,8 +154,9 @@ def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
             continue
         row = STATUS_LINE.match(line)
         assert row, line
-        peer_id, endpoint, state, _, _, step, _ = row.groups()
+        peer_id, endpoint, state, _, _, step, _, age = row.groups()
         listed[peer_id] = (stage_of, endpoint, state, int(step))
+        assert int(age) < 60, line  # its heartbeat is recent: the record's TTL is far shorter
     assert listed == {
         first.peer_id: (0, first.endpoint, "serving", 0),
         leaving.peer_id: (0, leaving.endpoint, "draining", 0),
@@ -224,7 +225,10 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
     async def status():
         run = await directory.get_run()
         stages = await directory.all_stages(MODEL.num_stages)
-        return status_document("agree", run, stages), format_status("agree", run, stages)
+        return (
+            status_document("agree", run, stages, owner=directory.owner),
+            format_status("agree", run, stages, owner=directory.owner),
+        )
 
     async def same_batches():
         await step_last(a, 2)
@@ -252,7 +256,11 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
         "owners": [a.directory.owner],
     }
     printed = json.loads(printed)
-    assert printed.pop("time") <= document.pop("time") and printed == document
+    assert printed.pop("time") <= document.pop("time")
+    for doc in (printed, document):  # read at different moments: the ages differ, each recent
+        ages = [r.pop("heartbeat_age_s") for stage in doc["stages"] for r in stage["replicas"]]
+        assert ages and all(0 <= age < 60 for age in ages), ages
+    assert printed == document and document["owner"] == a.directory.owner
     assert document["run_id"] == "agree" and document["config"] == RUN.fingerprint()
     # Stage 0 has no peer here: it limits the swarm.
     assert document["bottleneck"] == 0 and document["stages"][0]["throughput"] == 0
@@ -277,7 +285,7 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
     lines = text.splitlines()
     assert lines[1].endswith("replicas: no two at one step to compare")
     assert lines[2].endswith("replicas agree (step 2)")
-    assert sum(line.endswith(f"step 2      digest {digest}") for line in lines) == 2
+    assert sum(f"step 2      digest {digest}  heartbeat " in line for line in lines) == 2
 
     async def other_batches():
         await step_last(a, 1, seed=50)

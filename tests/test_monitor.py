@@ -149,6 +149,16 @@ def test_the_dashboard_shows_the_stages_live_in_a_real_browser(local_swarm, brow
         data = json.loads(reply.read())
     status = data["status"]
     assert data["error"] is None and status["run_id"] == run_id and len(data["history"]) >= 2
+    # The run's owner (the key that signed its config) and each record's heartbeat age are on the page.
+    assert (
+        re.fullmatch(r"[0-9a-f]{32}", status["owner"]) and f"owner {status['owner']}" in page_text()
+    )
+    ages = [r["heartbeat_age_s"] for stage in status["stages"] for r in stage["replicas"]]
+    assert all(0 <= age < 60 for age in ages), ages
+    cells = browser.execute_script(
+        "return [...document.querySelectorAll('td.age')].map((cell) => cell.textContent)"
+    )
+    assert len(cells) == 3 and all(re.fullmatch(r"\d+s ago", cell) for cell in cells), cells
     (trainer_record,) = status["trainers"]
     assert (trainer_record["step"], trainer_record["microbatches"]) == (3, 3 * 16 // 8)
     assert trainer_record["loss"] > 0 and trainer_record["tokens_per_s"] > 0
@@ -253,19 +263,34 @@ def test_status_text_lists_the_trainers_and_names_the_bottleneck():
     slow = StageRecord.from_wire(
         record_wire(peer_id="p1", stage=1, throughput=20.0, config_hash=run.fingerprint())
     )
+    from swarm.discovery.dht import get_dht_time
+
     trainers = {
-        "t2": TrainerRecord(trainer_id="t2", step=0),
+        "t2": TrainerRecord(trainer_id="t2", step=0),  # an older trainer: its record has no time
         "t1": TrainerRecord(
-            trainer_id="t1", step=7, loss=2.5, val_loss=2.75, tokens_per_s=1234.4, microbatches=28
+            trainer_id="t1",
+            step=7,
+            loss=2.5,
+            val_loss=2.75,
+            tokens_per_s=1234.4,
+            microbatches=28,
+            announced_s=get_dht_time() - 5.0,
         ),
     }
-    lines = format_status("r", run, [{"p0": fast}, {"p1": slow}], trainers).splitlines()
+    owner = "ab" * 16
+    lines = format_status(
+        "r", run, [{"p0": fast}, {"p1": slow}], trainers, owner=owner
+    ).splitlines()
+    assert lines[0].endswith(f", config {run.fingerprint()}, owner {owner}")
     assert lines[-3:] == [
-        "trainer t1: step 7 | loss 2.500 | val 2.750 | 1,234 tokens/s",
-        "trainer t2: step 0 | loss - | 0 tokens/s",
+        "trainer t1: step 7 | loss 2.500 | val 2.750 | 1,234 tokens/s | heartbeat 5s ago",
+        "trainer t2: step 0 | loss - | 0 tokens/s | heartbeat -",
         "bottleneck: stage 1 (20.0 samples/s serving)",
     ]
-    document = status_document("r", run, [{"p0": fast}, {"p1": slow}], trainers)
+    document = status_document("r", run, [{"p0": fast}, {"p1": slow}], trainers, owner=owner)
+    assert document["owner"] == owner
+    assert document["trainers"][0].pop("heartbeat_age_s") == pytest.approx(5.0, abs=0.5)
+    assert document["trainers"][1]["heartbeat_age_s"] is None
     assert [t["trainer_id"] for t in document["trainers"]] == ["t1", "t2"]
     assert document["trainers"][0] == {
         "trainer_id": "t1",

@@ -147,7 +147,7 @@ async def run_monitor(
                     )
                 else:
                     run = found[0]
-                    document = status_document(run_id, *found)
+                    document = status_document(run_id, *found, owner=directory.owner)
                     document["run"] = {
                         "codec": run.codec,
                         "target_batch_size": run.target_batch_size,

@@ -3,13 +3,15 @@
 The JSON document (``swarm status --json``)::
 
     {"run_id": str, "config": str (RunConfig.fingerprint()), "num_stages": int, "time": float (unix),
+     "owner": str | null (fingerprint of the key that signed the run's config),
      "bottleneck": int (the stage with the least serving throughput),
      "stages": [{"stage": int, "throughput": float (samples/s of its serving replicas),
                  "agree": true | false | null,
                  "replicas": [{"peer_id", "endpoint", "state", "step", "param_digest", "throughput",
-                               "in_flight"}]}],
+                               "in_flight", "heartbeat_age_s" (seconds since its record was written; null if
+                               the record does not say)}]}],
      "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
-                   "microbatches"}]}
+                   "microbatches", "heartbeat_age_s"}]}
 
 ``agree`` (see :mod:`swarm.coordinator.agreement`): false if serving replicas at one step announce different
 parameter digests, true if at least two are comparable and all agree, null if none are. With ``--watch S``
@@ -24,15 +26,23 @@ import sys
 import time
 from typing import Any
 
+from hivemind.utils import get_dht_time
+
 from swarm.coordinator.agreement import agreement, describe_disagreement, step_groups
 from swarm.discovery.dht import DHTConfig, RunDirectory, list_runs, start_dht
 from swarm.states import PeerState
 
 
-def status_document(run_id: str, run, stages, trainers=None) -> dict[str, Any]:
+def _age(announced_s: float, now: float) -> float | None:
+    return None if not announced_s else round(max(0.0, now - announced_s), 1)
+
+
+def status_document(
+    run_id: str, run, stages, trainers=None, owner: str | None = None
+) -> dict[str, Any]:
     """The status of ``run`` as plain JSON-ready data (the schema in the module docstring); ``trainers``:
-    the run's trainer records by id."""
-    out = []
+    the run's trainer records by id; ``owner``: the fingerprint of the run config's signer."""
+    out, now = [], get_dht_time()
     for index, records in enumerate(stages):
         groups = step_groups(records.values(), config_hash=run.fingerprint())
         replicas = [
@@ -44,6 +54,7 @@ def status_document(run_id: str, run, stages, trainers=None) -> dict[str, Any]:
                 "param_digest": r.param_digest,
                 "throughput": r.throughput,
                 "in_flight": r.in_flight,
+                "heartbeat_age_s": _age(r.announced_s, now),
             }
             for r in sorted(records.values(), key=lambda r: r.peer_id)
         ]
@@ -60,10 +71,14 @@ def status_document(run_id: str, run, stages, trainers=None) -> dict[str, Any]:
         "config": run.fingerprint(),
         "num_stages": run.model.num_stages,
         "time": time.time(),
+        "owner": owner,
         "bottleneck": bottleneck(stages),
         "stages": out,
         "trainers": [
-            {key: value for key, value in t.to_wire().items() if key != "version"}
+            {
+                **{k: v for k, v in t.to_wire().items() if k not in ("version", "announced_s")},
+                "heartbeat_age_s": _age(t.announced_s, now),
+            }
             for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id)
         ],
     }
@@ -95,10 +110,12 @@ def _agreement_line(run, records) -> str:
     )
 
 
-def format_status(run_id: str, run, stages, trainers=None) -> str:
+def format_status(run_id: str, run, stages, trainers=None, owner: str | None = None) -> str:
+    now = get_dht_time()
     lines = [
         f"run '{run_id}': {run.model.num_stages} stages, {run.compression_scheme()}, "
         f"target batch {run.target_batch_size} samples, config {run.fingerprint()}"
+        + (f", owner {owner}" if owner else "")
     ]
     for index, records in enumerate(stages):
         total = serving_throughput(records)
@@ -110,12 +127,14 @@ def format_status(run_id: str, run, stages, trainers=None) -> str:
             lines.append(
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
                 f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
+                f"  heartbeat {_age_text(r.announced_s, now)}"
             )
     for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id):
         val = "" if t.val_loss is None else f" | val {t.val_loss:.3f}"
         loss = "-" if t.loss is None else f"{t.loss:.3f}"
         lines.append(
             f"trainer {t.trainer_id}: step {t.step} | loss {loss}{val} | {t.tokens_per_s:,.0f} tokens/s"
+            f" | heartbeat {_age_text(t.announced_s, now)}"
         )
     if stages:
         slowest = bottleneck(stages)
@@ -123,6 +142,11 @@ def format_status(run_id: str, run, stages, trainers=None) -> str:
             f"bottleneck: stage {slowest} ({serving_throughput(stages[slowest]):.1f} samples/s serving)"
         )
     return "\n".join(lines)
+
+
+def _age_text(announced_s: float, now: float) -> str:
+    age = _age(announced_s, now)
+    return "-" if age is None else f"{age:.0f}s ago"
 
 
 async def read_status(directory: RunDirectory):
@@ -179,9 +203,11 @@ async def print_status(
                 )
                 return 1
             if as_json:
-                print(json.dumps(status_document(run_id, *found)), flush=True)
+                print(
+                    json.dumps(status_document(run_id, *found, owner=directory.owner)), flush=True
+                )
             else:
-                print(format_status(run_id, *found), flush=True)
+                print(format_status(run_id, *found, owner=directory.owner), flush=True)
             if watch_s is None:
                 return 0
             await asyncio.sleep(watch_s)  # the period asked for

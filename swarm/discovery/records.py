@@ -74,6 +74,8 @@ class StageRecord:
     step_pause_s: float = 0.0
     # swarm.model.state_digest of its parameters at `step` ("" = not known: an older peer, or not hashed yet)
     param_digest: str = ""
+    # DHT time of this heartbeat (0 = not known: an older peer); status shows its age
+    announced_s: float = 0.0
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -114,6 +116,7 @@ class TrainerRecord:
     val_loss: float | None = None  # its last validation loss (None before the first)
     tokens_per_s: float = 0.0  # since it started training
     microbatches: int = 0  # completed
+    announced_s: float = 0.0  # DHT time of this heartbeat (0 = not known: an older trainer)
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:

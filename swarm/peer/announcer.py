@@ -70,7 +70,7 @@ class Announcer:
 
     def records(self) -> list[StageRecord]:
         """What this peer announces: its stage, and during a move a "starting" record on the target."""
-        config_hash = self.run.fingerprint()
+        config_hash, now = self.run.fingerprint(), get_dht_time()
         out = []
         serving = self._serving()
         if serving is not None:
@@ -87,6 +87,7 @@ class Announcer:
                     last_moved_s=self.last_moved_s,
                     step_pause_s=serving.step_pause_s,
                     param_digest=serving.param_digest,
+                    announced_s=now,
                 )
             )
         if self._heading_to is not None:
@@ -102,6 +103,7 @@ class Announcer:
                     step=0,
                     config_hash=config_hash,
                     last_moved_s=self.last_moved_s,
+                    announced_s=now,
                 )
             )
         return out

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 import torch
+from hivemind.utils import get_dht_time
 
 from swarm.config import RunConfig
 from swarm.data import ByteCorpus
@@ -338,6 +339,7 @@ class Trainer:
             val_loss=latest["val_loss"] if math.isfinite(latest["val_loss"]) else None,
             tokens_per_s=float(latest["tokens_per_s"]),
             microbatches=int(latest["microbatches"]),
+            announced_s=get_dht_time(),
         )
         try:
             await self.pipeline.directory.announce_trainer(

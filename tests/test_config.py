@@ -346,3 +346,18 @@ def test_gradients_may_cross_the_cuts_in_another_codec_which_the_record_names():
         UnknownCodecError, match="compresses gradients with codec 'int1', which this version"
     ):
         RunConfig.from_dict(record)
+
+
+def test_train_with_tensorboard_but_without_the_package_says_what_to_install_before_joining():
+    """`swarm train --tensorboard-dir` where tensorboard is not installed (blocked here) exits 2 with one line,
+    before it joins the DHT (no --initial-peers needed to get the message)."""
+    block = (
+        "import sys; sys.modules['tensorboard'] = None; from swarm.cli import main; "
+        "sys.exit(main(['train', '--tensorboard-dir', 'tb', '--peers-wait-s', '1']))"
+    )
+    result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result
+    assert result.stderr.strip().splitlines()[-1] == (
+        "swarm train: error: --tensorboard-dir needs the tensorboard package: pip install "
+        "'swarm[tensorboard]' (or tensorboard), or leave the flag out"
+    )

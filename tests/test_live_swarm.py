@@ -228,11 +228,13 @@ def test_the_trainer_stays_within_max_batches_ahead_of_the_stages(
         )  # the trainer did use its lead: the bound is what held it
 
 
-def test_a_trainers_metrics_endpoint_reports_what_its_summary_says(averaging_stages, loop_thread):
+def test_a_trainers_metrics_endpoint_and_tensorboard_log_report_what_its_summary_says(
+    averaging_stages, loop_thread, tmp_path
+):
     peers, _ = averaging_stages
 
     async def go():
-        config = _trainer_config(0, 2, metrics_port=0)
+        config = _trainer_config(0, 2, metrics_port=0, tensorboard_dir=str(tmp_path / "tb"))
         async with Trainer.open(config, dht=peers[0].dht) as trainer:
             summary = await trainer.train()
             url = f"http://127.0.0.1:{trainer.metrics_port}/metrics"
@@ -240,6 +242,21 @@ def test_a_trainers_metrics_endpoint_reports_what_its_summary_says(averaging_sta
             return summary, trainer.trainer_id, page.read().decode()
 
     summary, trainer_id, text = loop_thread.run(go(), timeout_s=300)
+    # The TensorBoard events (read back with tensorboard's own reader) hold each step's loss and the validation.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (logdir,) = (tmp_path / "tb" / "ahead").iterdir()
+    assert logdir.name.startswith(f"{trainer_id}-")
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    scalars = {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2]
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx(summary.losses, rel=1e-6)
+    assert scalars["val/loss"][-1] == (2, pytest.approx(summary.val_loss, rel=1e-6))
+    assert all(v > 0 for _, v in scalars["train/tokens_per_s"])
+    assert scalars["pipeline/unconfirmed_commits"][-1][1] == summary.unconfirmed_commits == 0
     labels = (("run_id", "ahead"), ("trainer_id", trainer_id))
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

@@ -49,6 +49,8 @@ class TrainerConfig:
     # (0 = never)
     heartbeat_s: float = 2.0
     metrics_path: str | None = None  # append one JSON line per step and per validation here
+    # write TensorBoard scalars (loss, validation loss, tokens/s, retries) under DIR/RUN_ID/ (needs tensorboard)
+    tensorboard_dir: str | None = None
     # serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; unset = off)
     metrics_port: int | None = None
     data: DataConfig = field(default_factory=DataConfig)

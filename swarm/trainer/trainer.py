@@ -27,6 +27,7 @@ from swarm.discovery.records import TrainerRecord
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.pipeline import MicrobatchResult, Pipeline
+from swarm.trainer.tensorboard import TensorBoardLog
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class Trainer:
         self.trainer_id = identity.peer_id if identity is not None else uuid.uuid4().hex[:16]
         self._microbatch_prefix = f"{self.trainer_id[:8]}.{uuid.uuid4().hex[:6]}"
         self.metrics_port: int | None = None  # where its Prometheus metrics are served, if they are
+        self.tensorboard: TensorBoardLog | None = None  # with --tensorboard-dir
         self._generator = torch.Generator().manual_seed(config.seed)
         self._next_microbatch = 0
         # microbatches per global batch
@@ -147,6 +149,8 @@ class Trainer:
     async def open(cls, config: TrainerConfig, *, dht=None):
         """Join the DHT (unless given one), read the run config, load data, connect to the stages."""
         async with contextlib.AsyncExitStack() as stack:
+            if config.tensorboard_dir is not None:
+                TensorBoardLog.require()
             if dht is None:
                 dht = await asyncio.to_thread(
                     start_dht, config.dht, host=config.host, client_mode=True
@@ -162,6 +166,16 @@ class Trainer:
             await pipeline.start()
             await pipeline.wait_for_peers(timeout_s=config.peers_wait_s)
             trainer = cls(config, pipeline, corpus, run)
+            if config.tensorboard_dir is not None:
+                trainer.tensorboard = TensorBoardLog(
+                    config.tensorboard_dir, run_id=config.run_id, trainer_id=trainer.trainer_id
+                )
+                stack.callback(trainer.tensorboard.close)
+                logger.info(
+                    "trainer %s writes TensorBoard scalars to %s",
+                    trainer.trainer_id,
+                    trainer.tensorboard.path,
+                )
             if config.metrics_port is not None:
                 metrics = TrainerMetrics(trainer)
                 trainer.metrics_port = metrics.serve(config.host, config.metrics_port)
@@ -355,6 +369,16 @@ class Trainer:
 
     def _metric(self, record: dict) -> None:
         self.latest.update((k, v) for k, v in record.items() if k in self.latest)
+        if self.tensorboard is not None:
+            pipeline = self.pipeline
+            self.tensorboard.record(
+                record,
+                {
+                    "calls_retried": pipeline.failed_calls,
+                    "unconfirmed_commits": pipeline.unconfirmed_commits,
+                    "peers_banned_for_bad_replies": len(pipeline.banned_for_run),
+                },
+            )
         if self.config.metrics_path:
             with open(self.config.metrics_path, "a") as f:
                 f.write(json.dumps({**record, "wall_time": time.time()}) + "\n")

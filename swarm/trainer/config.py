@@ -16,8 +16,18 @@ class PipelineConfig:
     refresh_s: float = 1.0  # seconds between refreshes of the peer lists from the DHT
     empty_stage_wait_s: float = 120.0  # how long a request waits for a stage with no live peer
     segment_bytes: int = 1 << 20  # raw bytes per streamed chunk
+    # share of forward calls recomputed at another replica of the stage at the same step and parameters and
+    # compared (a peer whose result two others contradict is banned for the run; 0 = off)
+    spot_check_share: float = 0.05
+    # relative L2 distance up to which two replicas' results count as equal (the codec rounds them)
+    spot_check_tolerance: float = 0.02
 
     def __post_init__(self):
+        if not 0 <= self.spot_check_share <= 1 or not self.spot_check_tolerance > 0:
+            raise ValueError(
+                f"spot_check_share must be in [0, 1] and spot_check_tolerance > 0; got {self.spot_check_share}, "
+                f"{self.spot_check_tolerance}"
+            )
         if self.refresh_s <= 0 or self.empty_stage_wait_s < 0 or self.segment_bytes < 1024:
             raise ValueError(
                 f"need refresh_s > 0, empty_stage_wait_s >= 0, segment_bytes >= 1024; got "

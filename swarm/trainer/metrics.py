@@ -75,3 +75,16 @@ class _TrainerCollector:
             ),
         ):
             yield family(CounterMetricFamily, name, doc, value)
+        spot = CounterMetricFamily(
+            "swarm_trainer_spot_checks",
+            "Forward calls recomputed at another replica and compared, by result",
+            labels=[*labels, "result"],
+        )
+        counts = pipeline.spot_checks.counts
+        for result, value in (
+            ("agreed", counts.agreed),
+            ("mismatched", counts.mismatched),
+            ("inconclusive", counts.inconclusive),
+        ):
+            spot.add_metric([*labels.values(), result], value)
+        yield spot

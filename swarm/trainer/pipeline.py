@@ -33,6 +33,7 @@ from swarm.routing.retry import failure_kind
 from swarm.states import PeerState
 from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
+from swarm.trainer.spotcheck import SpotChecker
 from swarm.transport.client import ClientPool, Reply
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,12 @@ class Pipeline:
         # peers banned for the rest of the run for a bad reply (wrong shape or dtype, non-finite values, output
         # the next stage refused): routing never picks them again
         self.banned_for_run: set[str] = set()
+        self.spot_checks = SpotChecker(
+            self,
+            share=config.spot_check_share,
+            tolerance=config.spot_check_tolerance,
+            rng=random.Random(f"spot-checks {seed}"),
+        )
         self._refreshed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
 
@@ -104,6 +111,7 @@ class Pipeline:
         self._refresh_task = asyncio.create_task(self._refresh_loop(), name="peer-refresh")
 
     async def close(self) -> None:
+        await self.spot_checks.close()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
             await asyncio.gather(self._refresh_task, return_exceptions=True)
@@ -297,6 +305,7 @@ class Pipeline:
                 h = stage_inputs[stage]
                 continue
             forward_peers.append(peer)
+            self._spot_check(stage, peer, reply, h, targets if stage == last else None)
             if stage == last:
                 break
             h = _tensor(reply, "output", peer)
@@ -386,10 +395,30 @@ class Pipeline:
                     stage, "eval", h, targets=targets if is_last else None, eval_only=True
                 ),
             )
+            self._spot_check(stage, peer, reply, h, targets if is_last else None)
             if is_last:
                 return reply.meta.loss
             h = _tensor(reply, "output", peer)
         raise AssertionError("unreachable")
+
+    def _spot_check(
+        self, stage: int, peer: str, reply: Reply, h: torch.Tensor, targets: torch.Tensor | None
+    ) -> None:
+        """Maybe have another replica of ``stage`` recompute this forward (its output, or at the last stage its
+        loss) and compare: see :mod:`swarm.trainer.spotcheck`."""
+        if stage == self.num_stages - 1:
+            result = torch.tensor([reply.meta.loss])
+        else:
+            result = reply.tensors["output"]
+        check = self._forward_attempt(stage, "spot-check", h, targets=targets, eval_only=True)
+
+        async def recompute(endpoint: str, timeout_s: float) -> tuple[int, torch.Tensor]:
+            answer = await check(endpoint, timeout_s)
+            if targets is not None:
+                return answer.meta.step, torch.tensor([answer.meta.loss])
+            return answer.meta.step, answer.tensors["output"]
+
+        self.spot_checks.maybe_check(stage, peer, reply.meta.step, result, recompute)
 
     def _meta(
         self,

@@ -6,8 +6,9 @@ restarts of one, appear side by side in ``tensorboard --logdir DIR``. Scalars, b
 
 - ``train/loss``, ``train/tokens_per_s``: each step's mean training loss and the tokens/s since the start;
 - ``val/loss``: each validation;
-- ``pipeline/calls_retried``, ``pipeline/unconfirmed_commits``, ``pipeline/peers_banned_for_bad_replies``:
-  running totals of what the swarm's faults cost.
+- ``pipeline/calls_retried``, ``pipeline/unconfirmed_commits``, ``pipeline/peers_banned_for_bad_replies``,
+  ``pipeline/spot_checks_agreed``, ``pipeline/spot_checks_mismatched``: running totals of what the swarm's
+  faults cost and what the spot-checks found.
 """
 
 from __future__ import annotations

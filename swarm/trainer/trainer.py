@@ -377,6 +377,8 @@ class Trainer:
                     "calls_retried": pipeline.failed_calls,
                     "unconfirmed_commits": pipeline.unconfirmed_commits,
                     "peers_banned_for_bad_replies": len(pipeline.banned_for_run),
+                    "spot_checks_agreed": pipeline.spot_checks.counts.agreed,
+                    "spot_checks_mismatched": pipeline.spot_checks.counts.mismatched,
                 },
             )
         if self.config.metrics_path:

@@ -1,0 +1,171 @@
+"""Spot-checks: a trainer recomputes a share of its forward calls at another replica of the same stage and
+compares, so a peer that returns plausible but wrong results (finite, well shaped: the reply checks pass them)
+is caught and banned.
+
+A check compares only what must be equal: two replicas whose records announce the same step and the same
+parameter digest, and whose replies say they answered at that step, hold the same parameters (averaging keeps
+replicas bit-identical), so the same input gives the same output up to the codec's rounding and the order of
+float sums. Replicas that hold different parameters (no averaging, or between two heartbeats) are not compared:
+the check is inconclusive, never a false accusation.
+
+The check runs beside the training (a task of its own, an eval-only forward: the checking peer keeps nothing and
+counts nothing), so it costs the swarm ``share`` of a forward per call and the trainer no time. On a mismatch a
+third replica decides: the one of the first two that disagrees with it is banned for the run; with no third
+replica, or a third that agrees with neither, nobody is (logged, counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.errors import SwarmError
+from swarm.states import PeerState
+
+logger = logging.getLogger(__name__)
+
+
+def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||a|| (inf when the shapes differ)."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / a.norm().clamp_min(1e-12))
+
+
+class SpotCheckMismatch(SwarmError):
+    """A replica's result disagreed with two others' at the same step and parameters."""
+
+
+@dataclass
+class SpotCheckCounts:
+    checked: int = 0  # compared with a second replica
+    agreed: int = 0
+    mismatched: int = 0  # a second replica disagreed (a third decided, or none could)
+    inconclusive: int = 0  # no comparable replica, or it did not answer in time
+    banned: list[str] = field(default_factory=list)
+
+
+# An eval-only forward of the checked call's input at a given endpoint: (reply step, the result to compare).
+Recompute = Callable[[str, float], Awaitable[tuple[int, torch.Tensor]]]
+
+
+class SpotChecker:
+    def __init__(self, pipeline, *, share: float, tolerance: float, rng: random.Random):
+        self.pipeline, self.share, self.tolerance, self.rng = pipeline, share, tolerance, rng
+        self.counts = SpotCheckCounts()
+        self._tasks: set[asyncio.Task] = set()
+
+    def maybe_check(
+        self, stage: int, peer: str, step: int, result: torch.Tensor, recompute: Recompute
+    ) -> None:
+        """With probability ``share``, check in the background that another replica of ``stage`` computes
+        ``result`` (what ``peer`` answered at optimizer step ``step``) from the same input."""
+        if self.share <= 0 or self.rng.random() >= self.share:
+            return
+        task = asyncio.create_task(
+            self._check(stage, peer, step, result, recompute), name="spot-check"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self) -> None:
+        """Wait for the checks under way."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _comparable(self, stage: int, peer: str, step: int) -> list[str]:
+        """Other serving replicas of ``stage`` whose records announce the same step and parameter digest as
+        ``peer``'s, in random order."""
+        pipeline = self.pipeline
+        records = pipeline.records[stage]
+        mine = records.get(peer)
+        if mine is None or not mine.param_digest or mine.step != step:
+            return []
+        others = [
+            pid
+            for pid, r in records.items()
+            if pid != peer
+            and pid not in pipeline.banned_for_run
+            and r.state == PeerState.SERVING
+            and (r.step, r.param_digest) == (step, mine.param_digest)
+        ]
+        self.rng.shuffle(others)
+        return others
+
+    async def _opinion(
+        self, stage: int, peer: str, step: int, recompute: Recompute
+    ) -> torch.Tensor | None:
+        """``peer``'s result for the same input, if it answered at ``step``."""
+        pipeline = self.pipeline
+        record = pipeline.records[stage].get(peer)
+        if record is None:
+            return None
+        timeout_s = pipeline.router.deadline_s(stage, peer, 1.0) + 2 * record.step_pause_s + 5.0
+        try:
+            answered_at, result = await recompute(record.endpoint, timeout_s)
+        except SwarmError as e:
+            logger.debug("spot-check at stage %d peer %s failed: %s", stage, peer, e)
+            return None
+        return result if answered_at == step else None
+
+    def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return relative_distance(a, b) <= self.tolerance
+
+    async def _check(
+        self, stage: int, peer: str, step: int, result: torch.Tensor, recompute: Recompute
+    ) -> None:
+        counts = self.counts
+        candidates = self._comparable(stage, peer, step)
+        second = None
+        while candidates and second is None:
+            checker = candidates.pop()
+            second = await self._opinion(stage, checker, step, recompute)
+        if second is None:
+            counts.inconclusive += 1
+            return
+        counts.checked += 1
+        if self._agree(result, second):
+            counts.agreed += 1
+            return
+        counts.mismatched += 1
+        distance = relative_distance(result, second)
+        third = None
+        while candidates and third is None:
+            referee = candidates.pop()
+            third = await self._opinion(stage, referee, step, recompute)
+        if third is not None and self._agree(second, third) and not self._agree(result, third):
+            liar, other = peer, checker
+        elif third is not None and self._agree(result, third) and not self._agree(second, third):
+            liar, other = checker, peer
+        else:
+            logger.warning(
+                "spot-check at stage %d, step %d: peers %s and %s disagree (relative distance %.3g) and no third "
+                "replica decided; nobody banned",
+                stage,
+                step,
+                peer,
+                checker,
+                distance,
+            )
+            return
+        counts.banned.append(liar)
+        self.pipeline._ban_for_run(
+            stage,
+            liar,
+            SpotCheckMismatch(
+                f"its result at step {step} was {distance:.3g} (relative) from two other replicas' at the same "
+                f"parameters (tolerance {self.tolerance})"
+            ),
+            f"spot-check: {other} and a third replica agree, it does not",
+        )

@@ -32,6 +32,12 @@ class InvalidRequest(SwarmError):
     retry_elsewhere = False
 
 
+class GradientOutlier(InvalidRequest):
+    """A microbatch's gradient is far larger than the stage's recent ones (``--max-gradient-ratio``): the
+    gradient the caller sent, or the input it came with, is corrupted. Nothing was accumulated. The caller
+    computes the microbatch again without the peer that produced that gradient."""
+
+
 class WrongPeer(SwarmError):
     """The peer serves another run or stage (it may have moved since it was announced)."""
 
@@ -111,6 +117,7 @@ WIRE_ERRORS: tuple[type[SwarmError], ...] = (
     NotCached,
     AlreadyApplied,
     GradientsDropped,
+    GradientOutlier,
     PeerDraining,
     PeerOverloaded,
     StreamTimeout,

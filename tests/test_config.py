@@ -355,7 +355,9 @@ def test_train_with_tensorboard_but_without_the_package_says_what_to_install_bef
         "import sys; sys.modules['tensorboard'] = None; from swarm.cli import main; "
         "sys.exit(main(['train', '--tensorboard-dir', 'tb', '--peers-wait-s', '1']))"
     )
-    result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", block], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2, result
     assert result.stderr.strip().splitlines()[-1] == (
         "swarm train: error: --tensorboard-dir needs the tensorboard package: pip install "

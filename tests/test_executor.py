@@ -292,3 +292,43 @@ def test_a_commit_for_gradients_never_computed_here_is_refused_and_counts_nothin
 def test_cache_config_refuses_sizes_that_would_refuse_or_forget_everything(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CacheConfig(**kwargs)
+
+
+def test_a_gradient_far_larger_than_the_stages_recent_ones_is_refused_and_nothing_is_held():
+    """One caller's hostile or corrupted grad_output cannot swamp the stage's global batch: once the stage has a
+    reference (swarm.outliers.MIN gradients), a gradient per sample over max_gradient_ratio times the lower
+    quartile of its recent ones is refused with a sentence, nothing held or counted; honest ones still pass."""
+    from swarm.errors import GradientOutlier
+    from swarm.outliers import MIN
+
+    first = local_executor(RUN, 0)
+    tokens = torch.randint(
+        0, MODEL.vocab_size, (2, MODEL.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
+    x = tokens[:, :-1]
+    grad_output = torch.randn(
+        2, MODEL.seq_len, MODEL.d_model, generator=torch.Generator().manual_seed(1)
+    )
+    for i in range(MIN):
+        first.forward(f"ok{i}", x, keep=True)
+        first.backward(f"ok{i}", grad_output, None, 2)
+        assert first.commit(f"ok{i}")
+    first.forward("huge", x, keep=True)
+    with pytest.raises(
+        GradientOutlier, match=r"parameter gradient per sample is .*x the lower quartile.*refused"
+    ):
+        first.backward("huge", 1e6 * grad_output, None, 2)
+    with pytest.raises(GradientsDropped):
+        first.commit("huge")  # nothing was held for it
+    assert first.microbatches_applied == MIN
+    # a gradient of the usual size still passes
+    first.forward("again", x, keep=True)
+    first.backward("again", 2 * grad_output, None, 2)
+    assert first.commit("again") and first.microbatches_applied == MIN + 1
+    # and the bound can be turned off
+    free = local_executor(RUN, 0, cache=CacheConfig(max_gradient_ratio=0))
+    for i in range(MIN):
+        free.forward(f"ok{i}", x, keep=True)
+        free.backward(f"ok{i}", grad_output, None, 2)
+    free.forward("huge", x, keep=True)
+    free.backward("huge", 1e6 * grad_output, None, 2)

@@ -70,3 +70,46 @@ def test_a_peer_with_bad_replies_is_banned_for_the_run_and_training_goes_on(
     # every microbatch counted once per stage, none of them by the bad peer
     assert good.executor.microbatches_applied == last.executor.microbatches_applied == len(losses)
     assert bad.executor.microbatches_applied == 0
+
+
+def test_a_peer_sending_huge_gradients_is_banned_before_they_count_anywhere(peers, loop_thread):
+    """A last-stage peer whose input gradients are a million times too large (finite, well shaped) is refused by
+    the trainer's gradient bound before the reply is committed: banned for the run, its microbatches go to the
+    other peer, and the stage before never applies a refused gradient."""
+    from swarm.outliers import MIN
+
+    first, liar, honest = peers("rc-huge", 0), peers("rc-huge", 1), peers("rc-huge", 1)
+    truthful = liar.executor.forward_loss_backward
+
+    def huge(mb, x, targets, num_samples):
+        loss, grad_input = truthful(mb, x, targets, num_samples)
+        return loss, 1e6 * grad_input
+
+    liar.executor.forward_loss_backward = huge
+
+    async def body():
+        pipeline = Pipeline(first.directory, RUN, seed=0)
+        await pipeline.start()
+        try:
+            deadline = time.monotonic() + 30
+            while len(pipeline.router.peers(1)) < 2:
+                assert time.monotonic() < deadline, pipeline.router.peers(1)
+                await pipeline._next_refresh(timeout_s=1.0)
+            losses = []
+            for i in range(40):
+                tokens = torch.randint(
+                    0, 256, (B, T + 1), generator=torch.Generator().manual_seed(i)
+                )
+                losses.append((await pipeline.train_microbatch(f"mb{i}", tokens)).loss)
+            return losses, set(pipeline.banned_for_run)
+        finally:
+            await pipeline.close()
+
+    losses, banned = loop_thread.run(body(), timeout_s=300)
+    assert banned == {liar.peer_id}
+    assert all(torch.isfinite(torch.tensor(losses)))
+    # every microbatch counted once at each stage; the liar's only before the bound had its reference
+    assert first.executor.microbatches_applied == len(losses) == 40
+    assert honest.executor.microbatches_applied + liar.executor.microbatches_applied == 40
+    assert liar.executor.microbatches_applied < MIN
+    assert all(torch.isfinite(p).all() for p in first.executor.stage_module.parameters())

@@ -32,6 +32,10 @@ class CacheConfig:
     commit_hold_s: float = 10.0
     # dropped microbatch ids remembered with the reason, for the error a late commit gets
     dropped_ids_size: int = 4096
+    # A microbatch whose parameter gradient per sample is more than this many times the lower quartile of the
+    # stage's recent ones is refused, not held (one caller's corrupted or hostile gradient cannot swamp the global
+    # batch); 0 = no bound
+    max_gradient_ratio: float = 1000.0
 
     def __post_init__(self):
         if min(self.graph_cache_bytes, self.reply_cache_size, self.input_cache_bytes) < 0:
@@ -42,6 +46,10 @@ class CacheConfig:
         if not self.commit_hold_s > 0:
             raise ValueError(
                 f"commit_hold_s must be > 0 (seconds a gradient waits for its commit), got {self.commit_hold_s}"
+            )
+        if not self.max_gradient_ratio >= 0:
+            raise ValueError(
+                f"max_gradient_ratio must be >= 0 (0 = no bound), got {self.max_gradient_ratio}"
             )
         if self.held_gradient_bytes < 0 or self.applied_ids_size < 1:
             raise ValueError(

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from swarm.config import RunConfig
-from swarm.errors import InvalidRequest, NotCached
+from swarm.errors import GradientOutlier, InvalidRequest, NotCached
 from swarm.model import Stage, state_digest
 from swarm.optim import StageOptimizer
+from swarm.outliers import OutlierBound
 from swarm.peer.config import CacheConfig
 from swarm.peer.ledger import UNKNOWN, CommitLedger
 
@@ -89,6 +90,8 @@ class StageExecutor:
         # bytes one held gradient takes: a copy of every trainable parameter's gradient
         self._gradient_bytes = sum(_nbytes(p) for p in stage_module.parameters() if p.requires_grad)
         self._ledger = CommitLedger(cache)
+        # per-sample norms of the last microbatches' parameter gradients (the outlier bound's reference)
+        self._gradient_norms = OutlierBound(cache.max_gradient_ratio)
         # seconds per sample of forward and of backward, EMA; seeded by calibrate()
         self._fwd_s_per_sample = 0.0
         self._bwd_s_per_sample = 0.0
@@ -238,6 +241,7 @@ class StageExecutor:
             # Weight by samples: after dividing by the samples of the global batch at step time, the gradient
             # is that of the mean loss over the global batch, however it was cut into microbatches.
             grads, grad_input = self._gradients(loss * num_samples, None, leaf)
+            self._check_gradient_size(microbatch_id, grads, num_samples)
             reply = (float(loss.detach()), grad_input)
             self._ledger.hold(microbatch_id, grads, reply, num_samples)
         return reply
@@ -284,8 +288,19 @@ class StageExecutor:
                     out = self.stage_module(leaf)
             grads, grad_input = self._gradients(out, grad_output, leaf)
             self._forget(microbatch_id)
+            self._check_gradient_size(microbatch_id, grads, num_samples)
             self._ledger.hold(microbatch_id, grads, grad_input, num_samples)
         return grad_input
+
+    def _check_gradient_size(self, microbatch_id: str, grads, num_samples: int) -> None:
+        """Refuse (GradientOutlier, nothing held) a microbatch whose parameter gradient per sample is an outlier
+        against this stage's recent ones (``max_gradient_ratio``, see swarm.outliers)."""
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+        if why := self._gradient_norms.excess(norm / max(num_samples, 1)):
+            raise GradientOutlier(
+                f"microbatch {microbatch_id}: its parameter gradient per sample {why}: refused, nothing was "
+                f"accumulated (the gradient or the input it came with is corrupted)"
+            )
 
     def _gradients(self, out: torch.Tensor, grad_output: torch.Tensor | None, leaf: torch.Tensor):
         """Parameter gradients (not yet applied) and the input gradient."""

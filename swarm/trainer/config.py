@@ -21,12 +21,19 @@ class PipelineConfig:
     spot_check_share: float = 0.05
     # relative L2 distance up to which two replicas' results count as equal (the codec rounds them)
     spot_check_tolerance: float = 0.02
+    # a reply whose input gradient per sample is more than this many times the lower quartile of the stage's
+    # recent ones is refused before it counts, and its peer banned for the run (0 = no bound)
+    max_gradient_ratio: float = 1000.0
 
     def __post_init__(self):
-        if not 0 <= self.spot_check_share <= 1 or not self.spot_check_tolerance > 0:
+        if (
+            not 0 <= self.spot_check_share <= 1
+            or not self.spot_check_tolerance > 0
+            or self.max_gradient_ratio < 0
+        ):
             raise ValueError(
-                f"spot_check_share must be in [0, 1] and spot_check_tolerance > 0; got {self.spot_check_share}, "
-                f"{self.spot_check_tolerance}"
+                f"spot_check_share must be in [0, 1], spot_check_tolerance > 0 and max_gradient_ratio >= 0; got "
+                f"{self.spot_check_share}, {self.spot_check_tolerance}, {self.max_gradient_ratio}"
             )
         if self.refresh_s <= 0 or self.empty_stage_wait_s < 0 or self.segment_bytes < 1024:
             raise ValueError(

@@ -33,6 +33,7 @@ from swarm.routing.retry import failure_kind
 from swarm.states import PeerState
 from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
+from swarm.trainer.gradwatch import GradientWatch
 from swarm.trainer.spotcheck import SpotChecker
 from swarm.transport.client import ClientPool, Reply
 
@@ -101,6 +102,7 @@ class Pipeline:
             tolerance=config.spot_check_tolerance,
             rng=random.Random(f"spot-checks {seed}"),
         )
+        self.gradients = GradientWatch(self.num_stages, max_ratio=config.max_gradient_ratio)
         self._refreshed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
 
@@ -454,6 +456,7 @@ class Pipeline:
             expect = {"output": ((*h.shape[:2], width), torch.float32)}
         else:
             expect = self._expect_grad(stage, h) if compute_loss else {}
+        judge = self.gradients.judge(stage, h.shape[0]) if compute_loss else None
         meta = self._meta(
             stage,
             microbatch_id,
@@ -467,7 +470,7 @@ class Pipeline:
 
         async def attempt(endpoint: str, timeout_s: float) -> Reply:
             return await self.clients.get(endpoint).forward(
-                meta, tensors, self.codec, timeout_s=timeout_s, expect=expect
+                meta, tensors, self.codec, timeout_s=timeout_s, expect=expect, judge=judge
             )
 
         return attempt
@@ -487,6 +490,7 @@ class Pipeline:
                         self.grad_codec,
                         timeout_s=timeout_s,
                         expect=self._expect_grad(stage, inputs),
+                        judge=self.gradients.judge(stage, grad.shape[0]),
                     )
                 except NotCached:
                     pass  # evicted there: send the inputs along for a recompute at the same peer
@@ -513,6 +517,7 @@ class Pipeline:
                 self.grad_codec,
                 timeout_s=timeout_s,
                 expect=self._expect_grad(stage, inputs),
+                judge=self.gradients.judge(stage, grad.shape[0]),
             )
 
         return attempt

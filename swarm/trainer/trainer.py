@@ -302,6 +302,16 @@ class Trainer:
                 every_replica=True,
             )
         val_loss = await self.validate()
+        await self.pipeline.spot_checks.settle()
+        spot = self.pipeline.spot_checks.counts
+        logger.info(
+            "spot-checks: %d compared (%d agreed, %d mismatched), %d inconclusive; banned for the run: %s",
+            spot.checked,
+            spot.agreed,
+            spot.mismatched,
+            spot.inconclusive,
+            ", ".join(sorted(self.pipeline.banned_for_run)) or "none",
+        )
         losses = tally.step_losses
         self._metric(
             {"step": len(losses), "val_loss": val_loss, "time_s": time.monotonic() - started}

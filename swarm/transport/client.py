@@ -29,6 +29,9 @@ from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
 
 # What a caller expects of a reply: tensor name -> (shape, dtype). A reply carrying anything else is a BadReply.
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+# A caller's own verdict on a reply's values once they passed ``expect`` (before any commit): raise InvalidRequest
+# to refuse it (the caller then gets a BadReply, and the peer's gradients are never committed).
+Judge = Callable[[pb.ReplyMeta, dict[str, torch.Tensor]], None]
 
 
 @dataclass
@@ -76,6 +79,7 @@ class PeerClient:
         *,
         timeout_s: float,
         expect: Expected | None = None,
+        judge: Judge | None = None,
     ) -> Reply:
         """Forward; with ``meta.compute_loss`` the reply carries gradients and the call commits. With
         ``expect``, the reply is checked (see :meth:`_check_reply`) before it is used or committed."""
@@ -87,6 +91,7 @@ class PeerClient:
             timeout_s,
             commit=meta.compute_loss and not meta.eval_only,
             expect=expect,
+            judge=judge,
         )
 
     async def backward(
@@ -97,9 +102,17 @@ class PeerClient:
         *,
         timeout_s: float,
         expect: Expected | None = None,
+        judge: Judge | None = None,
     ) -> Reply:
         return await self._stream(
-            self._stub.Backward, meta, tensors, codec, timeout_s, commit=True, expect=expect
+            self._stub.Backward,
+            meta,
+            tensors,
+            codec,
+            timeout_s,
+            commit=True,
+            expect=expect,
+            judge=judge,
         )
 
     async def info(self, run_id: str = "", *, timeout_s: float) -> pb.InfoResponse:
@@ -127,6 +140,7 @@ class PeerClient:
         *,
         commit: bool,
         expect: Expected | None = None,
+        judge: Judge | None = None,
     ) -> Reply:
         meta.num_tensors = len(tensors)
         reply_read = asyncio.Event()
@@ -145,13 +159,13 @@ class PeerClient:
                     yield pb.Frame(commit=pb.Commit(microbatch_id=meta.microbatch_id))
 
         if not commit:
-            return await self._read(method(frames(), timeout=timeout_s), expect=expect)
+            return await self._read(method(frames(), timeout=timeout_s), expect=expect, judge=judge)
         call = method(frames(), timeout=timeout_s + self._commit_grace_s)
         reply_ok = False
         try:
             # a reply that fails the checks is never committed: the peer drops its gradients
             reply = await asyncio.wait_for(
-                self._read(call, keep_open=True, expect=expect), timeout_s
+                self._read(call, keep_open=True, expect=expect, judge=judge), timeout_s
             )
             reply_ok = True
         except asyncio.TimeoutError:
@@ -215,7 +229,12 @@ class PeerClient:
         return reply.step
 
     async def _read(
-        self, call, *, keep_open: bool = False, expect: Expected | None = None
+        self,
+        call,
+        *,
+        keep_open: bool = False,
+        expect: Expected | None = None,
+        judge: Judge | None = None,
     ) -> Reply:
         done = False
         try:
@@ -231,6 +250,8 @@ class PeerClient:
             tensors = await reader.tensors(meta.num_tensors, check)
             if expect is not None:
                 _check_values(meta, tensors)
+            if judge is not None:
+                judge(meta, tensors)
             if not keep_open:
                 await reader.end()
             done = True

@@ -91,20 +91,20 @@ class StageService(pb_grpc.StagePeerServicer):
                 )
                 x = _require(tensors, "input")
                 if meta.eval_only and stage.is_last:
-                    loss = await self._compute(
-                        self.executor.eval_loss, x, _require(tensors, "targets")
+                    loss, version = await self._compute(
+                        self._versioned(self.executor.eval_loss), x, _require(tensors, "targets")
                     )
-                    yield self._reply(loss=loss)
+                    yield self._reply(loss=loss, version=version)
                 elif meta.compute_loss:
-                    loss, grad_input = await self._compute(
-                        self.executor.forward_loss_backward,
+                    (loss, grad_input), version = await self._compute(
+                        self._versioned(self.executor.forward_loss_backward),
                         meta.microbatch_id,
                         x,
                         _require(tensors, "targets"),
                         _num_samples(meta, x),
                     )
                     async for frame in self._reply_and_commit(
-                        reader, frames, meta, codec, grad_input, loss=loss
+                        reader, frames, meta, codec, grad_input, loss=loss, version=version
                     ):
                         yield frame
                 elif stage.is_last:
@@ -112,8 +112,11 @@ class StageService(pb_grpc.StagePeerServicer):
                         "the last stage needs compute_loss (with targets) or eval_only"
                     )
                 else:
-                    output = await self._compute(
-                        self.executor.forward, meta.microbatch_id, x, keep=not meta.eval_only
+                    output, version = await self._compute(
+                        self._versioned(self.executor.forward),
+                        meta.microbatch_id,
+                        x,
+                        keep=not meta.eval_only,
                     )
                     if not torch.isfinite(output).all():
                         # this replica's fault, not the request's: the caller retries elsewhere
@@ -121,7 +124,7 @@ class StageService(pb_grpc.StagePeerServicer):
                             f"stage {stage.index} computed non-finite activations for microbatch "
                             f"{meta.microbatch_id} on this peer; try another peer of the stage"
                         )
-                    yield self._reply(num_tensors=1)
+                    yield self._reply(num_tensors=1, version=version)
                     async for frame in tensor_frames("output", output, codec):
                         yield frame
 
@@ -187,6 +190,7 @@ class StageService(pb_grpc.StagePeerServicer):
         grad_input,
         *,
         loss: float | None = None,
+        version: tuple[int, str] | None = None,
     ) -> AsyncIterator[pb.Frame]:
         """Send the reply, then wait for the caller's commit before counting the gradients. If the call ends
         before any of the reply was sent, the caller cannot commit: the gradients are dropped now (it retries
@@ -199,6 +203,7 @@ class StageService(pb_grpc.StagePeerServicer):
                 loss=loss,
                 num_tensors=int(grad_input is not None),
                 hold_s=self.executor.cache_config.commit_hold_s,
+                version=version,
             )
             replying = True
             if grad_input is not None:
@@ -391,11 +396,27 @@ class StageService(pb_grpc.StagePeerServicer):
 
         return check
 
+    def _versioned(self, compute: Callable) -> Callable:
+        """``compute`` returning also the (step, parameter digest) it ran at, read on the compute thread right after
+        it (a step runs on that thread too, so none comes between): a reply names the parameters it came from."""
+
+        def run(*args, **kwargs):
+            return compute(*args, **kwargs), self.executor.step_and_digest()
+
+        return run
+
     def _reply(
-        self, *, loss: float | None = None, num_tensors: int = 0, hold_s: float = 0.0
+        self,
+        *,
+        loss: float | None = None,
+        num_tensors: int = 0,
+        hold_s: float = 0.0,
+        version: tuple[int, str] | None = None,
     ) -> pb.Frame:
+        step, digest = version if version is not None else (self.executor.step, "")
         meta = pb.ReplyMeta(
-            step=self.executor.step,
+            step=step,
+            param_digest=digest,
             state=self.ctx.state(),
             num_tensors=num_tensors,
             commit_hold_s=hold_s,

@@ -414,13 +414,15 @@ class Pipeline:
             result = reply.tensors["output"]
         check = self._forward_attempt(stage, "spot-check", h, targets=targets, eval_only=True)
 
-        async def recompute(endpoint: str, timeout_s: float) -> tuple[int, torch.Tensor]:
+        async def recompute(endpoint: str, timeout_s: float):
             answer = await check(endpoint, timeout_s)
+            version = (answer.meta.step, answer.meta.param_digest)
             if targets is not None:
-                return answer.meta.step, torch.tensor([answer.meta.loss])
-            return answer.meta.step, answer.tensors["output"]
+                return version, torch.tensor([answer.meta.loss])
+            return version, answer.tensors["output"]
 
-        self.spot_checks.maybe_check(stage, peer, reply.meta.step, result, recompute)
+        version = (reply.meta.step, reply.meta.param_digest)
+        self.spot_checks.maybe_check(stage, peer, version, result, recompute)
 
     def _meta(
         self,

@@ -2,11 +2,11 @@
 compares, so a peer that returns plausible but wrong results (finite, well shaped: the reply checks pass them)
 is caught and banned.
 
-A check compares only what must be equal: two replicas whose records announce the same step and the same
-parameter digest, and whose replies say they answered at that step, hold the same parameters (averaging keeps
-replicas bit-identical), so the same input gives the same output up to the codec's rounding and the order of
-float sums. Replicas that hold different parameters (no averaging, or between two heartbeats) are not compared:
-the check is inconclusive, never a false accusation.
+A check compares only what must be equal: two replies that name the same step and parameter digest (each peer
+says which parameters it computed with, read on its compute thread right after the call) came from the same
+parameters (averaging keeps replicas bit-identical), so the same input gives the same output up to the codec's
+rounding and the order of float sums. Replies from different parameters (no averaging, a replica a step ahead, a
+digest not yet hashed) are not compared: the check is inconclusive, never a false accusation.
 
 The check runs beside the training (a task of its own, an eval-only forward: the checking peer keeps nothing and
 counts nothing), so it costs the swarm ``share`` of a forward per call and the trainer no time. On a mismatch a
@@ -51,8 +51,8 @@ class SpotCheckCounts:
     banned: list[str] = field(default_factory=list)
 
 
-# An eval-only forward of the checked call's input at a given endpoint: (reply step, the result to compare).
-Recompute = Callable[[str, float], Awaitable[tuple[int, torch.Tensor]]]
+# An eval-only forward of the checked call's input at a given endpoint: ((step, digest) it ran at, its result).
+Recompute = Callable[[str, float], Awaitable[tuple[tuple[int, str], torch.Tensor]]]
 
 
 class SpotChecker:
@@ -62,14 +62,26 @@ class SpotChecker:
         self._tasks: set[asyncio.Task] = set()
 
     def maybe_check(
-        self, stage: int, peer: str, step: int, result: torch.Tensor, recompute: Recompute
+        self,
+        stage: int,
+        peer: str,
+        version: tuple[int, str],
+        result: torch.Tensor,
+        recompute: Recompute,
     ) -> None:
         """With probability ``share``, check in the background that another replica of ``stage`` computes
-        ``result`` (what ``peer`` answered at optimizer step ``step``) from the same input."""
+        ``result`` (what ``peer`` answered with the parameters ``version``: step and digest) from the same
+        input."""
         if self.share <= 0 or self.rng.random() >= self.share:
             return
+        step, digest = version
+        if (
+            not digest
+        ):  # the peer's parameters at that step were not hashed: nothing can be compared
+            self.counts.inconclusive += 1
+            return
         task = asyncio.create_task(
-            self._check(stage, peer, step, result, recompute), name="spot-check"
+            self._check(stage, peer, version, result, recompute), name="spot-check"
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -84,53 +96,51 @@ class SpotChecker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _comparable(self, stage: int, peer: str, step: int) -> list[str]:
-        """Other serving replicas of ``stage`` whose records announce the same step and parameter digest as
-        ``peer``'s, in random order."""
+    def _others(self, stage: int, peer: str, step: int) -> list[str]:
+        """Other serving replicas of ``stage`` in the order to ask them (popped from the end): those whose records
+        announce ``step`` last, so first (they are likeliest to answer with the same parameters), at random
+        within each group."""
         pipeline = self.pipeline
-        records = pipeline.records[stage]
-        mine = records.get(peer)
-        if mine is None or not mine.param_digest or mine.step != step:
-            return []
         others = [
-            pid
-            for pid, r in records.items()
-            if pid != peer
-            and pid not in pipeline.banned_for_run
-            and r.state == PeerState.SERVING
-            and (r.step, r.param_digest) == (step, mine.param_digest)
+            (r.step == step, self.rng.random(), pid)
+            for pid, r in pipeline.records[stage].items()
+            if pid != peer and pid not in pipeline.banned_for_run and r.state == PeerState.SERVING
         ]
-        self.rng.shuffle(others)
-        return others
+        return [pid for *_, pid in sorted(others)]
 
     async def _opinion(
-        self, stage: int, peer: str, step: int, recompute: Recompute
+        self, stage: int, peer: str, version: tuple[int, str], recompute: Recompute
     ) -> torch.Tensor | None:
-        """``peer``'s result for the same input, if it answered at ``step``."""
+        """``peer``'s result for the same input, if it computed it with the parameters ``version``."""
         pipeline = self.pipeline
         record = pipeline.records[stage].get(peer)
         if record is None:
             return None
         timeout_s = pipeline.router.deadline_s(stage, peer, 1.0) + 2 * record.step_pause_s + 5.0
         try:
-            answered_at, result = await recompute(record.endpoint, timeout_s)
+            answered_with, result = await recompute(record.endpoint, timeout_s)
         except SwarmError as e:
             logger.debug("spot-check at stage %d peer %s failed: %s", stage, peer, e)
             return None
-        return result if answered_at == step else None
+        return result if answered_with == version else None
 
     def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return relative_distance(a, b) <= self.tolerance
 
     async def _check(
-        self, stage: int, peer: str, step: int, result: torch.Tensor, recompute: Recompute
+        self,
+        stage: int,
+        peer: str,
+        version: tuple[int, str],
+        result: torch.Tensor,
+        recompute: Recompute,
     ) -> None:
-        counts = self.counts
-        candidates = self._comparable(stage, peer, step)
+        counts, step = self.counts, version[0]
+        candidates = self._others(stage, peer, step)
         second = None
         while candidates and second is None:
             checker = candidates.pop()
-            second = await self._opinion(stage, checker, step, recompute)
+            second = await self._opinion(stage, checker, version, recompute)
         if second is None:
             counts.inconclusive += 1
             return
@@ -143,7 +153,7 @@ class SpotChecker:
         third = None
         while candidates and third is None:
             referee = candidates.pop()
-            third = await self._opinion(stage, referee, step, recompute)
+            third = await self._opinion(stage, referee, version, recompute)
         if third is not None and self._agree(second, third) and not self._agree(result, third):
             liar, other = peer, checker
         elif third is not None and self._agree(result, third) and not self._agree(second, third):

@@ -3,6 +3,7 @@ another peer, and training goes on (real peers, real DHT, real gRPC; the trainer
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -14,6 +15,21 @@ from swarm.trainer.pipeline import Pipeline
 pytestmark = pytest.mark.integration
 
 B = 2
+
+
+@contextlib.asynccontextmanager
+async def _pipeline(directory, *, both_at: int):
+    """The trainer's pipeline of RUN, once both peers of stage ``both_at`` are announced."""
+    pipeline = Pipeline(directory, RUN, seed=0)
+    await pipeline.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(pipeline.router.peers(both_at)) < 2:
+            assert time.monotonic() < deadline, pipeline.router.peers(both_at)
+            await pipeline._next_refresh(timeout_s=1.0)
+        yield pipeline
+    finally:
+        await pipeline.close()
 
 
 def _wrong_shape(out: torch.Tensor) -> torch.Tensor:
@@ -40,13 +56,7 @@ def test_a_peer_with_bad_replies_is_banned_for_the_run_and_training_goes_on(
     bad.executor.forward = lambda mb, x, *, keep: corrupt(honest(mb, x, keep=keep))
 
     async def body():
-        pipeline = Pipeline(last.directory, RUN, seed=0)
-        await pipeline.start()
-        try:
-            deadline = time.monotonic() + 30
-            while len(pipeline.router.peers(0)) < 2:  # both stage-0 peers announced
-                assert time.monotonic() < deadline, pipeline.router.peers(0)
-                await pipeline._next_refresh(timeout_s=1.0)
+        async with _pipeline(last.directory, both_at=0) as pipeline:
             losses = []
             # Routing is random: the bad peer is picked within a few microbatches (never in 40: p = 2**-40).
             for i in range(40):
@@ -61,8 +71,6 @@ def test_a_peer_with_bad_replies_is_banned_for_the_run_and_training_goes_on(
                 ):
                     break
             return losses, set(pipeline.banned_for_run)
-        finally:
-            await pipeline.close()
 
     losses, banned = loop_thread.run(body(), timeout_s=300)
     assert banned == (set() if corrupt is _nan else {bad.peer_id})
@@ -88,13 +96,7 @@ def test_a_peer_sending_huge_gradients_is_banned_before_they_count_anywhere(peer
     liar.executor.forward_loss_backward = huge
 
     async def body():
-        pipeline = Pipeline(first.directory, RUN, seed=0)
-        await pipeline.start()
-        try:
-            deadline = time.monotonic() + 30
-            while len(pipeline.router.peers(1)) < 2:
-                assert time.monotonic() < deadline, pipeline.router.peers(1)
-                await pipeline._next_refresh(timeout_s=1.0)
+        async with _pipeline(first.directory, both_at=1) as pipeline:
             losses = []
             for i in range(40):
                 tokens = torch.randint(
@@ -102,8 +104,6 @@ def test_a_peer_sending_huge_gradients_is_banned_before_they_count_anywhere(peer
                 )
                 losses.append((await pipeline.train_microbatch(f"mb{i}", tokens)).loss)
             return losses, set(pipeline.banned_for_run)
-        finally:
-            await pipeline.close()
 
     losses, banned = loop_thread.run(body(), timeout_s=300)
     assert banned == {liar.peer_id}

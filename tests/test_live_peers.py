@@ -90,7 +90,7 @@ def test_a_killed_peers_record_expires_within_its_ttl_and_is_no_longer_routed(pe
 
 STATUS_LINE = re.compile(
     r"^  (\S+)\s+(\S+)\s+(\w+)\s+([\d.]+) samples/s\s+in flight (\d+)\s+step (\d+)\s+"
-    r"digest ([0-9a-f]{16}|-)\s+heartbeat (\d+)s ago$"
+    r"digest ([0-9a-f]{16}|-)\s+(cpu)\s+heartbeat (\d+)s ago$"
 )
 
 
@@ -154,7 +154,7 @@ def test_swarm_status_lists_every_peer_of_every_stage_with_its_state_and_step(
             continue
         row = STATUS_LINE.match(line)
         assert row, line
-        peer_id, endpoint, state, _, _, step, _, age = row.groups()
+        peer_id, endpoint, state, _, _, step, _, _, age = row.groups()
         listed[peer_id] = (stage_of, endpoint, state, int(step))
         assert int(age) < 60, line  # its heartbeat is recent: the record's TTL is far shorter
     assert listed == {
@@ -280,12 +280,13 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
         "param_digest": digest,
         "throughput": replicas[a.peer_id]["throughput"],
         "in_flight": 0,
+        "device": "cpu",  # where its stage computes
     }
     assert (replicas[b.peer_id]["step"], replicas[b.peer_id]["param_digest"]) == (2, digest)
     lines = text.splitlines()
     assert lines[1].endswith("replicas: no two at one step to compare")
     assert lines[2].endswith("replicas agree (step 2)")
-    assert sum(f"step 2      digest {digest}  heartbeat " in line for line in lines) == 2
+    assert sum(f"step 2      digest {digest}  cpu  heartbeat " in line for line in lines) == 2
 
     async def other_batches():
         await step_last(a, 1, seed=50)

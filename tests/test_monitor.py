@@ -159,6 +159,8 @@ def test_the_dashboard_shows_the_stages_live_in_a_real_browser(local_swarm, brow
         "return [...document.querySelectorAll('td.age')].map((cell) => cell.textContent)"
     )
     assert len(cells) == 3 and all(re.fullmatch(r"\d+s ago", cell) for cell in cells), cells
+    assert [r["device"] for stage in status["stages"] for r in stage["replicas"]] == ["cpu", "cpu"]
+    assert "cpu" in page_text()
     (trainer_record,) = status["trainers"]
     assert (trainer_record["step"], trainer_record["microbatches"]) == (3, 3 * 16 // 8)
     assert trainer_record["loss"] > 0 and trainer_record["tokens_per_s"] > 0

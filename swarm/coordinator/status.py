@@ -8,8 +8,8 @@ The JSON document (``swarm status --json``)::
      "stages": [{"stage": int, "throughput": float (samples/s of its serving replicas),
                  "agree": true | false | null,
                  "replicas": [{"peer_id", "endpoint", "state", "step", "param_digest", "throughput",
-                               "in_flight", "heartbeat_age_s" (seconds since its record was written; null if
-                               the record does not say)}]}],
+                               "in_flight", "device", "heartbeat_age_s" (seconds since its record was
+                               written; null if the record does not say)}]}],
      "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
                    "microbatches", "heartbeat_age_s"}]}
 
@@ -54,6 +54,7 @@ def status_document(
                 "param_digest": r.param_digest,
                 "throughput": r.throughput,
                 "in_flight": r.in_flight,
+                "device": r.device,
                 "heartbeat_age_s": _age(r.announced_s, now),
             }
             for r in sorted(records.values(), key=lambda r: r.peer_id)
@@ -127,7 +128,7 @@ def format_status(run_id: str, run, stages, trainers=None, owner: str | None = N
             lines.append(
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
                 f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
-                f"  heartbeat {_age_text(r.announced_s, now)}"
+                f"  {r.device or '-'}  heartbeat {_age_text(r.announced_s, now)}"
             )
     for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id):
         val = "" if t.val_loss is None else f" | val {t.val_loss:.3f}"

@@ -76,6 +76,7 @@ class StageRecord:
     param_digest: str = ""
     # DHT time of this heartbeat (0 = not known: an older peer); status shows its age
     announced_s: float = 0.0
+    device: str = ""  # where the stage computes, e.g. "cpu" ("" = not known: an older peer)
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class Serving:
     step: int  # optimizer steps of its replica
     step_pause_s: float  # how long its optimizer steps hold its compute
     param_digest: str = ""  # digest of its parameters at `step` ("" = not hashed yet)
+    device: str = ""  # where its stage computes (torch device of its parameters)
 
 
 class Announcer:
@@ -87,6 +88,7 @@ class Announcer:
                     last_moved_s=self.last_moved_s,
                     step_pause_s=serving.step_pause_s,
                     param_digest=serving.param_digest,
+                    device=serving.device,
                     announced_s=now,
                 )
             )

@@ -402,6 +402,7 @@ class Peer:
             step=step,
             step_pause_s=ex.optimizer.step_pause_s,
             param_digest=digest,
+            device=str(next(ex.stage_module.parameters()).device),
         )
 
     async def drain(self) -> None:

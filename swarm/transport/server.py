@@ -18,6 +18,17 @@ from swarm.transport.tensors import MalformedFrame
 
 logger = logging.getLogger(__name__)
 
+# A server's receive windows: gRPC grows each stream's flow-control window to the bandwidth-delay product it
+# measures (its BDP probe), which on loopback reached tens of MiB per stream: memory a caller makes the peer hold
+# before the request-memory budget sees a byte (bench/results/peer_flood.md: 3.6 GiB over rest with a 128 MiB
+# budget). A fixed window per stream bounds it; 4 MiB still fills a 100 Mbit/s link at 300 ms of round trip.
+STREAM_WINDOW_BYTES = 4 << 20
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+]
+
 # At most one log line per this many seconds about garbage frames; the lines in between are counted.
 GARBAGE_LOG_EVERY_S = 10.0
 
@@ -49,7 +60,7 @@ async def start_server(
     servicer: pb_grpc.StagePeerServicer, *, host: str, port: int
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving on ``host:port`` (port 0 picks a free one); return the server and the bound port."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_StagePeerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

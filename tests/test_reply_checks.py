@@ -10,6 +10,7 @@ import pytest
 import torch
 from livepeers import RUN, T
 
+from swarm.trainer.config import PipelineConfig
 from swarm.trainer.pipeline import Pipeline
 
 pytestmark = pytest.mark.integration
@@ -18,9 +19,10 @@ B = 2
 
 
 @contextlib.asynccontextmanager
-async def _pipeline(directory, *, both_at: int):
-    """The trainer's pipeline of RUN, once both peers of stage ``both_at`` are announced."""
-    pipeline = Pipeline(directory, RUN, seed=0)
+async def _pipeline(directory, *, both_at: int, **config):
+    """The trainer's pipeline of RUN (``config``: PipelineConfig fields), once both peers of stage ``both_at`` are
+    announced."""
+    pipeline = Pipeline(directory, RUN, config=PipelineConfig(**config), seed=0)
     await pipeline.start()
     try:
         deadline = time.monotonic() + 30
@@ -96,7 +98,7 @@ def test_a_peer_sending_huge_gradients_is_banned_before_they_count_anywhere(peer
     liar.executor.forward_loss_backward = huge
 
     async def body():
-        async with _pipeline(first.directory, both_at=1) as pipeline:
+        async with _pipeline(first.directory, both_at=1, max_gradient_ratio=1000.0) as pipeline:
             losses = []
             for i in range(40):
                 tokens = torch.randint(

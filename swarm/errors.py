@@ -161,4 +161,8 @@ def error_from_status(
     code; the details text never chooses the class."""
     where = f"peer {peer}: " if peer else ""
     cls = _BY_NAME.get(name or "") or _BY_CODE.get(code, TransportError)
-    return cls(f"{where}{details or code.name}")
+    error = cls(f"{where}{details or code.name}")
+    error.status = (
+        code  # the status the call ended with (a deadline and a refused connection differ)
+    )
+    return error

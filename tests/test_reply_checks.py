@@ -19,14 +19,14 @@ B = 2
 
 
 @contextlib.asynccontextmanager
-async def _pipeline(directory, *, both_at: int, **config):
-    """The trainer's pipeline of RUN (``config``: PipelineConfig fields), once both peers of stage ``both_at`` are
-    announced."""
+async def _pipeline(directory, *, both_at: int, _min_peers: int = 2, **config):
+    """The trainer's pipeline of RUN (``config``: PipelineConfig fields), once both peers (or ``_min_peers``) of
+    stage ``both_at`` are announced."""
     pipeline = Pipeline(directory, RUN, config=PipelineConfig(**config), seed=0)
     await pipeline.start()
     try:
         deadline = time.monotonic() + 30
-        while len(pipeline.router.peers(both_at)) < 2:
+        while len(pipeline.router.peers(both_at)) < _min_peers:
             assert time.monotonic() < deadline, pipeline.router.peers(both_at)
             await pipeline._next_refresh(timeout_s=1.0)
         yield pipeline
@@ -115,3 +115,48 @@ def test_a_peer_sending_huge_gradients_is_banned_before_they_count_anywhere(peer
     assert honest.executor.microbatches_applied + liar.executor.microbatches_applied == 40
     assert liar.executor.microbatches_applied < MIN
     assert all(torch.isfinite(p).all() for p in first.executor.stage_module.parameters())
+
+
+def test_closing_a_batch_counts_a_replica_that_is_gone_but_not_one_that_is_only_slow(
+    peers, loop_thread
+):
+    """The count a trainer sends with CloseBatch tells replicas whom to step with. A replica whose connection is
+    refused is gone: not counted. One that does not answer within the deadline may be busy: the trainer sends no
+    count (0), so nobody is told it is alone while a live groupmate holds part of the batch (both would step on
+    their own parts and the replicas would part ways)."""
+    import dataclasses
+    import socket
+
+    from swarm.trainer import pipeline as pipeline_module
+
+    live, last = peers("close-count", 0), peers("close-count", 1)
+    seen: list[int] = []
+    live.executor.close_batch = lambda batch_step, replicas=0: seen.append(replicas)
+    gone = socket.socket()  # bound, never listening: connections are refused
+    gone.bind(("127.0.0.1", 0))
+    silent = socket.socket()  # listening, never answering: calls run into their deadline
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+
+    async def body(extra: dict[str, socket.socket]) -> int:
+        async with _pipeline(last.directory, both_at=0, _min_peers=1) as pipeline:
+            template = pipeline.records[0][live.peer_id]
+            for peer_id, sock in extra.items():
+                endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+                pipeline.records[0][peer_id] = dataclasses.replace(
+                    template, peer_id=peer_id, endpoint=endpoint
+                )
+            seen.clear()
+            await pipeline.close_batch([0, None])
+            return seen[-1]
+
+    old_timeout = pipeline_module.CLOSE_BATCH_TIMEOUT_S
+    pipeline_module.CLOSE_BATCH_TIMEOUT_S = 1.0  # the silent one's deadline, shortened for the test
+    try:
+        assert loop_thread.run(body({"gone": gone})) == 1
+        assert loop_thread.run(body({"gone": gone, "silent": silent})) == 0
+        assert loop_thread.run(body({})) == 1
+    finally:
+        pipeline_module.CLOSE_BATCH_TIMEOUT_S = old_timeout
+        gone.close()
+        silent.close()

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from swarm.compression import get_codec
@@ -228,8 +229,9 @@ class Pipeline:
         """Tell every replica of each stage k that this trainer's part of its global batch ``batch_steps[k]`` is all
         committed, so the stage steps on what it has rather than wait for samples that will not come (a replica
         killed with its part), and how many of its replicas answered just now: the replicas to step with, whatever
-        the stage's progress records (which outlive a killed replica, and lag a live one) say. Best effort: a
-        replica that does not answer steps on its own rules. ``batch_steps[k]`` None: leave stage k alone."""
+        the stage's progress records (which outlive a killed replica, and lag a live one) say; no count (0) when a
+        replica did not answer in time (it may be busy, not gone). Best effort: a replica that does not answer
+        steps on its own rules. ``batch_steps[k]`` None: leave stage k alone."""
         targets = [
             (stage, record)
             for stage in range(self.num_stages)
@@ -238,19 +240,31 @@ class Pipeline:
             if record.state in (PeerState.SERVING, PeerState.DRAINING)
         ]
 
-        async def alive(stage: int, record: StageRecord) -> bool:
+        async def alive(stage: int, record: StageRecord) -> bool | None:
+            """True: it answered. False: it is gone (the call failed before its deadline: refused, reset,
+            unreachable). None: no answer in time: busy or frozen, nobody can tell which from here."""
             try:
                 await self.clients.get(record.endpoint).info(
                     self.run_id, timeout_s=CLOSE_BATCH_TIMEOUT_S
                 )
                 return True
-            except SwarmError:
-                return False
+            except SwarmError as e:
+                return (
+                    None
+                    if getattr(e, "status", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+                    else False
+                )
 
         answered = await asyncio.gather(*(alive(*target) for target in targets))
         live = [0] * self.num_stages
         for (stage, _), ok in zip(targets, answered):
-            live[stage] += ok
+            live[stage] += ok is True
+        # A replica that did not answer in time may be alive and busy: a count without it could tell the others
+        # they are alone, and each would step on its own part of the batch. Send no count (0: the replicas go by
+        # the stage's progress records, which drop a frozen replica once its record expires).
+        for (stage, _), ok in zip(targets, answered):
+            if ok is None:
+                live[stage] = 0
 
         async def close(stage: int, record: StageRecord) -> None:
             try:

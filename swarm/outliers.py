@@ -18,6 +18,11 @@ class OutlierBound:
         self.min_count = min_count
         self._history: deque[float] = deque(maxlen=window)
 
+    @property
+    def active(self) -> bool:
+        """Whether there is a bound at all (callers skip measuring when not: it is on their hot path)."""
+        return self.max_ratio > 0
+
     def excess(self, value: float) -> str | None:
         """Why ``value`` is an outlier (a sentence's end), or None (then it is remembered as accepted)."""
         if not math.isfinite(value):

@@ -295,7 +295,10 @@ class StageExecutor:
     def _check_gradient_size(self, microbatch_id: str, grads, num_samples: int) -> None:
         """Refuse (GradientOutlier, nothing held) a microbatch whose parameter gradient per sample is an outlier
         against this stage's recent ones (``max_gradient_ratio``, see swarm.outliers)."""
-        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+        if not self._gradient_norms.active:
+            return
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads if g is not None]
+        norm = float(torch.stack(norms).norm()) if norms else 0.0
         if why := self._gradient_norms.excess(norm / max(num_samples, 1)):
             raise GradientOutlier(
                 f"microbatch {microbatch_id}: its parameter gradient per sample {why}: refused, nothing was "

@@ -22,13 +22,17 @@ class GradientWatch:
         self._bounds = [OutlierBound(max_ratio) for _ in range(num_stages)]
 
     def judge(self, stage: int, samples: int):
-        """The reply judge (see swarm.transport.client.Judge) of a gradient call to ``stage``."""
+        """The reply judge (see swarm.transport.client.Judge) of a gradient call to ``stage``; None without a
+        bound (nothing to measure)."""
+        if not self._bounds[stage].active:
+            return None
 
         def check(meta, tensors: dict[str, torch.Tensor]) -> None:
             grad = tensors.get("grad_input")
             if grad is None:
                 return
-            if why := self._bounds[stage].excess(float(grad.double().norm()) / max(samples, 1)):
+            norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+            if why := self._bounds[stage].excess(norm / max(samples, 1)):
                 raise InvalidRequest(f"its input gradient per sample {why}")
 
         return check

@@ -35,7 +35,7 @@ from swarm.states import PeerState
 from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
-from swarm.trainer.spotcheck import SpotChecker
+from swarm.trainer.spotcheck import CheckedCall, SpotChecker
 from swarm.transport.client import ClientPool, Reply
 
 logger = logging.getLogger(__name__)
@@ -422,6 +422,8 @@ class Pipeline:
     ) -> None:
         """Maybe have another replica of ``stage`` recompute this forward (its output, or at the last stage its
         loss) and compare: see :mod:`swarm.trainer.spotcheck`."""
+        if not self.spot_checks.sampled():
+            return
         if stage == self.num_stages - 1:
             result = torch.tensor([reply.meta.loss])
         else:
@@ -436,7 +438,8 @@ class Pipeline:
             return version, answer.tensors["output"]
 
         version = (reply.meta.step, reply.meta.param_digest)
-        self.spot_checks.maybe_check(stage, peer, version, result, recompute)
+        work = h.shape[0] * FORWARD_COST
+        self.spot_checks.check(CheckedCall(stage, peer, version, result, recompute, work))
 
     def _meta(
         self,

@@ -21,6 +21,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -55,34 +56,38 @@ class SpotCheckCounts:
 Recompute = Callable[[str, float], Awaitable[tuple[tuple[int, str], torch.Tensor]]]
 
 
+class CheckedCall(NamedTuple):
+    """A forward call to check: what ``peer`` of ``stage`` answered (``result``) with the parameters ``version``
+    (step, digest), how to ask another replica the same, and the call's size (forward-sample units, for its
+    deadline)."""
+
+    stage: int
+    peer: str
+    version: tuple[int, str]
+    result: torch.Tensor
+    recompute: Recompute
+    work: float
+
+
 class SpotChecker:
     def __init__(self, pipeline, *, share: float, tolerance: float, rng: random.Random):
         self.pipeline, self.share, self.tolerance, self.rng = pipeline, share, tolerance, rng
         self.counts = SpotCheckCounts()
         self._tasks: set[asyncio.Task] = set()
 
-    def maybe_check(
-        self,
-        stage: int,
-        peer: str,
-        version: tuple[int, str],
-        result: torch.Tensor,
-        recompute: Recompute,
-    ) -> None:
-        """With probability ``share``, check in the background that another replica of ``stage`` computes
-        ``result`` (what ``peer`` answered with the parameters ``version``: step and digest) from the same
-        input."""
-        if self.share <= 0 or self.rng.random() >= self.share:
-            return
-        step, digest = version
-        if (
-            not digest
-        ):  # the peer's parameters at that step were not hashed: nothing can be compared
+    def sampled(self) -> bool:
+        """Whether to check this call (probability ``share``): asked first, so an unchecked call costs nothing."""
+        return self.share > 0 and self.rng.random() < self.share
+
+    def check(self, call: CheckedCall) -> None:
+        """Check in the background that another replica of the stage computes ``call.result`` from the same
+        input with the same parameters."""
+        if not call.version[
+            1
+        ]:  # the peer's parameters at that step were not hashed: nothing to compare with
             self.counts.inconclusive += 1
             return
-        task = asyncio.create_task(
-            self._check(stage, peer, version, result, recompute), name="spot-check"
-        )
+        task = asyncio.create_task(self._check(call), name="spot-check")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -108,39 +113,40 @@ class SpotChecker:
         ]
         return [pid for *_, pid in sorted(others)]
 
-    async def _opinion(
-        self, stage: int, peer: str, version: tuple[int, str], recompute: Recompute
-    ) -> torch.Tensor | None:
-        """``peer``'s result for the same input, if it computed it with the parameters ``version``."""
+    async def _next_opinion(
+        self, call: CheckedCall, candidates: list[str]
+    ) -> tuple[str | None, torch.Tensor | None]:
+        """Ask ``candidates`` (popping them) until one answers with the call's parameters: (it, its result)."""
+        while candidates:
+            peer = candidates.pop()
+            if (result := await self._opinion(call, peer)) is not None:
+                return peer, result
+        return None, None
+
+    async def _opinion(self, call: CheckedCall, peer: str) -> torch.Tensor | None:
+        """``peer``'s result for the call's input, if it computed it with the same parameters."""
         pipeline = self.pipeline
-        record = pipeline.records[stage].get(peer)
+        record = pipeline.records[call.stage].get(peer)
         if record is None:
             return None
-        timeout_s = pipeline.router.deadline_s(stage, peer, 1.0) + 2 * record.step_pause_s + 5.0
+        timeout_s = (
+            pipeline.router.deadline_s(call.stage, peer, call.work) + 2 * record.step_pause_s
+        )
         try:
-            answered_with, result = await recompute(record.endpoint, timeout_s)
+            answered_with, result = await call.recompute(record.endpoint, timeout_s)
         except SwarmError as e:
-            logger.debug("spot-check at stage %d peer %s failed: %s", stage, peer, e)
+            logger.debug("spot-check at stage %d peer %s failed: %s", call.stage, peer, e)
             return None
-        return result if answered_with == version else None
+        return result if answered_with == call.version else None
 
     def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return relative_distance(a, b) <= self.tolerance
 
-    async def _check(
-        self,
-        stage: int,
-        peer: str,
-        version: tuple[int, str],
-        result: torch.Tensor,
-        recompute: Recompute,
-    ) -> None:
+    async def _check(self, call: CheckedCall) -> None:
+        stage, peer, version, result = call.stage, call.peer, call.version, call.result
         counts, step = self.counts, version[0]
         candidates = self._others(stage, peer, step)
-        second = None
-        while candidates and second is None:
-            checker = candidates.pop()
-            second = await self._opinion(stage, checker, version, recompute)
+        checker, second = await self._next_opinion(call, candidates)
         if second is None:
             counts.inconclusive += 1
             return
@@ -150,10 +156,7 @@ class SpotChecker:
             return
         counts.mismatched += 1
         distance = relative_distance(result, second)
-        third = None
-        while candidates and third is None:
-            referee = candidates.pop()
-            third = await self._opinion(stage, referee, version, recompute)
+        _, third = await self._next_opinion(call, candidates)
         if third is not None and self._agree(second, third) and not self._agree(result, third):
             liar, other = peer, checker
         elif third is not None and self._agree(result, third) and not self._agree(second, third):

@@ -213,6 +213,9 @@ class RunDirectory:
             None  # fingerprint of the run's owner, once its config was read or published
         )
         self._signed_run: dict | None = None  # the owner-signed config record this node keeps alive
+        self._signed_fingerprint = (
+            ""  # RunConfig.fingerprint() of that record's config (checked every refresh)
+        )
         self._refused: set[str] = set()  # owners whose configs were refused (logged once each)
 
     def _writer(self) -> Identity:
@@ -287,7 +290,7 @@ class RunDirectory:
             raise RecordError(
                 f"run '{self.run_id}' has a malformed config record in the DHT: {e}"
             ) from None
-        self.owner, self._signed_run = owner, signed
+        self.owner, self._signed_run, self._signed_fingerprint = owner, signed, config.fingerprint()
         return config
 
     async def publish_run(self, config: RunConfig, *, ttl_s: float) -> bool:
@@ -301,6 +304,7 @@ class RunDirectory:
                 sign_run(identity, self.run_id, config),
                 identity.fingerprint,
             )
+            self._signed_fingerprint = config.fingerprint()
             logger.info(
                 "run '%s' created by this node: its owner key's fingerprint is %s (pin it on other nodes with "
                 "--run-owner %s)",
@@ -308,7 +312,7 @@ class RunDirectory:
                 self.owner,
                 self.owner,
             )
-        elif RunConfig.from_dict(self._signed_run["config"]).fingerprint() != config.fingerprint():
+        elif self._signed_fingerprint != config.fingerprint():
             raise ValueError(
                 f"run '{self.run_id}' already has another config, signed by {self.owner}; a run's config cannot "
                 f"change (start a new run id)"

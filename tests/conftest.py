@@ -293,9 +293,12 @@ def boot():
 @pytest.fixture
 def peers(loop_thread, boot):
     """Start peers with ``start(run_id, stage, **PeerConfig fields)``; whatever is still running at the end is
-    shut down (no drain). The peers run ``livepeers.RUN`` (tests/livepeers.py holds the helpers)."""
+    shut down (no drain). The peers run ``livepeers.RUN`` (tests/livepeers.py holds the helpers). They do not
+    average unless a test says so (``averaging=AveragingConfig(...)``): these tests count one optimizer step per
+    untagged commit, the contract of a replica that steps alone."""
     from livepeers import HEARTBEAT_S, RUN, TTL_S
 
+    from swarm.averaging.config import AveragingConfig
     from swarm.discovery.dht import DHTConfig
     from swarm.peer.config import PeerConfig
     from swarm.peer.lifecycle import Peer
@@ -303,7 +306,13 @@ def peers(loop_thread, boot):
     started: list[Peer] = []
 
     def start(run_id: str, stage: int, **fields) -> Peer:
-        fields = {"heartbeat_s": HEARTBEAT_S, "ttl_s": TTL_S, "rebalance": False, **fields}
+        fields = {
+            "heartbeat_s": HEARTBEAT_S,
+            "ttl_s": TTL_S,
+            "rebalance": False,
+            "averaging": AveragingConfig(average=False),
+            **fields,
+        }
         config = PeerConfig(run_id=run_id, stage=stage, dht=DHTConfig(initial_peers=boot), **fields)
         peer = loop_thread.run(Peer.create(config, run=RUN))
         started.append(peer)

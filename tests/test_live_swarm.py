@@ -36,9 +36,12 @@ NONE = get_codec("none")
 
 TINY = MODEL_PRESETS["tiny"]
 B = 2
-# One committed loss call of B samples is one optimizer step of the last stage's replica.
+# One committed loss call of B samples is one optimizer step of the last stage's replica (which steps alone).
 CKPT_RUN = RunConfig(model=TINY, target_batch_size=B, warmup_steps=0)
-CKPT_FLAGS = ["--preset", "tiny", "--target-batch-size", str(B), "--warmup-steps", "0"]
+CKPT_FLAGS = [
+    *("--preset", "tiny", "--target-batch-size", str(B), "--warmup-steps", "0"),
+    "--no-average",
+]
 
 
 def _loss_step(endpoint: str, run_id: str, i: int) -> None:

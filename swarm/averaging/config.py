@@ -1,4 +1,5 @@
-"""How the peers of a stage average: the ``--average`` flag and its timeouts (flags of ``swarm peer``)."""
+"""How the peers of a stage average: ``--average`` (the default; ``--no-average`` turns it off) and its timeouts
+(flags of ``swarm peer``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
 class AveragingConfig:
     FLAG_TITLE = "averaging"
 
-    # experimental: all-reduce gradients with this stage's other peers and step together (hivemind)
-    average: bool = False
+    # all-reduce gradients with this stage's other peers and step together once per global batch (hivemind), so
+    # the replicas of a stage stay one model; --no-average: each replica steps alone on the microbatches it
+    # served (single-replica experiments; replicas drift apart)
+    average: bool = True
     # seconds peers of a stage spend forming an all-reduce group before a step
     matchmaking_s: float = 2.0
     # an all-reduce that takes longer is abandoned (the step uses local grads)

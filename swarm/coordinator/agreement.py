@@ -42,3 +42,29 @@ def describe_disagreement(step: int, by_digest: dict[str, list[str]]) -> str:
         f"{digest} ({', '.join(peers)})" for digest, peers in sorted(by_digest.items())
     )
     return f"at step {step}: {holders}"
+
+
+def settled_verdict(document: dict) -> tuple[bool | None, str]:
+    """Whether each stage's replicas hold the same parameters, from a ``swarm status --json`` document, once
+    they have settled (every serving replica at one step, each with its digest): (None, why) if some stage has
+    not; else (True or False, one line per stage). A stage with one serving replica agrees with itself."""
+    lines, verdict = [], True
+    for stage in document["stages"]:
+        serving = [r for r in stage["replicas"] if r["state"] == "serving"]
+        steps = {r["step"] for r in serving}
+        if not serving or len(steps) > 1 or not all(r["param_digest"] for r in serving):
+            return None, f"stage {stage['stage']} has not settled: " + ", ".join(
+                f"{r['peer_id'][:8]} at step {r['step']}" for r in serving
+            )
+        digests = {r["param_digest"] for r in serving}
+        if len(digests) == 1:
+            lines.append(
+                f"stage {stage['stage']}: {len(serving)} replica(s) at step {steps.pop()}, same parameters"
+            )
+        else:
+            verdict = False
+            lines.append(
+                f"stage {stage['stage']}: DIFFERENT parameters at step {steps.pop()}: "
+                + ", ".join(f"{r['peer_id'][:8]} {r['param_digest']}" for r in serving)
+            )
+    return verdict, "; ".join(lines)

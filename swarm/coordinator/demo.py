@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.compression import CODEC_NAMES
+from swarm.coordinator.agreement import settled_verdict
 from swarm.coordinator.localswarm import LocalSwarm
 from swarm.model import MODEL_PRESETS
 
@@ -25,6 +26,8 @@ class DemoConfig:
 
     preset: str = field(default="tiny", metadata={"choices": tuple(MODEL_PRESETS)})  # model preset
     peers_per_stage: int = 2  # peers serving each stage
+    # the replicas of a stage average (all-reduce, one step per global batch); --no-average: each steps alone
+    average: bool = True
     steps: int = 300  # global batches the trainer runs (about two minutes on 2 cores)
     microbatch_size: int = 8  # sequences per microbatch
     in_flight: int = 4  # microbatches in the pipeline at once
@@ -81,7 +84,12 @@ def run_demo(config: DemoConfig) -> int:
         with LocalSwarm(workdir) as swarm:
             peers = [
                 swarm.peer(
-                    f"peer-s{stage}-{replica}", stage, *run_flags, run_id=config.run_id, wait=False
+                    f"peer-s{stage}-{replica}",
+                    stage,
+                    *run_flags,
+                    *(() if config.average else ("--no-average",)),
+                    run_id=config.run_id,
+                    wait=False,
                 )
                 for stage in range(num_stages)
                 for replica in range(config.peers_per_stage)
@@ -100,6 +108,9 @@ def run_demo(config: DemoConfig) -> int:
             )
             code = trainer.popen.wait()
             trainer.reader.join(timeout=10)
+            agree, replicas_line = (
+                _replicas_agree(swarm, config.run_id) if code == 0 else (None, "")
+            )
     except KeyboardInterrupt:
         print("\nswarm demo: interrupted, stopping every process", flush=True)
         return 130
@@ -122,4 +133,24 @@ def run_demo(config: DemoConfig) -> int:
         f"{summary.tokens_per_s:,.0f} tokens/s; all processes stopped",
         flush=True,
     )
-    return 0
+    print(
+        f"swarm demo: replicas {'agree' if agree else 'DISAGREE' if agree is False else 'unchecked'} "
+        f"({replicas_line})",
+        flush=True,
+    )
+    # averaging replicas must hold one model; replicas that step alone legitimately differ
+    return 1 if agree is False and config.average else 0
+
+
+def _replicas_agree(swarm: LocalSwarm, run_id: str, *, wait_s: float = 60.0):
+    """Read ``swarm status --json`` until every stage's replicas have settled at one step with their digests
+    (a heartbeat or two after the last batch), then whether they hold the same parameters: (verdict, line)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            verdict, line = settled_verdict(swarm.status(run_id))
+        except (RuntimeError, ValueError, KeyError) as e:
+            verdict, line = None, f"swarm status failed: {e}"
+        if verdict is not None or time.monotonic() > deadline:
+            return verdict, line
+        time.sleep(1.0)  # the peers re-announce every heartbeat; each read is a new process

@@ -17,6 +17,7 @@ snapshots taken at step boundaries.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -220,6 +221,25 @@ class LocalSwarm:
         return proc
 
     wait_ready = staticmethod(wait_ready)
+
+    def status(self, run_id: str = "test", *, timeout_s: float = 60.0) -> dict[str, Any]:
+        """``swarm status --json`` of ``run_id`` as a separate process, as a user runs it: the document
+        (schema: swarm.coordinator.status). RuntimeError if the command fails."""
+        import subprocess
+
+        argv = [sys.executable, "-m", "swarm", "status", "--run-id", run_id, "--json"]
+        done = subprocess.run(
+            [*argv, *self.initial_peers],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, **SINGLE_THREAD_ENV},
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"swarm status --run-id {run_id} failed ({done.returncode}): {done.stderr[-2000:]}"
+            )
+        return json.loads(done.stdout.splitlines()[-1])
 
     def trainer(
         self, name: str, *, run_id: str = "test", echo: bool | None = None, **options

@@ -8,8 +8,8 @@ The JSON document (``swarm status --json``)::
      "stages": [{"stage": int, "throughput": float (samples/s of its serving replicas),
                  "agree": true | false | null,
                  "replicas": [{"peer_id", "endpoint", "state", "step", "param_digest", "throughput",
-                               "in_flight", "device", "heartbeat_age_s" (seconds since its record was
-                               written; null if the record does not say)}]}],
+                               "in_flight", "device", "averaging" (bool), "heartbeat_age_s" (seconds
+                               since its record was written; null if the record does not say)}]}],
      "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
                    "microbatches", "heartbeat_age_s"}]}
 
@@ -55,6 +55,7 @@ def status_document(
                 "throughput": r.throughput,
                 "in_flight": r.in_flight,
                 "device": r.device,
+                "averaging": r.averaging,
                 "heartbeat_age_s": _age(r.announced_s, now),
             }
             for r in sorted(records.values(), key=lambda r: r.peer_id)

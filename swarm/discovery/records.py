@@ -77,6 +77,9 @@ class StageRecord:
     # DHT time of this heartbeat (0 = not known: an older peer); status shows its age
     announced_s: float = 0.0
     device: str = ""  # where the stage computes, e.g. "cpu" ("" = not known: an older peer)
+    # it all-reduces gradients with its stage's other replicas and steps with them once per global batch
+    # (False for --no-average, and for an older peer)
+    averaging: bool = False
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:

@@ -38,6 +38,7 @@ class Serving:
     step_pause_s: float  # how long its optimizer steps hold its compute
     param_digest: str = ""  # digest of its parameters at `step` ("" = not hashed yet)
     device: str = ""  # where its stage computes (torch device of its parameters)
+    averaging: bool = False  # whether it all-reduces with its stage's other replicas (--average)
 
 
 class Announcer:
@@ -89,6 +90,7 @@ class Announcer:
                     step_pause_s=serving.step_pause_s,
                     param_digest=serving.param_digest,
                     device=serving.device,
+                    averaging=serving.averaging,
                     announced_s=now,
                 )
             )

@@ -403,6 +403,7 @@ class Peer:
             step_pause_s=ex.optimizer.step_pause_s,
             param_digest=digest,
             device=str(next(ex.stage_module.parameters()).device),
+            averaging=self.config.averaging.average,
         )
 
     async def drain(self) -> None:

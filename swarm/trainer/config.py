@@ -55,9 +55,10 @@ class TrainerConfig:
     eval_every_steps: int = 25  # validation every this many steps (0 = only at the end)
     eval_batches: int = 4  # validation batches (of microbatch_size sequences)
     seed: int = 0  # data sampling seed
-    # with averaging peers (--average): start global batch b once every stage has stepped on batch b
-    # - this - 1 (0: lockstep; -1: no limit)
-    max_batches_ahead: int = -1
+    # start global batch b once every stage has stepped on batch b - this - 1 (0: lockstep; -1: no limit).
+    # Unset: lockstep (0) when every stage's replicas average (the peers' default), so each batch trains the
+    # parameters of the one before it, as one process would; no limit when they don't (--no-average)
+    max_batches_ahead: int | None = None
     # with --max-batches-ahead: give up waiting for a stage's step once it has not advanced for this
     # long
     stage_step_wait_s: float = 30.0
@@ -82,7 +83,7 @@ class TrainerConfig:
                 f"microbatch_size ({self.microbatch_size}), in_flight ({self.in_flight}) and "
                 f"eval_batches ({self.eval_batches}) must be >= 1"
             )
-        if self.max_batches_ahead < -1:
+        if self.max_batches_ahead is not None and self.max_batches_ahead < -1:
             raise ValueError(
                 f"max_batches_ahead must be >= 0, or -1 for no limit; got {self.max_batches_ahead}"
             )

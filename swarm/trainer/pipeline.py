@@ -175,6 +175,14 @@ class Pipeline:
                 )
             await self._next_refresh(timeout_s=self.config.refresh_s * 2)
 
+    def stages_average(self) -> bool:
+        """Whether every serving replica of every stage averages with its stage (``swarm peer``'s default):
+        then the stages step once per global batch, together."""
+        serving = [
+            r for stage in self.records for r in stage.values() if r.state == PeerState.SERVING
+        ]
+        return bool(serving) and all(r.averaging for r in serving)
+
     @property
     def run_id(self) -> str:
         return self.directory.run_id

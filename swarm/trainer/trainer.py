@@ -139,6 +139,10 @@ class Trainer:
         self._next_microbatch = 0
         # microbatches per global batch
         self._per_step = math.ceil(run.target_batch_size / config.microbatch_size)
+        # flow control (see _stages_caught_up): the flag, or by default lockstep when the stages average
+        self._batches_ahead = config.max_batches_ahead
+        if self._batches_ahead is None:
+            self._batches_ahead = 0 if pipeline.stages_average() else -1
         # what the metrics endpoint shows: the last step's and validation's numbers, and the counts
         self.latest: dict[str, float] = dict(
             step=0, loss=math.nan, val_loss=math.nan, tokens_per_s=0.0, microbatches=0, samples=0
@@ -244,11 +248,11 @@ class Trainer:
         self, launched: int, first_steps: list[int], *, waiting_on_replies: bool
     ) -> bool:
         """Flow control before microbatch ``launched``: the stages step a little after each batch (the
-        all-reduce); never run more than ``max_batches_ahead`` batches ahead of them, or microbatches would use
-        ever staler parameters and the replicas would hold ever more batches aside. False: wait for the replies
-        in flight first (they carry the stages' steps); True: go ahead (after waiting here if nothing is in
-        flight, up to ``stage_step_wait_s`` without progress)."""
-        ahead = self.config.max_batches_ahead
+        all-reduce); never run more than ``max_batches_ahead`` (default: 0 when they average) batches ahead of
+        them, or microbatches would use ever staler parameters and the replicas would hold ever more batches
+        aside. False: wait for the replies in flight first (they carry the stages' steps); True: go ahead (after
+        waiting here if nothing is in flight, up to ``stage_step_wait_s`` without progress)."""
+        ahead = self._batches_ahead
         applied = launched // self._per_step - ahead
         if ahead < 0 or applied <= 0:
             return True
@@ -294,7 +298,7 @@ class Trainer:
         cfg = self.config
         elapsed = time.monotonic() - started
         # Averaging stages step a little after the trainer sends a batch's last microbatch (the all-reduce).
-        if cfg.max_batches_ahead >= 0:  # the stages count global batches (averaging peers)
+        if self._batches_ahead >= 0:  # the stages count global batches (averaging peers)
             batches = math.ceil(launched / self._per_step)
             await self.pipeline.wait_for_stage_steps(
                 [first + batches for first in first_steps],

@@ -81,6 +81,29 @@ class SampleSumGradientAverager(GradientAverager):
             self.set_group_bits(self.step_key(), wait=False)
         return super().schedule_step(*args, **kwargs)
 
+    def set_group_size(self, size: int | None) -> None:
+        """Expect ``size`` replicas in the group forming now (None: unknown): it assembles as soon as they have all
+        joined, instead of at the end of the matchmaking time (hivemind's target group size, which it otherwise
+        fixes at construction). Returns at once; the averager's process applies it in order with the rest."""
+        self._outer_pipe.send(("_set_group_size", [], dict(size=size)))
+
+    # Runs in the averager's process (hivemind calls it by name from the control pipe).
+    async def _set_group_size(self, size: int | None) -> None:
+        # Private: Matchmaking's target size and its leader's assembly, which have no public setter or trigger.
+        matchmaking = self._matchmaking
+        matchmaking.target_group_size = size
+        if size is None:
+            return
+        async with matchmaking.lock_request_join_group:
+            # already leading a full group (its members joined before the size was known): assemble it now
+            if (
+                matchmaking.is_looking_for_group
+                and matchmaking.current_leader is None
+                and not matchmaking.assembled_group.done()
+                and len(matchmaking.current_followers) + 1 >= size
+            ):
+                await matchmaking.leader_assemble_group()
+
     @torch.no_grad()
     def accumulate_grads_(self, batch_size: int):
         self.local_samples_accumulated += batch_size

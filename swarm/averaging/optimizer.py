@@ -93,6 +93,9 @@ class HivemindStageOptimizer:
         self._hold_s = 0.0
         # global batch -> its stage's replicas the trainer reached
         self._replicas: dict[int, int] = {}
+        # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
+        self._group_sized: tuple[int, int] | None = None
+        self._closed_at = (-1, 0.0)  # (step, when this replica first saw its batch closed): for the step's log
         self.step_pause_s = (
             0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
         )
@@ -241,6 +244,8 @@ class HivemindStageOptimizer:
             self._catch_up()
             return True
         tracker.batch_closed = self._closed_through >= self.step
+        if self._closed_through >= self.step and self._closed_at[0] != self.step:
+            self._closed_at = (self.step, time.perf_counter())
         if (
             tracker.global_epoch <= self.step
             and tracker.global_progress.samples_accumulated == 0
@@ -282,6 +287,7 @@ class HivemindStageOptimizer:
             self._catch_up()
             return True
         if forming:
+            self._size_group(replicas)
             # Still looking for groupmates (hivemind assembles the group matchmaking_s after the first of them started
             # looking). Never wait for it on the compute thread: a group that forms without this replica steps
             # without it, and the check above then loads the peers' state (a missed group costs this replica's
@@ -292,6 +298,15 @@ class HivemindStageOptimizer:
             return False  # the all-reduce runs; a later check finishes the step
         self._catch_up()
         return True
+
+    def _size_group(self, replicas: int) -> None:
+        """Tell the group forming for this step how many replicas to expect: the trainer's count of the stage's
+        replicas (``close_batch``). The group then assembles once they have all joined, not ``matchmaking_s`` after
+        the first looked for it: in lockstep training that wait was most of each step. Unknown or alone: hivemind's
+        own rule (assemble at the end of the matchmaking time)."""
+        if replicas >= 2 and self._group_sized != (self.step, replicas):
+            self._group_sized = (self.step, replicas)
+            self.opt.grad_averager.set_group_size(replicas)
 
     def _begin_step(self, alone: bool) -> None:
         """Start the stage's step: hand this replica's gradients to the group's all-reduce (hivemind's averager runs
@@ -318,6 +333,19 @@ class HivemindStageOptimizer:
         t0 = time.perf_counter()
         self._pending = None
         hp.finish_global_step(self.opt, began)
+        now, started = time.perf_counter(), self._step_started[2]
+        closed = self._closed_at[1] if self._closed_at[0] == before else started
+        logger.debug(
+            "stage %d step %d: %s %.3fs after its batch closed, all-reduce %.3fs",
+            self.stage_index,
+            before,
+            "group formed" if began else "stepped alone",
+            started - closed,
+            now - started,
+        )
+        if self._group_sized is not None:  # the next step's group waits for its own count
+            self._group_sized = None
+            self.opt.grad_averager.set_group_size(None)
         self.opt.tracker.batch_closed = False
         took = self._hold_s + time.perf_counter() - t0  # what the step held the compute thread
         self.step_pause_s = max(took, 0.8 * self.step_pause_s + 0.2 * took)

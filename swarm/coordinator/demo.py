@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.compression import CODEC_NAMES
-from swarm.coordinator.agreement import settled_verdict
 from swarm.coordinator.localswarm import LocalSwarm
 from swarm.model import MODEL_PRESETS
 
@@ -145,6 +144,8 @@ def run_demo(config: DemoConfig) -> int:
 def _replicas_agree(swarm: LocalSwarm, run_id: str, *, wait_s: float = 60.0):
     """Read ``swarm status --json`` until every stage's replicas have settled at one step with their digests
     (a heartbeat or two after the last batch), then whether they hold the same parameters: (verdict, line)."""
+    from swarm.coordinator.agreement import settled_verdict
+
     deadline = time.monotonic() + wait_s
     while True:
         try:

@@ -95,7 +95,10 @@ class HivemindStageOptimizer:
         self._replicas: dict[int, int] = {}
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
-        self._closed_at = (-1, 0.0)  # (step, when this replica first saw its batch closed): for the step's log
+        self._closed_at = (
+            -1,
+            0.0,
+        )  # (step, when this replica first saw its batch closed): for the step's log
         self.step_pause_s = (
             0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
         )

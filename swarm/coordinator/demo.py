@@ -107,8 +107,10 @@ def run_demo(config: DemoConfig) -> int:
             )
             code = trainer.popen.wait()
             trainer.reader.join(timeout=10)
+            # replicas that step alone never settle at one step: look once
+            wait_s = 60.0 if config.average else 0.0
             agree, replicas_line = (
-                _replicas_agree(swarm, config.run_id) if code == 0 else (None, "")
+                _replicas_agree(swarm, config.run_id, wait_s=wait_s) if code == 0 else (None, "")
             )
     except KeyboardInterrupt:
         print("\nswarm demo: interrupted, stopping every process", flush=True)
@@ -141,7 +143,7 @@ def run_demo(config: DemoConfig) -> int:
     return 1 if agree is False and config.average else 0
 
 
-def _replicas_agree(swarm: LocalSwarm, run_id: str, *, wait_s: float = 60.0):
+def _replicas_agree(swarm: LocalSwarm, run_id: str, *, wait_s: float):
     """Read ``swarm status --json`` until every stage's replicas have settled at one step with their digests
     (a heartbeat or two after the last batch), then whether they hold the same parameters: (verdict, line)."""
     from swarm.coordinator.agreement import settled_verdict

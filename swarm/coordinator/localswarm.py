@@ -228,13 +228,16 @@ class LocalSwarm:
         import subprocess
 
         argv = [sys.executable, "-m", "swarm", "status", "--run-id", run_id, "--json"]
-        done = subprocess.run(
-            [*argv, *self.initial_peers],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env={**os.environ, **SINGLE_THREAD_ENV},
-        )
+        try:
+            done = subprocess.run(
+                [*argv, *self.initial_peers],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env={**os.environ, **SINGLE_THREAD_ENV},
+            )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"swarm status --run-id {run_id} took over {timeout_s:g}s") from None
         if done.returncode != 0:
             raise RuntimeError(
                 f"swarm status --run-id {run_id} failed ({done.returncode}): {done.stderr[-2000:]}"

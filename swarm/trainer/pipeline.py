@@ -48,6 +48,9 @@ MAX_RECOMPUTES = 8
 # behind is closed again.
 CLOSE_BATCH_TIMEOUT_S = 5.0
 RECLOSE_EVERY_S = 2.0
+# While the trainer waits for stages to step: seconds between two reads of their replicas' steps (Info), and
+# how long one read may take
+STEP_POLL_S, STEP_POLL_TIMEOUT_S = 0.05, 1.0
 # How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
 DRAINING_MEMORY_S = 30.0
 
@@ -87,6 +90,9 @@ class Pipeline:
         self._replied_steps = [
             0
         ] * self.num_stages  # the highest optimizer step any reply of each stage carried
+        # peer id -> the optimizer step its Info answered while the trainer waited for its stage to step (the DHT
+        # record says it a heartbeat later)
+        self._polled_steps: dict[str, int] = {}
         # (stage, peer) -> when a reply said "draining"; trusted until the DHT catches up
         self._draining_replies: dict[tuple[int, str], float] = {}
         self.failed_calls = 0
@@ -194,7 +200,11 @@ class Pipeline:
         their replies): the most advanced replica's, or with ``every_replica`` the least advanced's."""
         out = []
         for stage in range(self.num_stages):
-            steps = [r.step for r in self.records[stage].values() if r.state == PeerState.SERVING]
+            steps = [
+                max(r.step, self._polled_steps.get(r.peer_id, 0))
+                for r in self.records[stage].values()
+                if r.state == PeerState.SERVING
+            ]
             if every_replica:
                 out.append(min(steps, default=0))
             else:
@@ -209,7 +219,7 @@ class Pipeline:
         targets is complete: a stage that is behind is closed again every ``RECLOSE_EVERY_S`` with a fresh count of
         its replicas (one that died since the batch was closed would otherwise be waited for)."""
         deadline, last = time.monotonic() + stall_s, None
-        reclosed = time.monotonic()
+        reclosed = refreshed = time.monotonic()
         while True:
             steps = self.stage_steps(every_replica=every_replica)
             behind = [k for k, target in enumerate(targets) if steps[k] < target]
@@ -230,8 +240,33 @@ class Pipeline:
                     [steps[k] for k in behind],
                 )
                 return False
-            await asyncio.sleep(self.config.refresh_s / 4)
-            await self.refresh()
+            # Ask the replicas of the stages behind (a local round trip), rather than wait a heartbeat for their
+            # DHT records to say it: in lockstep training every batch waits here.
+            await asyncio.gather(*(self._poll_steps(k) for k in behind))
+            if time.monotonic() - refreshed >= self.config.refresh_s:
+                await self.refresh()
+                refreshed = time.monotonic()
+            else:
+                await asyncio.sleep(STEP_POLL_S)
+
+    async def _poll_steps(self, stage: int) -> None:
+        """Read the optimizer step of each serving replica of ``stage`` from its Info (best effort: one that does
+        not answer keeps the step its record says)."""
+
+        async def poll(record: StageRecord) -> None:
+            try:
+                info = await self.clients.get(record.endpoint).info(
+                    self.run_id, timeout_s=STEP_POLL_TIMEOUT_S
+                )
+            except SwarmError:
+                return
+            if info.peer_id == record.peer_id:
+                self._polled_steps[record.peer_id] = max(
+                    self._polled_steps.get(record.peer_id, 0), info.step
+                )
+
+        serving = [r for r in self.records[stage].values() if r.state == PeerState.SERVING]
+        await asyncio.gather(*(poll(r) for r in serving))
 
     async def close_batch(self, batch_steps: list[int | None]) -> None:
         """Tell every replica of each stage k that this trainer's part of its global batch ``batch_steps[k]`` is all

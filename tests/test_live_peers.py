@@ -281,6 +281,7 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
         "throughput": replicas[a.peer_id]["throughput"],
         "in_flight": 0,
         "device": "cpu",  # where its stage computes
+        "averaging": False,  # these replicas step alone (the peers fixture's --no-average)
     }
     assert (replicas[b.peer_id]["step"], replicas[b.peer_id]["param_digest"]) == (2, digest)
     lines = text.splitlines()

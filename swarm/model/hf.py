@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,10 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from swarm.model.base import StageBase
-from swarm.model.hfconfig import HFModelConfig
+from swarm.model.hfconfig import HFModelConfig, pretrained_sha256, weight_files
 
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 # where the transformers model keeps its layers, per family (the prefix of every non-head name)
 _BASE_PREFIX = {"gpt2": "transformer", "llama": "model"}
 _INPUT_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
@@ -218,44 +215,6 @@ def build_hf_stage(
 
 
 # ---- pretrained checkpoints (a local directory: config.json and model.safetensors, or shards with an index)
-
-
-def weight_files(directory: str | Path) -> list[Path]:
-    """The safetensors files of a transformers checkpoint directory, in order. ValueError if there are none."""
-    directory = Path(directory)
-    index = directory / SAFETENSORS_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot read {index}: {e}") from None
-        return [directory / name for name in sorted(set(weight_map.values()))]
-    single = directory / SAFETENSORS_FILE
-    if single.is_file():
-        return [single]
-    raise ValueError(
-        f"{directory} holds no {SAFETENSORS_FILE} (nor {SAFETENSORS_INDEX}): a pretrained directory is what "
-        "transformers' save_pretrained writes (safetensors weights and config.json)"
-    )
-
-
-def pretrained_sha256(directory: str | Path) -> str:
-    """sha256 (hex) of a checkpoint's weights: each safetensors file's name and bytes, in order. Cached per
-    file set, sizes and modification times (a 500 MB checkpoint takes seconds to hash)."""
-    files = weight_files(directory)
-    stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    return _hash_files(stats)
-
-
-@functools.lru_cache(maxsize=8)
-def _hash_files(stats: tuple[tuple[str, int, int], ...]) -> str:
-    h = hashlib.sha256()
-    for path, _, _ in stats:
-        h.update(Path(path).name.encode() + b"\0")
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def _checkpoint_tensors(directory: Path) -> Iterator[tuple[str, object]]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -42,6 +44,8 @@ FAMILIES = tuple(FAMILY_KEYS)
 # config.json keys that describe a file, not the model: left out of the run record
 _FILE_KEYS = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 # bound on the size of the carried config (it travels in every run record)
 MAX_HF_CONFIG_BYTES = 64 << 10
 
@@ -214,12 +218,60 @@ class HFModelConfig:
             fields["seq_len"] = min(128, positions) if _is_int(positions) else 128
         return cls(family=family, hf_config=hf_config, **fields)
 
+    @classmethod
+    def from_pretrained_dir(cls, directory: str | Path, **fields: Any) -> HFModelConfig:
+        """The config of a transformers checkpoint directory (config.json + safetensors), with the sha256 of
+        its weights, so that every peer can check it loads the same ones. ValueError when it is not one."""
+        sha = pretrained_sha256(directory)
+        return cls.from_config_json(directory, pretrained_sha256=sha, **fields)
+
     def _key(self, what: str) -> int:
         return self.hf_config[FAMILY_KEYS[self.family][what]]
 
     def _check_stage(self, stage: int) -> None:
         if not _is_int(stage) or not 0 <= stage < self.num_stages:
             raise ValueError(f"stage must be an int in [0, {self.num_stages}), got {stage!r}")
+
+
+# ---- pretrained checkpoints (a local directory: config.json and model.safetensors, or shards with an index)
+
+
+def weight_files(directory: str | Path) -> list[Path]:
+    """The safetensors files of a transformers checkpoint directory, in order. ValueError if there are none."""
+    directory = Path(directory)
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot read {index}: {e}") from None
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / SAFETENSORS_FILE
+    if single.is_file():
+        return [single]
+    raise ValueError(
+        f"{directory} holds no {SAFETENSORS_FILE} (nor {SAFETENSORS_INDEX}): a pretrained directory is what "
+        "transformers' save_pretrained writes (safetensors weights and config.json)"
+    )
+
+
+def pretrained_sha256(directory: str | Path) -> str:
+    """sha256 (hex) of a checkpoint's weights: each safetensors file's name and bytes, in order. Cached per
+    file set, sizes and modification times (a 500 MB checkpoint takes seconds to hash)."""
+    files = weight_files(directory)
+    stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _hash_files(stats)
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_files(stats: tuple[tuple[str, int, int], ...]) -> str:
+    h = hashlib.sha256()
+    for path, _, _ in stats:
+        h.update(Path(path).name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def _is_int(value: Any) -> bool:

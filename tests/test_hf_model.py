@@ -169,3 +169,41 @@ def test_run_records_carry_the_family_and_its_config():
         dataclasses.replace(GPT2, seq_len=64)
     with pytest.raises(ValueError, match="model_type 'llama' but the family is 'gpt2'"):
         HFModelConfig(family="gpt2", hf_config={**GPT2.hf_config, "model_type": "llama"})
+
+
+def _peer_run_config(tmp_path, *argv: str):
+    from swarm import cli
+    from swarm.argconfig import config_from_args
+    from swarm.peer.config import PeerConfig
+
+    args = cli.build_parser(("peer",)).parse_args(["peer", *argv])
+    return cli._run_config_from_args(args, config_from_args(PeerConfig, args).pretrained)
+
+
+def test_peer_flags_start_hf_runs_from_a_preset_a_config_or_a_checkpoint(tmp_path):
+    run = _peer_run_config(
+        tmp_path, "--preset", "llama-tiny", "--num-stages", "4", "--seq-len", "64"
+    )
+    assert run.model.family == "llama" and run.model.num_stages == 4 and run.model.seq_len == 64
+    assert _peer_run_config(tmp_path, "--run-id", "x") is None  # no model flag: join the run
+
+    tc = GPT2.transformers_config()
+    tc.save_pretrained(tmp_path)  # config.json only
+    run = _peer_run_config(tmp_path, "--model-config", str(tmp_path / "config.json"))
+    assert (
+        run.model.family == "gpt2" and run.model.d_model == 32 and not run.model.pretrained_sha256
+    )
+    assert run.model.seq_len == 32  # min(128, the model's positions)
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(tc).save_pretrained(tmp_path)
+    run = _peer_run_config(tmp_path, "--pretrained", str(tmp_path), "--lr", "1e-4")
+    assert run.model.pretrained_sha256 == pretrained_sha256(tmp_path) and run.lr == 1e-4
+
+    with pytest.raises(ValueError, match="drop --preset"):
+        _peer_run_config(tmp_path, "--pretrained", str(tmp_path), "--preset", "gpt2-tiny")
+    with pytest.raises(ValueError, match="--bottleneck-dim is for the built-in GPT"):
+        _peer_run_config(tmp_path, "--preset", "gpt2-tiny", "--bottleneck-dim", "8")
+    with pytest.raises(ValueError, match="not a config of a supported family: model_type 'bert'"):
+        (tmp_path / "bert.json").write_text('{"model_type": "bert"}')
+        _peer_run_config(tmp_path, "--model-config", str(tmp_path / "bert.json"))

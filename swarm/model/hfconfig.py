@@ -177,13 +177,24 @@ class HFModelConfig:
         return bool(self.hf_config.get("tie_word_embeddings", default))
 
     def transformers_config(self):
-        """The transformers configuration object (GPT2Config or LlamaConfig) of ``hf_config``, as trained here:
-        SDPA attention, and the LM head untied from the embedding when the run has more than one stage."""
+        """The transformers configuration object (GPT2Config or LlamaConfig) of ``hf_config``, with SDPA attention
+        (the stages run it without a mask: causal by construction)."""
         from transformers import GPT2Config, LlamaConfig
 
         cls = {"gpt2": GPT2Config, "llama": LlamaConfig}[self.family]
         values = {k: v for k, v in self.hf_config.items() if k != "model_type"}
         return cls(**values, attn_implementation="sdpa")
+
+    def num_parameters(self) -> int:
+        """Parameters of all stages together (the untied head counted apart from the embedding); builds the
+        stages on torch's meta device, so it allocates nothing but imports torch and transformers."""
+        from swarm.model.hf import empty_hf_stage
+
+        return sum(
+            p.numel()
+            for k in range(self.num_stages)
+            for p in empty_hf_stage(self, k, device="meta").parameters()
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every field; ``from_dict(to_dict())`` round-trips exactly."""

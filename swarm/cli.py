@@ -40,7 +40,7 @@ def _run_config_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="instead of --preset: a new run of the GPT-2 or Llama model a transformers config.json (or "
-        "the directory holding it) describes, initialised from the seed (--pretrained: from its weights)",
+        "the directory holding it) describes, initialised from the seed",
     )
     group.add_argument(
         "--num-stages",

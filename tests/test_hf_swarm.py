@@ -33,9 +33,8 @@ RUN_FLAGS = [
     "3e-3",
     "--warmup-steps",
     "2",
-    "--no-average",
-    "--no-rebalance",
 ]
+PEER_FLAGS = ["--no-average", "--no-rebalance"]
 STEPS = 20
 
 
@@ -57,14 +56,28 @@ def test_a_hf_family_trains_in_a_swarm_and_exports_what_transformers_loads(swarm
     run_id = f"hf-{family}"
     if family == "gpt2":
         model_flags = ["--preset", "gpt2-tiny"]
+        procs = [
+            swarm.peer(
+                f"{run_id}-s{k}",
+                k,
+                *model_flags,
+                *RUN_FLAGS,
+                *PEER_FLAGS,
+                run_id=run_id,
+                wait=False,
+            )
+            for k in (0, 1)
+        ]
+        for p in procs:
+            swarm.wait_ready(p)
     else:
         model_flags = ["--pretrained", _llama_checkpoint(tmp_path / "llama")]
-    procs = [
-        swarm.peer(f"{run_id}-s{k}", k, *model_flags, *RUN_FLAGS, run_id=run_id, wait=False)
-        for k in (0, 1)
-    ]
-    for p in procs:
-        swarm.wait_ready(p)
+        # the first peer starts the run; the second gives only the weights (it needs them whatever the run's
+        # flags are) and joins the run as published
+        procs = [
+            swarm.peer(f"{run_id}-s0", 0, *model_flags, *RUN_FLAGS, *PEER_FLAGS, run_id=run_id)
+        ]
+        procs.append(swarm.peer(f"{run_id}-s1", 1, *model_flags, *PEER_FLAGS, run_id=run_id))
     trainer = swarm.trainer(
         f"{run_id}-trainer", run_id=run_id, **{**TEST_TRAINER, "eval_batches": 2}, steps=STEPS
     )
@@ -88,6 +101,9 @@ def test_a_hf_family_trains_in_a_swarm_and_exports_what_transformers_loads(swarm
     run, states, _ = read_export_dir(out)
     assert isinstance(run.model, HFModelConfig) and run.model.family == family
     assert bool(run.model.pretrained_sha256) == (family == "llama")
+    assert (
+        run.model.seq_len == 32
+    )  # the run's, also for the peer that joined with --pretrained alone
     stages = FullModel.from_stage_states(run.model, states).eval()  # what the peers ran
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert json.loads((out / "config.json").read_text())["model_type"] == family

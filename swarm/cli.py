@@ -25,15 +25,34 @@ CONFIG_HELP = (
 
 def _run_config_args(parser: argparse.ArgumentParser) -> None:
     from swarm.config import RunConfig
-    from swarm.model import MODEL_PRESETS
+    from swarm.model import ALL_PRESETS
 
     group = parser.add_argument_group(RunConfig.FLAG_TITLE)  # add_config_args fills the same group
     group.add_argument(
         "--preset",
-        choices=sorted(MODEL_PRESETS),
+        choices=sorted(ALL_PRESETS),
         default=None,
         help="start a new run with this model preset if the DHT has none for --run-id "
-        "(the run flags below apply only then)",
+        "(the run flags below apply only then); gpt2-* and llama-* are Hugging Face models",
+    )
+    group.add_argument(
+        "--model-config",
+        default=None,
+        metavar="PATH",
+        help="instead of --preset: a new run of the GPT-2 or Llama model a transformers config.json (or "
+        "the directory holding it) describes, initialised from the seed",
+    )
+    group.add_argument(
+        "--num-stages",
+        type=int,
+        default=None,
+        help="with a new run: cut the model into this many stages (default: the preset's; 2)",
+    )
+    group.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="with a new run: the training context in tokens (default: the preset's; 128 for a config)",
     )
     group.add_argument(
         "--bottleneck-dim",
@@ -53,18 +72,47 @@ def _run_config_args(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, RunConfig, skip={"model"})
 
 
-def _run_config_from_args(args: argparse.Namespace):
-    """The RunConfig to publish, or None to join the run found in the DHT."""
+def _run_config_from_args(args: argparse.Namespace, pretrained: str | None = None):
+    """The RunConfig to publish, or None to join the run found in the DHT. A new run comes from --preset,
+    --model-config, or a Hugging Face checkpoint given as --pretrained (the peer's weights directory)."""
     from swarm.config import RunConfig
-    from swarm.model import MODEL_PRESETS
+    from swarm.model import ALL_PRESETS, HFModelConfig
 
-    if args.preset is None:
+    chosen = [
+        flag
+        for flag, value in (("--preset", args.preset), ("--model-config", args.model_config))
+        if value
+    ]
+    if len(chosen) > 1:
+        raise ValueError(f"give one of {' and '.join(chosen)}: both describe the model")
+    if not chosen and pretrained is None:
         return None
-    model = dataclasses.replace(
-        MODEL_PRESETS[args.preset],
-        bottleneck_dim=args.bottleneck_dim,
-        bottleneck_init=args.bottleneck_init,
-    )
+    cut = {
+        k: v
+        for k, v in (("num_stages", args.num_stages), ("seq_len", args.seq_len))
+        if v is not None
+    }
+    if args.preset is not None and pretrained is not None:
+        raise ValueError(
+            f"--preset {args.preset} and --pretrained both describe the model: drop --preset (the checkpoint's "
+            "config.json says what the model is)"
+        )
+    if args.preset is not None:
+        model = dataclasses.replace(ALL_PRESETS[args.preset], **cut)
+    elif pretrained is not None:
+        if args.model_config is not None:
+            raise ValueError("drop --model-config: --pretrained's config.json describes the model")
+        model = HFModelConfig.from_pretrained_dir(pretrained, **cut)
+    else:
+        model = HFModelConfig.from_config_json(args.model_config, **cut)
+    if args.bottleneck_dim is not None:
+        if isinstance(model, HFModelConfig):
+            raise ValueError(
+                "--bottleneck-dim is for the built-in GPT presets, not Hugging Face models"
+            )
+        model = dataclasses.replace(
+            model, bottleneck_dim=args.bottleneck_dim, bottleneck_init=args.bottleneck_init
+        )
     return config_from_args(RunConfig, args, model=model)
 
 
@@ -146,7 +194,8 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         required=True,
-        help="file to write (a torch.save dict; see swarm.coordinator.export)",
+        help="directory to write: model.safetensors, config.json (transformers loads GPT-2 and Llama "
+        "exports) and swarm.json (see swarm.coordinator.exportdir)",
     )
     p.add_argument(
         "--allow-disagreement",
@@ -157,7 +206,9 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _generate_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="file written by `swarm export`")
+    p.add_argument(
+        "--checkpoint", required=True, help="directory (or older file) written by `swarm export`"
+    )
     p.add_argument("--prompt", default="def ", help="text the sample continues")
     p.add_argument(
         "--max-new-tokens", type=int, default=200, help="bytes to generate (default: 200)"
@@ -404,7 +455,7 @@ def _peer(args) -> int:
     from swarm.peer.lifecycle import Peer
 
     config = config_from_args(PeerConfig, args)
-    run = _run_config_from_args(args)
+    run = _run_config_from_args(args, config.pretrained)
 
     async def main() -> int:
         peer = await Peer.create(config, run=run)

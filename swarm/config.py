@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.compression import BYTES_PER_VALUE, CODEC_NAMES, UnknownCodecError
-from swarm.model import MODEL_PRESETS, ModelConfig
+from swarm.model import MODEL_PRESETS, AnyModelConfig
 from swarm.schema import parse_dataclass
 
 
@@ -23,7 +23,7 @@ from swarm.schema import parse_dataclass
 class RunConfig:
     FLAG_TITLE = "new run (with --preset; ignored when the run exists)"
 
-    model: ModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])  # the staged model
+    model: AnyModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])  # the staged model
     # wire codec for activations and gradients (int4/int2: 4/2 bits per value; *sr: stochastic rounding)
     codec: str = field(default="none", metadata={"choices": CODEC_NAMES})
     # wire codec for gradients crossing stage cuts, if not --codec (e.g. int4 activations, int8 gradients)

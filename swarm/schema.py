@@ -8,7 +8,9 @@ The rule every record follows, so a newer peer's record never breaks an older re
   be present;
 * a field of the wrong type raises ``ValueError`` naming it: ``str``, ``int`` (a ``bool`` is not one),
   ``float`` (an ``int`` is widened; with ``finite`` NaN and infinities are refused), ``bool``, an ``Enum``
-  (given as one of its values), ``X | None`` and nested dataclasses, parsed by the same rule;
+  (given as one of its values), ``X | None``, a ``dict`` with string keys, and nested dataclasses, parsed by the
+  same rule; a union of dataclasses is told apart by the record's "family" value (each class lists the ones it
+  reads in ``FAMILIES``; None stands for a record without that key);
 * the dataclass's own ``__post_init__`` then checks the values (``ValueError`` too).
 
 Stdlib only: the bottom of the tree, beside ``swarm.errors``.
@@ -107,6 +109,9 @@ def _value(
     if value is None and type(None) in options:
         return None
     kind = next(t for t in options if t is not type(None))
+    records = [t for t in options if dataclasses.is_dataclass(t)]
+    if len(records) > 1:
+        kind = _record_kind(records, value, what=what, label=label)
     if dataclasses.is_dataclass(kind):
         return _parse(
             kind,
@@ -136,14 +141,32 @@ def _value(
         )
     elif kind is str:
         ok = isinstance(value, str)
+    elif typing.get_origin(kind) is dict or kind is dict:
+        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
     else:
         raise TypeError(f"parse_dataclass cannot read field '{label}' of type {hint!r}")
     if not ok:
-        expected = " or ".join("None" if t is type(None) else t.__name__ for t in options)
+        expected = " or ".join(
+            "None" if t is type(None) else getattr(t, "__name__", str(t)) for t in options
+        )
         if kind is float and finite:
             expected = f"a finite {expected}"
         raise ValueError(f"{what} field '{label}' must be {expected}, got {value!r}")
     return float(value) if kind is float else value
+
+
+def _record_kind(kinds: list[type], value: Any, *, what: str, label: str) -> type:
+    """Which of several dataclasses a record is: the one whose ``FAMILIES`` holds its "family" value (None when
+    it has no "family" key)."""
+    family = value.get("family") if isinstance(value, dict) else None
+    for kind in kinds:
+        if family in getattr(kind, "FAMILIES", ()):
+            return kind
+    known = sorted(str(f) for kind in kinds for f in getattr(kind, "FAMILIES", ()) if f is not None)
+    raise ValueError(
+        f"{what} field '{label}' has family {family!r}, which this version does not know (it knows "
+        f"{', '.join(known)}); upgrade swarm to read it"
+    )
 
 
 @functools.cache

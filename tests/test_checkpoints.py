@@ -97,7 +97,7 @@ def test_export_then_generate_matches_the_swarm(local_swarm, tmp_path):
     )
     swarm_val = finished(trainer, timeout_s=300).val_loss
 
-    out = tmp_path / "model.pt"
+    out = tmp_path / "export"
     cli = [sys.executable, "-m", "swarm"]
     addr = f"@{local_swarm.addr_file}"
     done = subprocess.run(

@@ -41,6 +41,7 @@ from swarm.coordinator.export import (
     gather_stage_states,
     load_exported,
 )
+from swarm.coordinator.exportdir import read_export_dir
 from swarm.coordinator.status import format_status, print_runs, print_status, status_document
 from swarm.discovery.dht import DHTConfig, RunDirectory
 from swarm.errors import PeerDraining, StageUnavailable
@@ -332,14 +333,14 @@ def test_export_takes_the_most_advanced_live_replica(peers, loop_thread, boot, t
     first_params, ahead_params, behind_params = loop_thread.run(prepare())
     assert not all(torch.equal(ahead_params[k], behind_params[k]) for k in ahead_params)
 
-    out = tmp_path / "model.pt"
+    out = tmp_path / "export"
     message = loop_thread.run(export_run("export", DHTConfig(initial_peers=boot), str(out)))
     assert "stages at optimizer steps [0, 3]" in message
-    run, _ = load_exported(str(out))
-    blob = torch.load(out, map_location="cpu", weights_only=True)
-    assert run.fingerprint() == RUN.fingerprint() and blob["steps"] == [0, 3]
-    assert_same_tensors(blob["stages"][0], first_params)
-    assert_same_tensors(blob["stages"][1], ahead_params)
+    load_exported(str(out))  # assembles
+    run, states, steps = read_export_dir(out)
+    assert run.fingerprint() == RUN.fingerprint() and steps == [0, 3]
+    assert_same_tensors(states[0], first_params)
+    assert_same_tensors(states[1], ahead_params)
 
     async def gather():
         states, steps = await gather_stage_states(directory, RUN, timeout_s=10)
@@ -385,7 +386,7 @@ def test_export_refuses_replicas_that_disagree_unless_asked_and_checks_what_it_d
         return {p.peer_id: params(await get_state(p)) for p in (a, b)}
 
     stage1 = loop_thread.run(prepare())
-    out = tmp_path / "model.pt"
+    out = tmp_path / "export"
     with pytest.raises(ReplicasDisagree) as refused:
         loop_thread.run(export_run("split", dht, str(out)))
     message = str(refused.value)
@@ -395,9 +396,9 @@ def test_export_refuses_replicas_that_disagree_unless_asked_and_checks_what_it_d
 
     # asked to: the most advanced replica's parameters (a tie at step 1: the lower peer id, on every read)
     loop_thread.run(export_run("split", dht, str(out), allow_disagreement=True))
-    blob = torch.load(out, map_location="cpu", weights_only=True)
-    assert blob["steps"] == [0, 1]
-    assert_same_tensors(blob["stages"][1], stage1[min(a.peer_id, b.peer_id)])
+    _, states, steps = read_export_dir(out)
+    assert steps == [0, 1]
+    assert_same_tensors(states[1], stage1[min(a.peer_id, b.peer_id)])
 
     # A peer whose parameters no longer hash to the digest it announces (written behind its executor's back
     # here; a bug or a lie in life) is not exported from; stage 0 has no other peer.

@@ -365,11 +365,15 @@ def test_sampled_generation_is_fixed_by_its_seed_and_draws_only_from_the_top_k()
 def test_swarm_generate_prints_the_prompt_then_the_models_continuation(tmp_path, capsys):
     from swarm import cli
     from swarm.config import RunConfig
-    from swarm.coordinator.export import EXPORT_FORMAT
+    from swarm.coordinator.exportdir import LEGACY_FILE_FORMAT
 
     model = build_full_model(SMALL)
-    path = tmp_path / "model.pt"
-    export = {"format": EXPORT_FORMAT, "run": RunConfig(model=SMALL).to_dict(), "steps": [0, 0]}
+    path = tmp_path / "model.pt"  # the export file of earlier versions: still read
+    export = {
+        "format": LEGACY_FILE_FORMAT,
+        "run": RunConfig(model=SMALL).to_dict(),
+        "steps": [0, 0],
+    }
     torch.save({**export, "stages": model.stage_state_dicts()}, path)
 
     def swarm_generate(seed: int) -> str:

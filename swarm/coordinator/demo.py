@@ -16,14 +16,14 @@ from pathlib import Path
 
 from swarm.compression import CODEC_NAMES
 from swarm.coordinator.localswarm import LocalSwarm
-from swarm.model import MODEL_PRESETS
+from swarm.model import ALL_PRESETS
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     FLAG_TITLE = "demo"
 
-    preset: str = field(default="tiny", metadata={"choices": tuple(MODEL_PRESETS)})  # model preset
+    preset: str = field(default="tiny", metadata={"choices": tuple(ALL_PRESETS)})  # model preset
     peers_per_stage: int = 2  # peers serving each stage
     # the replicas of a stage average (all-reduce, one step per global batch); --no-average: each steps alone
     average: bool = True
@@ -57,9 +57,9 @@ def run_demo(config: DemoConfig) -> int:
     # running, its children with it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    if config.preset not in MODEL_PRESETS:
-        raise ValueError(f"unknown preset '{config.preset}'; choose one of {sorted(MODEL_PRESETS)}")
-    num_stages = MODEL_PRESETS[config.preset].num_stages
+    if config.preset not in ALL_PRESETS:
+        raise ValueError(f"unknown preset '{config.preset}'; choose one of {sorted(ALL_PRESETS)}")
+    num_stages = ALL_PRESETS[config.preset].num_stages
     workdir = Path(config.workdir or tempfile.mkdtemp(prefix="swarm-demo-"))
     print(
         f"swarm demo: 1 bootstrap node, {num_stages} stages x {config.peers_per_stage} peers, 1 trainer "

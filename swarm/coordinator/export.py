@@ -1,7 +1,7 @@
 """``swarm export`` gathers the trained model from live peers; ``swarm generate`` samples text from it.
 
-The export file is a plain ``torch.save`` dict: ``{"format": 1, "run": RunConfig.to_dict(), "stages":
-[state dict of stage 0, ...], "steps": [optimizer step of each stage]}``, loadable without the swarm.
+The export is a directory (swarm.coordinator.exportdir): ``model.safetensors``, ``config.json`` (transformers'
+for GPT-2 and Llama, which ``AutoModelForCausalLM.from_pretrained`` loads) and ``swarm.json`` (the run).
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.coordinator.agreement import describe_disagreement, step_groups
+from swarm.coordinator.exportdir import load_exported, write_export_dir
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.discovery.records import StageRecord
-from swarm.durable import load_tensors, save_atomic
 from swarm.errors import StageUnavailable, SwarmError
-from swarm.model import FullModel, generate, state_digest
+from swarm.model import generate, state_digest
 from swarm.states import PeerState
 from swarm.transport.client import PeerClient
 
 logger = logging.getLogger(__name__)
-
-EXPORT_FORMAT = 1
 
 
 class ReplicasDisagree(SwarmError):
@@ -163,25 +161,8 @@ async def export_run(
         )
     finally:
         dht.shutdown()
-    FullModel.from_stage_states(run.model, states)  # refuse to write something that does not load
-    save_atomic(
-        {"format": EXPORT_FORMAT, "run": run.to_dict(), "stages": states, "steps": steps}, out
-    )
+    write_export_dir(out, run, states, steps)
     return f"exported run '{run_id}' (stages at optimizer steps {steps}) to {out}"
-
-
-def load_exported(path: str) -> tuple[RunConfig, FullModel]:
-    """The run config and the assembled model of an export file. ValueError if it is not one."""
-    try:
-        blob = load_tensors(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path} as a swarm export: {e}") from None
-    if not isinstance(blob, dict) or blob.get("format") != EXPORT_FORMAT:
-        raise ValueError(
-            f"{path} is not a swarm export (format {EXPORT_FORMAT}); make one with `swarm export`"
-        )
-    run = RunConfig.from_dict(blob["run"])
-    return run, FullModel.from_stage_states(run.model, blob["stages"])
 
 
 def generate_text(

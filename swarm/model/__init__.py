@@ -6,7 +6,8 @@ The configs import without torch; the rest is imported on first use (see swarm.l
 from typing import TYPE_CHECKING
 
 from swarm.lazy import lazy_exports
-from swarm.model.config import MODEL_PRESETS, ModelConfig
+from swarm.model.config import ALL_PRESETS, MODEL_PRESETS, AnyModelConfig, ModelConfig
+from swarm.model.hfconfig import HF_PRESETS, HFModelConfig
 
 if TYPE_CHECKING:
     from swarm.model.digest import is_digest, state_digest
@@ -30,6 +31,10 @@ __getattr__ = lazy_exports(
 )
 
 __all__ = [
+    "ALL_PRESETS",
+    "HF_PRESETS",
+    "AnyModelConfig",
+    "HFModelConfig",
     "MODEL_PRESETS",
     "FullModel",
     "ModelConfig",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from swarm.model.hfconfig import HF_PRESETS, HFModelConfig
 from swarm.schema import parse_dataclass
 
 BOTTLENECK_INITS = ("random", "orthogonal")
@@ -18,6 +19,9 @@ BOTTLENECK_INITS = ("random", "orthogonal")
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     """A byte-level GPT decoder of `n_layers` pre-LN blocks, cut into `num_stages` pipeline stages."""
+
+    # the values of a record's "family" this class reads (swarm.schema): none, as it had no such field
+    FAMILIES: ClassVar[tuple[str | None, ...]] = (None,)
 
     vocab_size: int = 256  # number of token ids; 256 = one token per byte
     d_model: int = 256  # width of the residual stream
@@ -159,3 +163,10 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "w2": ModelConfig(d_model=512, n_heads=8, n_layers=4, seq_len=256, num_stages=2),
     "w3": ModelConfig(d_model=256, n_heads=4, n_layers=12, seq_len=128, num_stages=3),
 }
+
+
+# Any family's model config: what a run record's "model" holds (swarm.config.RunConfig.model).
+AnyModelConfig = ModelConfig | HFModelConfig
+
+# Every preset `swarm peer --preset` knows: the built-in GPT's and the Hugging Face families'.
+ALL_PRESETS: dict[str, AnyModelConfig] = {**MODEL_PRESETS, **HF_PRESETS}

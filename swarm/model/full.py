@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from swarm.model.config import ModelConfig
-from swarm.model.stage import Stage, build_stage, empty_stage
+from swarm.model.base import StageBase
+from swarm.model.config import AnyModelConfig
+from swarm.model.stage import build_stage, empty_stage
 
 
 class FullModel(nn.Module):
     """`config.num_stages` stages chained. `stages[k]` has exactly the parameter names of `Stage(config, k)`."""
 
-    def __init__(self, config: ModelConfig, stages: Sequence[Stage]) -> None:
+    def __init__(self, config: AnyModelConfig, stages: Sequence[StageBase]) -> None:
         super().__init__()
         if len(stages) != config.num_stages or any(s.index != k for k, s in enumerate(stages)):
             raise ValueError(
@@ -45,7 +47,7 @@ class FullModel(nn.Module):
     @classmethod
     def from_stage_states(
         cls,
-        config: ModelConfig,
+        config: AnyModelConfig,
         states: Sequence[Mapping[str, Tensor]],
         *,
         device: torch.device | str = "cpu",
@@ -70,10 +72,20 @@ class FullModel(nn.Module):
         return cls(config, stages)
 
 
-def build_full_model(config: ModelConfig, *, device: torch.device | str = "cpu") -> FullModel:
-    """The whole model, with parameters identical to `build_stage(config, k)` for every stage k."""
+def build_full_model(
+    config: AnyModelConfig,
+    *,
+    device: torch.device | str = "cpu",
+    pretrained: str | Path | None = None,
+) -> FullModel:
+    """The whole model, with parameters identical to `build_stage(config, k)` for every stage k
+    (`pretrained`: the weights directory of a Hugging Face run that started from one)."""
     return FullModel(
-        config, [build_stage(config, k, device=device) for k in range(config.num_stages)]
+        config,
+        [
+            build_stage(config, k, device=device, pretrained=pretrained)
+            for k in range(config.num_stages)
+        ],
     )
 
 

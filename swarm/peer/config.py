@@ -139,6 +139,9 @@ class PeerConfig:
     # save this peer's stage state here (periodically and on drain); resume from it
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 10  # optimizer steps between checkpoints (with --checkpoint-dir)
+    # a Hugging Face checkpoint directory (config.json + safetensors): a new run starts from its weights; a peer
+    # of a run started from one loads them from here (their sha256 must match the run's)
+    pretrained: str | None = None
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     rebalance: bool = True  # move to the bottleneck stage when the swarm is unbalanced
     balance: RebalanceConfig = field(default_factory=RebalanceConfig)

@@ -138,6 +138,11 @@ class Peer:
             published = run
         elif published is None:
             published = await self.directory.wait_for_run(timeout_s=wait_s)
+        elif run is not None and _joins_from_checkpoint(published, run, self.config.pretrained):
+            logger.info(
+                "run '%s' exists and started from the checkpoint in --pretrained: joining it with its config",
+                self.run_id,
+            )
         elif run is not None and published.fingerprint() != run.fingerprint():
             raise ValueError(
                 f"run '{self.run_id}' already exists in the DHT with another config "
@@ -199,7 +204,9 @@ class Peer:
         stage's hivemind optimizer if they are ahead, without it (on a move only, and only with no
         checkpoint) the parameters of the stage's most advanced peer."""
         run, config = self.run, self.config
-        stage_module = build_stage(run.model, stage_index)
+        stage_module = await asyncio.to_thread(
+            build_stage, run.model, stage_index, pretrained=config.pretrained
+        )
         restored = None
         if self._checkpoints is not None:
             restored = await asyncio.to_thread(self._checkpoints.load, stage_index, run=run)
@@ -457,3 +464,17 @@ class Peer:
 
     def addresses(self) -> list[str]:
         return visible_addresses(self.dht)
+
+
+def _joins_from_checkpoint(
+    published: RunConfig, proposed: RunConfig, pretrained: str | None
+) -> bool:
+    """Whether a peer given only --pretrained (its config proposed from the checkpoint) joins the published run:
+    it needs the flag for the weights whatever the run is, so a run started from the same weights is joined with
+    the owner's cut and hyperparameters."""
+    sha = getattr(published.model, "pretrained_sha256", "")
+    return (
+        pretrained is not None
+        and bool(sha)
+        and sha == getattr(proposed.model, "pretrained_sha256", "")
+    )

@@ -39,8 +39,9 @@ from swarm.balance import (
     is_my_turn,
     plan_moves,
 )
-from swarm.errors import WrongPeer
+from swarm.errors import DeadlineUnmet, WrongPeer
 from swarm.routing import NoPeersAvailable, RetriesExhausted, Router, StageRequest, wake_at
+from swarm.routing.shedding import shed_reason
 from swarm.sim.config import SimConfig
 from swarm.sim.entities import (
     ARRIVE,
@@ -67,6 +68,9 @@ from swarm.sim.result import Move, SimResult
 
 __all__ = ["simulate"]
 
+# One instance for every refusal: the simulator never reads its message, and refusals can number millions.
+_SHED = DeadlineUnmet("the peer's queue would finish this request after its deadline")
+
 
 def simulate(config: SimConfig) -> SimResult:
     """Run ``config`` to ``config.duration_s`` simulated seconds and report (deterministic per seed)."""
@@ -91,7 +95,7 @@ class _Simulation:
         self.last_moved: dict[str, float] = {}
         self.active: set[SimMicrobatch] = set()
         # Counters.
-        self.started = self.completed = self.hop_failures = self.recomputes = 0
+        self.started = self.completed = self.hop_failures = self.recomputes = self.shed = 0
         self.arrived = self.died = self.events = 0
         self.window_samples = 0
         self.requests_by_peer: dict[str, int] = {}
@@ -132,6 +136,7 @@ class _Simulation:
             microbatches_in_flight=len(self.active),
             oldest_in_flight_started_s=oldest,
             hop_failures=self.hop_failures,
+            requests_shed=self.shed,
             recomputes=self.recomputes,
             peers_arrived=self.arrived,
             peers_died=self.died,
@@ -254,17 +259,32 @@ class _Simulation:
                 request.error = WrongPeer(f"{pid} does not serve stage {stage} now")
             self._push(now + 2 * latency, FAIL, request)
             return
-        if mb.backward and (
+        recompute = mb.backward and (
             pid != mb.fwd_peer[stage] or peer.generation != mb.fwd_generation[stage]
-        ):
+        )
+        if recompute:
             share = 1.0  # the inputs travel along and the forward is recomputed
-            self.recomputes += 1
-        start = max(now + latency, peer.free_at)
-        if cfg.skip_expired and start >= now + deadline:
-            # The peer reaches it after the caller gave up: it drops it without computing.
-            self._push(now + deadline, FAIL, request)
+        arrive = now + latency
+        start = max(arrive, peer.free_at)
+        cost = share * size / (peer.speed / self.costs[stage])
+        if cfg.skip_expired and (
+            shed_reason(
+                now_s=arrive,
+                deadline_s=now + deadline,
+                queue_wait_s=start - arrive,
+                cost_s=cost,
+                max_queue_wait_s=cfg.max_queue_wait_s,
+            )
+            is not None
+        ):
+            # The peer refuses it on arrival, as the daemon does: the caller hears so after a round trip.
+            self.shed += 1
+            request.error = _SHED
+            self._push(arrive + latency, FAIL, request)
             return
-        request.finish = start + share * size / (peer.speed / self.costs[stage])
+        if recompute:
+            self.recomputes += 1
+        request.finish = start + cost
         peer.free_at = request.finish
         peer.outstanding[request] = None
         reply_at = request.finish + latency

@@ -44,6 +44,8 @@ class SimResult:
     oldest_in_flight_started_s: float | None
     # Requests that failed (dead peer, timeout) and were retried.
     hop_failures: int
+    # Requests a peer refused because their deadline could not be met (load shedding); among hop_failures.
+    requests_shed: int
     # Backward requests that had to recompute the forward because its peer was gone.
     recomputes: int
     peers_arrived: int

@@ -2,7 +2,7 @@
 
 A single ``heapq`` event loop over simulated seconds; no clocks, threads or I/O. It drives the
 trainer's real policies: :class:`~swarm.routing.Router` picks every peer (one router per trainer)
-and :func:`~swarm.balance.plan_moves` / :func:`~swarm.balance.decide_move` move peers.
+and :func:`~swarm.balance.plan_moves` / :func:`~swarm.balance.claim_winners` move peers.
 
 Model:
 
@@ -34,9 +34,7 @@ from swarm.balance import (
     SwarmView,
     arrival_delay_s,
     choose_stage_on_arrival,
-    claim_key,
-    decide_move,
-    is_my_turn,
+    claim_winners,
     plan_moves,
 )
 from swarm.errors import DeadlineUnmet, WrongPeer
@@ -447,20 +445,22 @@ class _Simulation:
     def _rebalance(self) -> None:
         cfg, now = self.cfg, self.now
         view = self._view()
-        claims: dict[str, set[str]] = {}
         # Every peer reads the same view, so the peers whose decide_move says "move" are exactly
-        # those of the shared plan; computing it once avoids an O(peers^2) period.
+        # those of the shared plan (tests/test_balance.py checks it); computing it once avoids an
+        # O(peers * plan) period.
         movers = plan_moves(view, now, cfg.balance)
+        claims: dict[str, set[str]] = {}
+        budgets: dict[str, int] = {}
         for move in movers:
-            claims.setdefault(claim_key(move.from_stage, move.period_index), set()).add(
-                move.peer_id
-            )
-        for planned in movers:
-            # What the mover itself runs: its decision, then the check of the claims it re-read.
-            move = decide_move(view, planned.peer_id, now, cfg.balance)
-            if move is None or not is_my_turn(
-                claims[move.claim_key], move.peer_id, move.period_index
-            ):
+            claims.setdefault(move.claim_key, set()).add(move.peer_id)
+            budgets[move.claim_key] = move.budget
+        # What each mover then checks in the claims it re-read (is_my_turn), once per key.
+        winners = {
+            key: claim_winners(claimers, movers[0].period_index, budgets[key])
+            for key, claimers in claims.items()
+        }
+        for move in movers:
+            if move.peer_id not in winners[move.claim_key]:
                 continue
             peer = self.peers[move.peer_id]
             peer.state = DRAINING

@@ -65,10 +65,8 @@ def run_periods(view: SwarmView, periods: int, config: RebalanceConfig = CONFIG,
         decided = [
             m for m in (decide_move(view, pid, now, config) for pid in everyone) if m is not None
         ]
-        def by_peer(moves):
-            return sorted(moves, key=lambda m: m.peer_id)
-
-        assert by_peer(decided) == by_peer(plan_moves(view, now, config))
+        planned = plan_moves(view, now, config)
+        assert sorted(decided, key=_peer_id) == sorted(planned, key=_peer_id)
         assert_within_budget(view, decided, config)
         view = apply_moves(view, decided, now)
         assert all(len(peers) >= 1 for peers in view.stages), "a stage was emptied"
@@ -83,6 +81,10 @@ def assert_within_budget(view: SwarmView, moves: list[MoveDecision], config: Reb
         assert count <= move_budget(serving, config), (stage, count, serving)
         assert all(m.budget == count for m in moves if m.from_stage == stage)
     assert not set(per_stage) & {m.to_stage for m in moves}  # no stage both gives and receives
+
+
+def _peer_id(move: MoveDecision) -> str:
+    return move.peer_id
 
 
 def sorted_capacities(view: SwarmView) -> list[float]:

@@ -41,8 +41,8 @@ class Router:
     under-announces is still measured soon.
 
     **Large stages.** With more than ``config.max_candidates`` peers (when it is > 0), the rule above
-    runs on a uniform random sample of up to that many of them (drawn with replacement) (``best`` taken within the sample): each
-    peer is equally likely to be a candidate, so the choice stays close to proportional to the
+    runs on a uniform random sample of up to that many of them (drawn with replacement; ``best``
+    taken within the sample): each peer is equally likely to be a candidate, so the choice stays close to proportional to the
     expected rate, at a bounded cost per request. If no sampled peer is eligible, every peer is
     considered.
 

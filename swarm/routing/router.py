@@ -42,9 +42,9 @@ class Router:
 
     **Large stages.** With more than ``config.max_candidates`` peers (when it is > 0), the rule above
     runs on a uniform random sample of up to that many of them (drawn with replacement; ``best``
-    taken within the sample): each peer is equally likely to be a candidate, so the choice stays close to proportional to the
-    expected rate, at a bounded cost per request. If no sampled peer is eligible, every peer is
-    considered.
+    taken within the sample): each peer is equally likely to be a candidate, so the choice stays
+    close to proportional to the expected rate, at a bounded cost per request. If no sampled peer is
+    eligible, every peer is considered.
 
     **Bans.** :meth:`on_failure` bans the peer id for
     ``min(ban_max_s, ban_base_s * 2 ** (failures - 1))`` seconds, ``failures`` counting consecutive

@@ -97,6 +97,9 @@ class _Simulation:
         self.arrived = self.died = self.events = 0
         self.window_samples = 0
         self.requests_by_peer: dict[str, int] = {}
+        # Compute seconds scheduled on each stage's peers, and those of requests whose caller gave up first.
+        self.busy_s = [0.0] * config.num_stages
+        self.late_s = [0.0] * config.num_stages
         self.moves: list[Move] = []
         self.times: list[float] = []
         self.throughput: list[float] = []
@@ -135,6 +138,8 @@ class _Simulation:
             oldest_in_flight_started_s=oldest,
             hop_failures=self.hop_failures,
             requests_shed=self.shed,
+            busy_s_per_stage=tuple(self.busy_s),
+            late_s_per_stage=tuple(self.late_s),
             recomputes=self.recomputes,
             peers_arrived=self.arrived,
             peers_died=self.died,
@@ -285,8 +290,10 @@ class _Simulation:
         request.finish = start + cost
         peer.free_at = request.finish
         peer.outstanding[request] = None
+        self.busy_s[stage] += cost
         reply_at = request.finish + latency
         if reply_at - now > deadline:
+            self.late_s[stage] += cost
             self._push(now + deadline, FAIL, request)  # the peer still spends the time
         else:
             self._push(reply_at, DONE, request)

@@ -78,6 +78,13 @@ class PeerOverloaded(SwarmError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DeadlineUnmet(PeerOverloaded):
+    """The peer did not start the work: the caller's deadline had passed, or the compute queued ahead of it
+    would end after the deadline, or that queue is longer than the peer's ``--max-queue-wait-s`` (load
+    shedding, see swarm.routing.shedding). The peer is healthy, only busy: the caller retries at another
+    peer of the stage at once, without a ban."""
+
+
 class StreamTimeout(SwarmError):
     """The caller's request stream went silent, or trickled, past the peer's read deadlines; the call was cut."""
 
@@ -120,6 +127,7 @@ WIRE_ERRORS: tuple[type[SwarmError], ...] = (
     GradientOutlier,
     PeerDraining,
     PeerOverloaded,
+    DeadlineUnmet,
     StreamTimeout,
     StageUnavailable,
     TransportError,

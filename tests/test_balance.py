@@ -16,8 +16,10 @@ from swarm.balance import (
     choose_stage_on_arrival,
     claim_key,
     claim_winner,
+    claim_winners,
     decide_move,
     is_my_turn,
+    move_budget,
     period_index,
     plan_moves,
     stage_capacities,
@@ -53,8 +55,8 @@ def apply_moves(view: SwarmView, moves: list[MoveDecision], now: float) -> Swarm
 def run_periods(view: SwarmView, periods: int, config: RebalanceConfig = CONFIG, start: int = 0):
     """Every peer decides once per period on the same view; returns the final view and all moves.
 
-    Checks on the way that the decisions of all peers agree with one plan, that at most one peer
-    leaves a stage per period and that no stage is ever emptied.
+    Checks on the way that the decisions of all peers agree with one plan, that no stage gives more
+    peers per period than its budget and that no stage is ever emptied.
     """
     moves: list[MoveDecision] = []
     for period in range(start, start + periods):
@@ -63,13 +65,26 @@ def run_periods(view: SwarmView, periods: int, config: RebalanceConfig = CONFIG,
         decided = [
             m for m in (decide_move(view, pid, now, config) for pid in everyone) if m is not None
         ]
-        assert decided == plan_moves(view, now, config)
-        per_claim = Counter(m.claim_key for m in decided)
-        assert all(count == 1 for count in per_claim.values()), per_claim
+        planned = plan_moves(view, now, config)
+        assert sorted(decided, key=_peer_id) == sorted(planned, key=_peer_id)
+        assert_within_budget(view, decided, config)
         view = apply_moves(view, decided, now)
         assert all(len(peers) >= 1 for peers in view.stages), "a stage was emptied"
         moves.extend(decided)
     return view, moves
+
+
+def assert_within_budget(view: SwarmView, moves: list[MoveDecision], config: RebalanceConfig):
+    per_stage = Counter(m.from_stage for m in moves)
+    for stage, count in per_stage.items():
+        serving = sum(1 for r in view.stages[stage].values() if r[1] == PeerState.SERVING)
+        assert count <= move_budget(serving, config), (stage, count, serving)
+        assert all(m.budget == count for m in moves if m.from_stage == stage)
+    assert not set(per_stage) & {m.to_stage for m in moves}  # no stage both gives and receives
+
+
+def _peer_id(move: MoveDecision) -> str:
+    return move.peer_id
 
 
 def sorted_capacities(view: SwarmView) -> list[float]:
@@ -322,6 +337,74 @@ def test_a_claim_by_another_peer_takes_the_stage_slot():
     assert plan_moves(stale, now, CONFIG) == plan_moves(base, now, CONFIG)
 
 
+# ---- moves sized to the imbalance, within a budget ------------------------------------------
+
+
+def test_budget_is_a_quarter_of_a_stage_at_least_one_never_the_last():
+    assert [move_budget(n, CONFIG) for n in (0, 1, 2, 3, 7, 8, 9, 100, 1000)] == [
+        0,
+        0,
+        1,
+        1,
+        1,
+        2,
+        2,
+        25,
+        250,
+    ]
+    assert move_budget(10, RebalanceConfig(max_move_fraction=0.5)) == 5
+    with pytest.raises(ValueError, match=r"max_move_fraction must be in \(0, 1\), got 1.0"):
+        RebalanceConfig(max_move_fraction=1.0)
+
+
+def test_a_large_stage_loss_is_refilled_by_many_moves_in_one_period():
+    # 4 stages of 100 equal peers; 60 of stage 2 are gone: 40 left against 100.
+    stages = [{f"s{s}p{i}": 1.0 for i in range(100)} for s in range(4)]
+    stages[2] = {f"s2p{i}": 1.0 for i in range(40)}
+    view = view_of(stages)
+    moves = plan_moves(view, 1.0, CONFIG)
+    # Balanced is 85 per stage: each rich stage gives 15, well inside its budget of 25, and no more
+    # (that would overshoot: stage 2 would end above its sources).
+    assert Counter(m.from_stage for m in moves) == {0: 15, 1: 15, 3: 15}
+    assert {m.to_stage for m in moves} == {2}
+    after = stage_capacities(apply_moves(view, moves, 1.0), count_starting=True)
+    assert after == [85.0] * 4
+    # Balanced now: the next period moves nobody (the movers are cooling down, the rest see no gain).
+    assert plan_moves(apply_moves(view, moves, 1.0), PERIOD_S + 1.0, CONFIG) == []
+
+
+def test_the_budget_caps_a_period_and_the_rest_follows_in_the_next():
+    stages = [{f"a{i}": 1.0 for i in range(20)}, {"b0": 1.0}]
+    final, moves = run_periods(view_of(stages), 3)
+    per_period = Counter(m.period_index for m in moves)
+    # 20 + 1 -> 10.5 each: 5 (a quarter of 20) in the first period, then a quarter of the 15 left.
+    assert per_period[0] == 5 and per_period[1] == 3 and per_period[2] == 1
+    assert all(m.planned_throughput <= 10.5 for m in moves)
+
+
+def test_claims_let_at_most_the_budget_leave_whatever_the_views():
+    claimers = {f"p{i}" for i in range(10)}
+    winners = claim_winners(claimers, 4, budget=3)
+    assert len(winners) == 3 and winners <= claimers
+    assert sum(is_my_turn(claimers, p, 4, budget=3) for p in claimers) == 3
+    assert all(is_my_turn(claimers, p, 4, budget=3) == (p in winners) for p in claimers)
+    # The ranking is the same for every budget: a larger budget adds claimers, never swaps them.
+    assert winners <= claim_winners(claimers, 4, budget=5)
+    assert claim_winners(claimers, 4, budget=1) == {claim_winner(claimers, 4)}
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        is_my_turn(claimers, "p0", 4, budget=0)
+
+
+def test_a_herd_of_claims_moves_only_the_budget():
+    # Every peer of stage 0 read a different view and claimed: only the budget's worth may leave.
+    stages = [{f"a{i}": 1.0 for i in range(12)}, {"b0": 1.0}]
+    period = 0
+    claimed = view_of(stages, claims={(0, period): {f"a{i}" for i in range(12)}})
+    moves = plan_moves(claimed, 1.0, CONFIG)
+    assert len(moves) == move_budget(12, CONFIG) == 3
+    assert {m.peer_id for m in moves} == claim_winners({f"a{i}" for i in range(12)}, period, 3)
+
+
 # ---- no oscillation -------------------------------------------------------------------------
 
 
@@ -355,7 +438,7 @@ def test_random_swarms_converge_and_never_revisit_a_configuration(seed):
         moves = plan_moves(view, now, config)
         if not moves:
             break
-        assert len({m.from_stage for m in moves}) == len(moves)
+        assert_within_budget(view, moves, config)
         for move in moves:
             # The mover would not be sent straight back, even with its cooldown lifted.
             after = apply_moves(view, [move], now)

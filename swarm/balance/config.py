@@ -23,6 +23,10 @@ class RebalanceConfig:
     # Each move must raise the weaker of its two stages by at least this fraction of the throughput
     # the mover brings, in (0, 1]; refuses overshooting moves that would invite a move back.
     min_move_fraction: float = 0.5
+    # Most of a stage's serving peers that may leave it in one period, in (0, 1) (at least one may): moves
+    # are sized to the imbalance up to this, so a large swarm recovers from a mass preemption in a few
+    # periods while a stage's peers never all leave together.
+    max_move_fraction: float = 0.25
     # Periods after the one it arrived or moved in during which a peer may not move (>= 0).
     cooldown_periods: int = 3
     # Count "starting" peers (loading state, e.g. one that just moved) as capacity of their stage, so
@@ -34,7 +38,13 @@ class RebalanceConfig:
     def __post_init__(self) -> None:
         check_field_types(
             self,
-            numbers=("period_s", "min_gain", "min_move_fraction", "arrival_max_delay_s"),
+            numbers=(
+                "period_s",
+                "min_gain",
+                "min_move_fraction",
+                "max_move_fraction",
+                "arrival_max_delay_s",
+            ),
             ints=("cooldown_periods",),
             bools=("count_starting",),
         )
@@ -46,6 +56,8 @@ class RebalanceConfig:
             )
         if not 0.0 < self.min_move_fraction <= 1.0:
             raise ValueError(f"min_move_fraction must be in (0, 1], got {self.min_move_fraction}")
+        if not 0.0 < self.max_move_fraction < 1.0:
+            raise ValueError(f"max_move_fraction must be in (0, 1), got {self.max_move_fraction}")
         if self.cooldown_periods < 0:
             raise ValueError(f"cooldown_periods must be >= 0, got {self.cooldown_periods}")
         if self.arrival_max_delay_s < 0:

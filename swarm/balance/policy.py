@@ -14,20 +14,28 @@ where views differ.
    250 peers per stage one move gains 0.4%), so the gain is required of the rebalancing the move
    belongs to. It implies the literal rule whenever a single move suffices (3 + 1 peers: current 1,
    reachable 2).
-2. *Steps.* Repeatedly: the destination ``b`` is the weakest stage that gives no peer this period;
-   sources are tried richest first among stages that neither gave nor received this period; the
-   mover of a stage is its slowest eligible serving peer (its departure hurts the stage least), ties
-   broken by :func:`~swarm.balance.claims.claim_rank`. A step is taken when it raises the weaker of
-   the two stages by at least ``min_move_fraction`` of the capacity the mover brings::
+2. *Steps.* Repeatedly: the destination ``b`` is the weakest stage (in the planned capacities) that
+   gives no peer this period; sources are tried richest first among stages that received none this
+   period and have budget left; the next mover of a stage is its slowest eligible serving peer not yet
+   planned (its departure hurts the stage least), ties broken by
+   :func:`~swarm.balance.claims.claim_rank`. A step is taken when it raises the weaker of the two
+   stages by at least ``min_move_fraction`` of the capacity the mover brings::
 
        useful = min(T[a] - t_a, T[b] + t_b) - T[b] >= min_move_fraction * t_b  (and > 0)
 
-   where ``t_b = t_a * cost[a] / cost[b]``. The first destination that no source can help ends the
-   plan. Each source gives at most one peer per period; with ``S`` stages there are < ``S`` steps.
-3. *Eligible movers.* Serving, announced throughput > 0, not arrived or moved within the last
-   ``cooldown_periods`` periods, in a stage with at least two serving peers (a stage is never
-   emptied: one departure per period leaves at least one). If peers already claimed to leave the
-   stage this period, only the claim winner may, and only if it is eligible.
+   where ``t_b = t_a * cost[a] / cost[b]``, and ``T`` is updated after every step. The first
+   destination that no source can help ends the plan. So the moves are sized to the imbalance: a few
+   peers when it is small, many in one period when a large swarm lost a large part of a stage, and
+   never so many that a destination ends above its source (no overshoot).
+3. *Budget.* A stage gives at most ``max(1, floor(max_move_fraction * serving peers))`` peers per
+   period (never its last one), so its peers do not all leave together (no herding) even when the
+   views they read differ. The daemon enforces it through claims: each mover writes a claim for
+   ``(stage, period)`` and moves only if it ranks among the first ``budget`` claimers by
+   :func:`~swarm.balance.claims.claim_rank` (:func:`~swarm.balance.claims.is_my_turn`).
+4. *Eligible movers.* Serving, announced throughput > 0, not arrived or moved within the last
+   ``cooldown_periods`` periods, in a stage with at least two serving peers. If peers already
+   claimed to leave the stage this period, the claims hold the slots: only eligible claimers may
+   leave it, at most ``budget`` of them, lowest rank first.
 
 **Why it cannot oscillate.** Sort the stage capacities ascending. A step removes ``T[a]`` and
 ``T[b]`` (both >= ``T[b]``) and puts back two values that exceed ``T[b]``; every value below
@@ -38,7 +46,7 @@ group of peers, moves in a cycle. In particular the mover's own move back would 
 bottleneck by enough to justify the return is refused). When throughputs do change, ``min_gain``
 (the swarm must be measurably unbalanced) and ``cooldown_periods`` bound the reaction to noise.
 
-Cost: O(peers + stages^2) per call; the view is scanned once.
+Cost: O(peers log peers + moves * stages log stages) per call; the view is scanned once.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from swarm.balance.claims import claim_key, claim_rank, claim_winner, period_index
+from swarm.balance.claims import claim_key, claim_rank, period_index
 from swarm.balance.config import RebalanceConfig
 from swarm.balance.view import (
     SwarmView,
@@ -56,7 +64,7 @@ from swarm.balance.view import (
 )
 from swarm.states import PeerState
 
-__all__ = ["MoveDecision", "decide_move", "plan_moves"]
+__all__ = ["MoveDecision", "decide_move", "move_budget", "plan_moves"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +72,7 @@ class MoveDecision:
     """One planned move: ``peer_id`` leaves ``from_stage`` for ``to_stage`` in ``period_index``.
 
     To carry it out the peer writes its claim under :attr:`claim_key`, re-reads it, checks
-    :func:`~swarm.balance.claims.is_my_turn`, then announces "draining" on ``from_stage`` and
+    :func:`~swarm.balance.claims.is_my_turn` with :attr:`budget`, then announces "draining" on ``from_stage`` and
     "starting" on ``to_stage`` (with ``throughput_to``) at once, drains, loads the new stage's state
     and turns "serving". Its last-move time must become visible to the others (cooldown).
     """
@@ -81,6 +89,8 @@ class MoveDecision:
     swarm_throughput: float
     planned_throughput: float
     reachable_throughput: float
+    # Peers the plan moves out of from_stage this period: how many claimers of that stage may go.
+    budget: int = 1
 
     @property
     def claim_key(self) -> str:
@@ -115,26 +125,31 @@ def plan_moves(view: SwarmView, now: float, config: RebalanceConfig) -> list[Mov
     if not reachable > current * (1.0 + config.min_gain):
         return []
 
-    movers = [_mover(view, stage, period, config) for stage in range(num_stages)]
+    movers = [_movers(view, stage, period, config) for stage in range(num_stages)]
     planned = list(capacities)
-    gave: set[int] = set()
+    taken = [0] * num_stages  # movers planned out of each stage so far
     received: set[int] = set()
     steps: list[tuple[str, int, int, float, float]] = []
     while True:
+        gave = {s for s in range(num_stages) if taken[s]}
         to_stage = min(
-            (s for s in range(num_stages) if s not in gave), key=lambda s: (planned[s], s)
+            (s for s in range(num_stages) if s not in gave),
+            key=lambda s: (planned[s], s),
+            default=None,
         )
+        if to_stage is None:
+            break
         sources = sorted(
             (
                 s
                 for s in range(num_stages)
-                if s != to_stage and s not in gave and s not in received and movers[s] is not None
+                if s != to_stage and s not in received and taken[s] < len(movers[s])
             ),
             key=lambda s: (-planned[s], s),
         )
         step = None
         for from_stage in sources:
-            peer_id, t_from = movers[from_stage]
+            peer_id, t_from = movers[from_stage][taken[from_stage]]
             t_to = view.throughput_in(t_from, from_stage, to_stage)
             after_from, after_to = planned[from_stage] - t_from, planned[to_stage] + t_to
             useful = min(after_from, after_to) - planned[to_stage]
@@ -145,7 +160,7 @@ def plan_moves(view: SwarmView, now: float, config: RebalanceConfig) -> list[Mov
         if step is None:
             break
         steps.append(step)
-        gave.add(step[1])
+        taken[step[1]] += 1
         received.add(step[2])
 
     planned_min = min(planned)
@@ -160,21 +175,32 @@ def plan_moves(view: SwarmView, now: float, config: RebalanceConfig) -> list[Mov
             swarm_throughput=current,
             planned_throughput=planned_min,
             reachable_throughput=reachable,
+            budget=taken[from_stage],
         )
         for peer_id, from_stage, to_stage, t_from, t_to in steps
     ]
 
 
-def _mover(
+def move_budget(serving_peers: int, config: RebalanceConfig) -> int:
+    """Most peers a stage of ``serving_peers`` may give in one period: ``max_move_fraction`` of them,
+    at least one, and never the last one."""
+    if serving_peers < 2:
+        return 0
+    return min(serving_peers - 1, max(1, math.floor(config.max_move_fraction * serving_peers)))
+
+
+def _movers(
     view: SwarmView, stage: int, period: int, config: RebalanceConfig
-) -> tuple[str, float] | None:
-    """The peer of ``stage`` that would leave it this period and its samples/s, or ``None``."""
+) -> list[tuple[str, float]]:
+    """The peers of ``stage`` that may leave it this period, in the order they would (each with its
+    samples/s), at most its budget of them."""
     serving: dict[str, float] = {}
     for peer_id, record in view.stages[stage].items():
         if record[1] == PeerState.SERVING:
             serving[peer_id] = usable_throughput(record[0])
-    if len(serving) < 2:  # the last serving peer of a stage never leaves it
-        return None
+    budget = move_budget(len(serving), config)
+    if budget == 0:  # the last serving peer of a stage never leaves it
+        return []
     eligible = {
         peer_id: throughput
         for peer_id, throughput in serving.items()
@@ -182,17 +208,16 @@ def _mover(
     }
     claimers = view.claimers(stage, period)
     if claimers:
-        # The slot is taken: only the claimer every peer agrees on may use it, even if this view
-        # would have picked another (views differ; the claims are the tie-breaker).
-        winner = claim_winner(claimers, period)
-        return (winner, eligible[winner]) if winner in eligible else None
-    if not eligible:
-        return None
-    slowest = min(eligible.values())
-    # Hash only the tied peers: equal speeds are rare, so this stays O(peers) without digests.
-    tied = [peer_id for peer_id, throughput in eligible.items() if throughput == slowest]
-    chosen = min(tied, key=lambda peer_id: (claim_rank(peer_id, period), peer_id))
-    return chosen, slowest
+        # The slots are taken: only the claimers every peer agrees on may use them, even if this view
+        # would have picked others (views differ; the claims are the tie-breaker).
+        ranked = sorted(claimers, key=lambda peer_id: (claim_rank(peer_id, period), peer_id))
+        return [(p, eligible[p]) for p in ranked[:budget] if p in eligible]
+    # Slowest first (their departures hurt the stage least); equal speeds by rank. Ranks are hashed
+    # only for the peers that can move, and only when speeds tie.
+    order = sorted(eligible.items(), key=lambda item: item[1])
+    if len({t for _, t in order}) < len(order):
+        order.sort(key=lambda item: (item[1], claim_rank(item[0], period), item[0]))
+    return order[:budget]
 
 
 def _cooling_down(view: SwarmView, peer_id: str, period: int, config: RebalanceConfig) -> bool:

@@ -73,6 +73,12 @@ class LimitsConfig:
     max_streams_per_caller: int = 64
     # calls queued for or running on the compute thread; more are refused with RESOURCE_EXHAUSTED
     max_queued_calls: int = 32
+    # seconds of compute (predicted from the measured per-sample times) that may wait ahead of a new call; a
+    # call arriving behind more is refused at once (RESOURCE_EXHAUSTED, DeadlineUnmet); 0 = unbounded
+    max_queue_wait_s: float = 30.0
+    # load shedding: refuse work whose caller's deadline has passed, or that the queue ahead would finish
+    # after it (DeadlineUnmet: the caller retries elsewhere at once, no ban); --no-shed-late-work computes it
+    shed_late_work: bool = True
     # seconds a call's request may go without a frame before the call is cut (DEADLINE_EXCEEDED)
     read_idle_s: float = 30.0
     # seconds a call has to send its whole request, and a GetState to be read (a trickle is cut)
@@ -83,6 +89,10 @@ class LimitsConfig:
             raise ValueError(
                 f"request_memory_bytes ({self.request_memory_bytes}), max_streams_per_caller "
                 f"({self.max_streams_per_caller}) and max_queued_calls ({self.max_queued_calls}) must be >= 1"
+            )
+        if not self.max_queue_wait_s >= 0:
+            raise ValueError(
+                f"max_queue_wait_s must be >= 0 seconds (0 = unbounded), got {self.max_queue_wait_s}"
             )
         if not 0 < self.read_idle_s <= self.read_total_s:
             raise ValueError(

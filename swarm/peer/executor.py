@@ -114,6 +114,15 @@ class StageExecutor:
         )
         return 1.0 / per_sample if per_sample > 0 else 0.0
 
+    def predicted_s(self, samples: int, *, forward: bool, backward: bool) -> float:
+        """Seconds of compute-thread time a call of ``samples`` is expected to take (0 until measured): a
+        forward, a backward (``forward`` too when it recomputes from resent inputs), or on the last stage the
+        loss call (``backward``: its time is all counted there)."""
+        per_sample = (
+            self._fwd_s_per_sample if forward and not self.stage_module.is_last else 0.0
+        ) + (self._bwd_s_per_sample if backward else 0.0)
+        return samples * per_sample
+
     def _observe(self, attr: str, seconds: float, samples: int, alpha: float = 0.1) -> None:
         value = seconds / max(samples, 1)
         old = getattr(self, attr)

@@ -331,7 +331,9 @@ class Peer:
         )
         service = StageService(context)
         if self.config.metrics_port is not None:
-            self.metrics = PeerMetrics(self, late_commits=lambda: service.late_commits)
+            self.metrics = PeerMetrics(
+                self, late_commits=lambda: service.late_commits, queue=service.queue
+            )
             service.observer = self.metrics.observe_call
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
             self._stack.callback(self.metrics.close)

@@ -26,9 +26,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class PeerMetrics(MetricsEndpoint):
     """Metrics of ``peer`` (a swarm.peer.lifecycle.Peer, not imported: it imports this module);
-    ``late_commits()``: the service's count of commits answered through the Commit RPC."""
+    ``late_commits()``: the service's count of commits answered through the Commit RPC; ``queue``: the service's
+    :class:`~swarm.peer.queue.WorkQueue` (load shedding), when it has one."""
 
-    def __init__(self, peer: Any, *, late_commits: Callable[[], int]):
+    def __init__(self, peer: Any, *, late_commits: Callable[[], int], queue: Any = None):
         super().__init__()
         self.calls = Counter(
             "swarm_peer_calls",
@@ -43,7 +44,7 @@ class PeerMetrics(MetricsEndpoint):
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_PeerCollector(peer, late_commits))
+        self.registry.register(_PeerCollector(peer, late_commits, queue))
 
     def observe_call(self, method: str, seconds: float, outcome: str) -> None:
         self.calls.labels(method, outcome).inc()
@@ -53,9 +54,10 @@ class PeerMetrics(MetricsEndpoint):
 class _PeerCollector:
     """Reads the peer's numbers when scraped."""
 
-    def __init__(self, peer: Any, late_commits: Callable[[], int]):
+    def __init__(self, peer: Any, late_commits: Callable[[], int], queue: Any = None):
         self.peer = peer
         self.late_commits = late_commits
+        self.queue = queue
 
     def describe(self) -> list:
         return []  # no fixed set: what is collected depends on whether the peer serves a stage yet
@@ -81,6 +83,21 @@ class _PeerCollector:
             state.add_metric([*labels.values(), name.value], float(peer.state == name))
         yield state
         yield gauge("swarm_peer_in_flight", "Calls being handled", peer.admission.in_flight)
+        if self.queue is not None:
+            shed = CounterMetricFamily(
+                "swarm_peer_shed_calls",
+                "Calls whose work was not started because the caller's deadline could not be met (load "
+                "shedding), by reason: expired, unmeetable, queue_full",
+                labels=[*labels, "reason"],
+            )
+            for reason, count in self.queue.shed.items():
+                shed.add_metric([*labels.values(), reason.value], count)
+            yield shed
+            yield gauge(
+                "swarm_peer_queued_seconds",
+                "Predicted seconds of compute admitted and not finished (what a new call waits behind)",
+                self.queue.queued_s,
+            )
         ex = peer.executor
         if ex is None:
             return

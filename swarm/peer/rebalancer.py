@@ -1,7 +1,7 @@
 """Where a peer serves: the stage it picks on arrival and its periodic moves to the bottleneck stage.
 
 The decisions are :mod:`swarm.balance`'s pure policy; this module reads the swarm from the DHT, writes
-the claims that let at most one peer leave a stage per period, and asks the peer to move (through a
+the claims that let at most a budget of peers leave a stage per period, and asks the peer to move (through a
 callback: it never sees the peer itself).
 """
 
@@ -159,7 +159,8 @@ class Rebalancer:
         await self.directory.claim(key, ttl_s=2 * self.config.period_s)
         # Let claims of peers that read a different view land, then the deterministic winner goes.
         await asyncio.sleep(min(1.0, 0.1 * self.config.period_s))
-        if not is_my_turn(await self.directory.claimers(key), self.peer_id, period):
+        claimers = await self.directory.claimers(key)
+        if not is_my_turn(claimers, self.peer_id, period, budget=move.budget):
             return False
         logger.info(
             "moving from stage %d to stage %d: swarm %.1f -> %.1f samples/s planned",

@@ -10,7 +10,8 @@ checked while decoding (lengths, finiteness), and only then does the executor to
 Bounds (docs/security.md, "Bounded resources"): every streaming call is admitted by :class:`CallLimits`
 (streams per caller, request memory reserved from the tensor headers, whose every dimension is checked
 against this stage of the run's model first), reads its request under :class:`DeadlineFrames`' deadlines, and
-queues for the compute thread only while fewer than ``max_queued_calls`` calls do.
+queues for the compute thread only while fewer than ``max_queued_calls`` calls do, and only when its caller's
+deadline can still be met (:class:`WorkQueue`, load shedding).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +32,12 @@ from swarm.peer.admission import Admission
 from swarm.peer.config import LimitsConfig
 from swarm.peer.executor import StageExecutor
 from swarm.peer.limits import CallLimits, Reservation, caller_address
+from swarm.peer.queue import WorkQueue
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.states import PeerState
+from swarm.transport.channel import WORK_TIMEOUT_KEY
 from swarm.transport.server import DeadlineFrames, stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, codec_or_invalid, tensor_frames
 
@@ -64,6 +68,10 @@ class StageService(pb_grpc.StagePeerServicer):
         self.ctx = context
         self.limits = StreamLimits()
         self.calls = CallLimits(context.limits)
+        self.queue = WorkQueue(
+            max_queue_wait_s=context.limits.max_queue_wait_s,
+            enabled=context.limits.shed_late_work,
+        )
         # commits answered through the Commit RPC (the in-call one was not confirmed)
         self.late_commits = 0
         # called as each call ends: (method, seconds, outcome); see swarm.transport.server
@@ -80,6 +88,7 @@ class StageService(pb_grpc.StagePeerServicer):
         with self.calls.call(caller_address(context.peer())) as reservation:
             frames = self._deadlines(request_iterator)
             reader = FrameReader(frames, limits=self.limits)
+            deadline_s = _work_deadline(context)
             meta = await reader.request()
             self._check_request(meta)
             async with self.ctx.admission.call(new_work=not meta.eval_only, stage_index=meta.stage):
@@ -90,9 +99,13 @@ class StageService(pb_grpc.StagePeerServicer):
                     reader, meta, {"input", "targets"} if wants_loss else {"input"}, reservation
                 )
                 x = _require(tensors, "input")
+                work = dict(deadline_s=deadline_s, samples=x.shape[0])
                 if meta.eval_only and stage.is_last:
                     loss, version = await self._compute(
-                        self._versioned(self.executor.eval_loss), x, _require(tensors, "targets")
+                        self._versioned(self.executor.eval_loss),
+                        x,
+                        _require(tensors, "targets"),
+                        work=dict(work, forward=True, backward=False),
                     )
                     yield self._reply(loss=loss, version=version)
                 elif meta.compute_loss:
@@ -102,6 +115,7 @@ class StageService(pb_grpc.StagePeerServicer):
                         x,
                         _require(tensors, "targets"),
                         _num_samples(meta, x),
+                        work=dict(work, forward=True, backward=True),
                     )
                     async for frame in self._reply_and_commit(
                         reader, frames, meta, codec, grad_input, loss=loss, version=version
@@ -117,6 +131,7 @@ class StageService(pb_grpc.StagePeerServicer):
                         meta.microbatch_id,
                         x,
                         keep=not meta.eval_only,
+                        work=dict(work, forward=True, backward=False),
                     )
                     if not torch.isfinite(output).all():
                         # this replica's fault, not the request's: the caller retries elsewhere
@@ -133,6 +148,7 @@ class StageService(pb_grpc.StagePeerServicer):
         with self.calls.call(caller_address(context.peer())) as reservation:
             frames = self._deadlines(request_iterator)
             reader = FrameReader(frames, limits=self.limits)
+            deadline_s = _work_deadline(context)
             meta = await reader.request()
             self._check_request(meta)
             # A draining peer still finishes backward for microbatches it ran forward for.
@@ -150,6 +166,12 @@ class StageService(pb_grpc.StagePeerServicer):
                     grad_output,
                     inputs,
                     _num_samples(meta, grad_output),
+                    work=dict(
+                        deadline_s=deadline_s,
+                        samples=grad_output.shape[0],
+                        forward=inputs is not None,
+                        backward=True,
+                    ),
                 )
                 async for frame in self._reply_and_commit(reader, frames, meta, codec, grad_input):
                     yield frame
@@ -160,11 +182,18 @@ class StageService(pb_grpc.StagePeerServicer):
             request_iterator, idle_s=limits.read_idle_s, total_s=limits.read_total_s
         )
 
-    async def _compute(self, fn, *args, **kwargs):
+    async def _compute(self, fn, *args, work: dict, **kwargs):
         """Run ``fn`` on the compute thread, counted in flight (the load announced); PeerOverloaded when
-        ``max_queued_calls`` calls already wait for it or run there."""
+        ``max_queued_calls`` calls already wait for it or run there, DeadlineUnmet when the caller's deadline
+        cannot be met (see :class:`WorkQueue`). ``work``: ``deadline_s`` (monotonic, or None), ``samples`` and
+        the ``forward``/``backward`` flags of :meth:`StageExecutor.predicted_s`."""
+        deadline_s, samples = work["deadline_s"], work["samples"]
+        cost_s = self.executor.predicted_s(
+            samples, forward=work["forward"], backward=work["backward"]
+        )
         with self.ctx.admission.working(max_in_flight=self.ctx.limits.max_queued_calls):
-            return await self.ctx.compute(fn, *args, **kwargs)
+            with self.queue.admit(deadline_s=deadline_s, cost_s=cost_s) as guard:
+                return await self.ctx.compute(guard(fn), *args, **kwargs)
 
     async def _read_tensors(
         self,
@@ -424,6 +453,26 @@ class StageService(pb_grpc.StagePeerServicer):
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)
+
+
+def _work_deadline(context) -> float | None:
+    """When the caller stops waiting for this call's reply, on ``time.monotonic()``: the sooner of the gRPC
+    deadline and the work timeout the caller sent in metadata (see WORK_TIMEOUT_KEY); None when neither is
+    set. A malformed metadata value is ignored (the gRPC deadline still holds)."""
+    now = time.monotonic()
+    lefts = []
+    remaining = context.time_remaining()
+    if remaining is not None and math.isfinite(remaining) and remaining < 1e7:
+        lefts.append(remaining)
+    for key, value in context.invocation_metadata() or ():
+        if key == WORK_TIMEOUT_KEY:
+            try:
+                seconds = float(value)
+            except ValueError:
+                continue
+            if math.isfinite(seconds) and seconds > 0:
+                lefts.append(seconds)
+    return now + min(lefts) if lefts else None
 
 
 def _require(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -37,6 +37,9 @@ class RoutingConfig:
     explore_probability: float = 0.05
     # Peer ids whose ban history is kept (peers that left included); bounds memory under churn.
     max_ban_records: int = 10_000
+    # In a stage of more peers than this, a choice weighs a uniform random sample of this many (bounded cost
+    # per request in stages of thousands); 0 = always weigh every peer.
+    max_candidates: int = 32
     # Throughput prior (samples/s) when a stage has neither announcements nor measurements.
     default_throughput: float = 1.0
 
@@ -55,7 +58,7 @@ class RoutingConfig:
                 "explore_probability",
                 "default_throughput",
             ),
-            ints=("max_attempts", "max_ban_records"),
+            ints=("max_attempts", "max_ban_records", "max_candidates"),
         )
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
@@ -92,6 +95,10 @@ class RoutingConfig:
             )
         if self.max_ban_records < 1:
             raise ValueError(f"max_ban_records must be >= 1, got {self.max_ban_records}")
+        if self.max_candidates < 0:
+            raise ValueError(
+                f"max_candidates must be >= 0 (0 = weigh every peer), got {self.max_candidates}"
+            )
         if self.default_throughput <= 0:
             raise ValueError(
                 f"default_throughput must be > 0 samples/s, got {self.default_throughput}"

@@ -27,9 +27,10 @@ The rule:
   every peer already failed it once, choose again without exclusions (bans still apply), keeping the
   budget: the attempts stay bounded (a fresh budget there would retry a small stage forever).
 * **Failure.** A request the peer rejected as invalid (``retry_elsewhere`` false) fails the same way
-  anywhere: give up, no ban. A peer that is draining or moved (``PeerDraining``, ``WrongPeer``) is alive
-  and honest: no ban (it may come back), the caller stops routing new work there. Anything else bans the
-  peer with back-off. Every failure but the first kind counts against the budget.
+  anywhere: give up, no ban. A peer that shed the work (``DeadlineUnmet``: busy, not faulty) is not banned
+  and its failure count is untouched; the request goes to another peer. A peer that is draining or moved
+  (``PeerDraining``, ``WrongPeer``) is alive and honest: no ban (it may come back), the caller stops routing
+  new work there. Anything else bans the peer with back-off. Every failure but the first kind counts against the budget.
 * **Waiting.** With no eligible peer, wake at the earliest ban end, or after the caller's wait if that
   comes first (:func:`wake_at`).
 """
@@ -39,7 +40,7 @@ from __future__ import annotations
 import enum
 import random
 
-from swarm.errors import PeerDraining, SwarmError, WrongPeer
+from swarm.errors import DeadlineUnmet, PeerDraining, SwarmError, WrongPeer
 from swarm.routing.errors import NoPeersAvailable
 from swarm.routing.router import Router
 
@@ -53,6 +54,7 @@ class Failure(enum.Enum):
     AVOID = (
         "avoid"  # the peer is alive but leaving or moved: no ban; route new work elsewhere; retry
     )
+    SHED = "shed"  # the peer is healthy but too busy to meet the deadline: no ban; retry elsewhere
     BAN = "ban"  # the peer failed (transport, deadline, crash, overload): ban with back-off; retry
 
 
@@ -61,6 +63,8 @@ def failure_kind(error: BaseException | None) -> Failure:
     failure."""
     if isinstance(error, SwarmError) and not error.retry_elsewhere:
         return Failure.GIVE_UP
+    if isinstance(error, DeadlineUnmet):
+        return Failure.SHED
     if isinstance(error, (PeerDraining, WrongPeer)):
         return Failure.AVOID
     return Failure.BAN

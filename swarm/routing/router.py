@@ -2,8 +2,9 @@
 
 Pure code: no I/O, no clocks, no global state. Time comes in as ``now`` (seconds on any clock the
 caller uses consistently), randomness as a ``random.Random``, so the trainer and the
-discrete-event simulator run the same policy and a seeded run is reproducible. Every call costs
-O(peers of the stage) at worst.
+discrete-event simulator run the same policy and a seeded run is reproducible. A choice costs
+O(``config.max_candidates``) in a large stage (a uniform sample of its peers is weighed, not every
+peer), O(peers of the stage) in a small one or when the whole sample is ineligible.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Router:
     eligible peer is unmeasured and idle, the choice is uniform among those peers, so a peer that
     under-announces is still measured soon.
 
+    **Large stages.** With more than ``config.max_candidates`` peers (when it is > 0), the rule above
+    runs on a uniform random sample of up to that many of them (drawn with replacement; ``best``
+    taken within the sample): each peer is equally likely to be a candidate, so the choice stays
+    close to proportional to the expected rate, at a bounded cost per request. If no sampled peer is
+    eligible, every peer is considered.
+
     **Bans.** :meth:`on_failure` bans the peer id for
     ``min(ban_max_s, ban_base_s * 2 ** (failures - 1))`` seconds, ``failures`` counting consecutive
     failures (those reported during a running ban excepted); :meth:`on_success` resets the
@@ -53,6 +60,7 @@ class Router:
     def __init__(self, config: RoutingConfig | None = None) -> None:
         self.config = config if config is not None else RoutingConfig()
         self._stages: dict[int, dict[str, PeerStats]] = {}
+        self._ids: dict[int, list[str]] = {}  # the peer ids of each stage, for sampling
         self._bans = BanBook(self.config)
 
     # ---- discovery -----------------------------------------------------------------------
@@ -78,8 +86,10 @@ class Router:
             new[peer_id] = stats
         if new:
             self._stages[stage] = new
+            self._ids[stage] = list(new)
         else:
             self._stages.pop(stage, None)
+            self._ids.pop(stage, None)
 
     def peers(self, stage: int) -> tuple[str, ...]:
         """Ids of the peers currently known for ``stage``, banned ones included."""
@@ -102,6 +112,30 @@ class Router:
         or a mix.
         """
         peers = self._stages.get(stage, {})
+        limit = self.config.max_candidates
+        if 0 < limit < len(peers):
+            # Draws with replacement (cheaper than rng.sample); a repeated draw counts once.
+            ids, random_ = self._ids[stage], rng.random
+            count = len(ids)
+            sampled = {ids[int(random_() * count)]: None for _ in range(limit)}
+            chosen = self._pick(
+                {peer_id: peers[peer_id] for peer_id in sampled}, stage, now, rng, exclude, False
+            )
+            if chosen is not None:
+                return chosen
+        return self._pick(peers, stage, now, rng, exclude, True)
+
+    def _pick(
+        self,
+        peers: Mapping[str, PeerStats],
+        stage: int,
+        now: float,
+        rng: random.Random,
+        exclude: Collection[str],
+        complete: bool,
+    ) -> str | None:
+        """The rule of :meth:`choose` over ``peers``; None when none is eligible, unless ``peers`` is
+        the ``complete`` stage, which raises :class:`NoPeersAvailable` instead."""
         best = self._best_throughput(peers)
         eligible: list[str] = []
         weights: list[float] = []
@@ -122,6 +156,8 @@ class Router:
             if not stats.measured and stats.in_flight == 0:
                 idle_unmeasured.append(peer_id)
         if not eligible:
+            if not complete:
+                return None
             raise NoPeersAvailable(
                 stage,
                 num_known=len(peers),

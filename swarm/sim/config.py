@@ -87,9 +87,13 @@ class SimConfig:
     load_s: float = 20.0
     # Trainers re-read the stage records this often, seconds (discovery lag).
     discovery_period_s: float = 5.0
-    # Peers skip a queued request whose deadline passed before they reach it (gRPC propagates the
-    # deadline); False = they compute it anyway, as the peer daemon does today.
-    skip_expired: bool = False
+    # Load shedding, as the peer daemon does (swarm.routing.shedding): a peer refuses at once a request that
+    # its queue would finish after the caller's deadline (DeadlineUnmet: retried elsewhere, no ban); False =
+    # it computes every request, even those whose caller already gave up (the daemon's --no-shed-late-work).
+    skip_expired: bool = True
+    # A peer refuses a request arriving behind more than this many seconds of queued compute (0 = unbounded);
+    # the daemon's --max-queue-wait-s.
+    max_queue_wait_s: float = 30.0
     # A trainer whose request ran out of attempts or found no peer waits this long, seconds.
     retry_wait_s: float = 1.0
     # Width of one sample of the output time series, seconds.
@@ -122,7 +126,14 @@ class SimConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"SimConfig.{name} must be finite and > 0, got {value}")
-        for name in ("latency_s", "arrival_rate_per_s", "mean_lifetime_s", "drain_s", "load_s"):
+        for name in (
+            "latency_s",
+            "arrival_rate_per_s",
+            "mean_lifetime_s",
+            "drain_s",
+            "load_s",
+            "max_queue_wait_s",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"SimConfig.{name} must be finite and >= 0, got {value}")

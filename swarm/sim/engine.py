@@ -2,7 +2,7 @@
 
 A single ``heapq`` event loop over simulated seconds; no clocks, threads or I/O. It drives the
 trainer's real policies: :class:`~swarm.routing.Router` picks every peer (one router per trainer)
-and :func:`~swarm.balance.plan_moves` / :func:`~swarm.balance.decide_move` move peers.
+and :func:`~swarm.balance.plan_moves` / :func:`~swarm.balance.claim_winners` move peers.
 
 Model:
 
@@ -34,13 +34,12 @@ from swarm.balance import (
     SwarmView,
     arrival_delay_s,
     choose_stage_on_arrival,
-    claim_key,
-    decide_move,
-    is_my_turn,
+    claim_winners,
     plan_moves,
 )
-from swarm.errors import WrongPeer
+from swarm.errors import DeadlineUnmet, WrongPeer
 from swarm.routing import NoPeersAvailable, RetriesExhausted, Router, StageRequest, wake_at
+from swarm.routing.shedding import shed_reason
 from swarm.sim.config import SimConfig
 from swarm.sim.entities import (
     ARRIVE,
@@ -67,6 +66,9 @@ from swarm.sim.result import Move, SimResult
 
 __all__ = ["simulate"]
 
+# One instance for every refusal: the simulator never reads its message, and refusals can number millions.
+_SHED = DeadlineUnmet("the peer's queue would finish this request after its deadline")
+
 
 def simulate(config: SimConfig) -> SimResult:
     """Run ``config`` to ``config.duration_s`` simulated seconds and report (deterministic per seed)."""
@@ -91,10 +93,13 @@ class _Simulation:
         self.last_moved: dict[str, float] = {}
         self.active: set[SimMicrobatch] = set()
         # Counters.
-        self.started = self.completed = self.hop_failures = self.recomputes = 0
+        self.started = self.completed = self.hop_failures = self.recomputes = self.shed = 0
         self.arrived = self.died = self.events = 0
         self.window_samples = 0
         self.requests_by_peer: dict[str, int] = {}
+        # Compute seconds scheduled on each stage's peers, and those of requests whose caller gave up first.
+        self.busy_s = [0.0] * config.num_stages
+        self.late_s = [0.0] * config.num_stages
         self.moves: list[Move] = []
         self.times: list[float] = []
         self.throughput: list[float] = []
@@ -132,6 +137,9 @@ class _Simulation:
             microbatches_in_flight=len(self.active),
             oldest_in_flight_started_s=oldest,
             hop_failures=self.hop_failures,
+            requests_shed=self.shed,
+            busy_s_per_stage=tuple(self.busy_s),
+            late_s_per_stage=tuple(self.late_s),
             recomputes=self.recomputes,
             peers_arrived=self.arrived,
             peers_died=self.died,
@@ -254,21 +262,38 @@ class _Simulation:
                 request.error = WrongPeer(f"{pid} does not serve stage {stage} now")
             self._push(now + 2 * latency, FAIL, request)
             return
-        if mb.backward and (
+        recompute = mb.backward and (
             pid != mb.fwd_peer[stage] or peer.generation != mb.fwd_generation[stage]
-        ):
+        )
+        if recompute:
             share = 1.0  # the inputs travel along and the forward is recomputed
-            self.recomputes += 1
-        start = max(now + latency, peer.free_at)
-        if cfg.skip_expired and start >= now + deadline:
-            # The peer reaches it after the caller gave up: it drops it without computing.
-            self._push(now + deadline, FAIL, request)
+        arrive = now + latency
+        start = max(arrive, peer.free_at)
+        cost = share * size / (peer.speed / self.costs[stage])
+        if cfg.skip_expired and (
+            shed_reason(
+                now_s=arrive,
+                deadline_s=now + deadline,
+                queue_wait_s=start - arrive,
+                cost_s=cost,
+                max_queue_wait_s=cfg.max_queue_wait_s,
+            )
+            is not None
+        ):
+            # The peer refuses it on arrival, as the daemon does: the caller hears so after a round trip.
+            self.shed += 1
+            request.error = _SHED
+            self._push(arrive + latency, FAIL, request)
             return
-        request.finish = start + share * size / (peer.speed / self.costs[stage])
+        if recompute:
+            self.recomputes += 1
+        request.finish = start + cost
         peer.free_at = request.finish
         peer.outstanding[request] = None
+        self.busy_s[stage] += cost
         reply_at = request.finish + latency
         if reply_at - now > deadline:
+            self.late_s[stage] += cost
             self._push(now + deadline, FAIL, request)  # the peer still spends the time
         else:
             self._push(reply_at, DONE, request)
@@ -427,20 +452,22 @@ class _Simulation:
     def _rebalance(self) -> None:
         cfg, now = self.cfg, self.now
         view = self._view()
-        claims: dict[str, set[str]] = {}
         # Every peer reads the same view, so the peers whose decide_move says "move" are exactly
-        # those of the shared plan; computing it once avoids an O(peers^2) period.
+        # those of the shared plan (tests/test_balance.py checks it); computing it once avoids an
+        # O(peers * plan) period.
         movers = plan_moves(view, now, cfg.balance)
+        claims: dict[str, set[str]] = {}
+        budgets: dict[str, int] = {}
         for move in movers:
-            claims.setdefault(claim_key(move.from_stage, move.period_index), set()).add(
-                move.peer_id
-            )
-        for planned in movers:
-            # What the mover itself runs: its decision, then the check of the claims it re-read.
-            move = decide_move(view, planned.peer_id, now, cfg.balance)
-            if move is None or not is_my_turn(
-                claims[move.claim_key], move.peer_id, move.period_index
-            ):
+            claims.setdefault(move.claim_key, set()).add(move.peer_id)
+            budgets[move.claim_key] = move.budget
+        # What each mover then checks in the claims it re-read (is_my_turn), once per key.
+        winners = {
+            key: claim_winners(claimers, movers[0].period_index, budgets[key])
+            for key, claimers in claims.items()
+        }
+        for move in movers:
+            if move.peer_id not in winners[move.claim_key]:
                 continue
             peer = self.peers[move.peer_id]
             peer.state = DRAINING

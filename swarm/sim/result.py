@@ -44,6 +44,12 @@ class SimResult:
     oldest_in_flight_started_s: float | None
     # Requests that failed (dead peer, timeout) and were retried.
     hop_failures: int
+    # Requests a peer refused because their deadline could not be met (load shedding); among hop_failures.
+    requests_shed: int
+    # Compute seconds each stage's peers were given (busy time), and of those the seconds spent on requests
+    # whose reply came after the caller's deadline (wasted).
+    busy_s_per_stage: tuple[float, ...]
+    late_s_per_stage: tuple[float, ...]
     # Backward requests that had to recompute the forward because its peer was gone.
     recomputes: int
     peers_arrived: int

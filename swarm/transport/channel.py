@@ -22,3 +22,8 @@ GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+
+# Invocation-metadata key of a call's work deadline, seconds from the call's start (a decimal string). A call
+# that commits keeps its gRPC deadline open past the work's for the commit (PeerClient's commit grace); this key
+# tells the peer when the caller really stops waiting for the reply, so it does not start work nobody will use.
+WORK_TIMEOUT_KEY = "swarm-work-timeout-s"

@@ -24,7 +24,7 @@ from swarm.errors import (
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
-from swarm.transport.channel import GRPC_OPTIONS
+from swarm.transport.channel import GRPC_OPTIONS, WORK_TIMEOUT_KEY
 from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
 
 # What a caller expects of a reply: tensor name -> (shape, dtype). A reply carrying anything else is a BadReply.
@@ -158,9 +158,11 @@ class PeerClient:
                 if reply_ok:
                     yield pb.Frame(commit=pb.Commit(microbatch_id=meta.microbatch_id))
 
+        metadata = ((WORK_TIMEOUT_KEY, f"{timeout_s:.3f}"),)
         if not commit:
-            return await self._read(method(frames(), timeout=timeout_s), expect=expect, judge=judge)
-        call = method(frames(), timeout=timeout_s + self._commit_grace_s)
+            call = method(frames(), timeout=timeout_s, metadata=metadata)
+            return await self._read(call, expect=expect, judge=judge)
+        call = method(frames(), timeout=timeout_s + self._commit_grace_s, metadata=metadata)
         reply_ok = False
         try:
             # a reply that fails the checks is never committed: the peer drops its gradients

@@ -78,6 +78,20 @@ class PeerOverloaded(SwarmError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class Unauthenticated(SwarmError):
+    """The call carried no valid caller token (none, forged, expired, or made for another peer): the peer does
+    not know who is calling. A caller with a valid identity may get in at another peer (or after fixing its
+    clock: tokens are dated)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class NotAdmitted(SwarmError):
+    """The caller is known but the peer's admission policy (``--allow-callers``) does not admit it."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class StreamTimeout(SwarmError):
     """The caller's request stream went silent, or trickled, past the peer's read deadlines; the call was cut."""
 
@@ -120,6 +134,8 @@ WIRE_ERRORS: tuple[type[SwarmError], ...] = (
     GradientOutlier,
     PeerDraining,
     PeerOverloaded,
+    Unauthenticated,
+    NotAdmitted,
     StreamTimeout,
     StageUnavailable,
     TransportError,
@@ -137,6 +153,8 @@ _BY_CODE: dict[grpc.StatusCode, type[SwarmError]] = {
     grpc.StatusCode.ALREADY_EXISTS: AlreadyApplied,
     grpc.StatusCode.ABORTED: GradientsDropped,
     grpc.StatusCode.RESOURCE_EXHAUSTED: PeerOverloaded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: NotAdmitted,
 }
 
 

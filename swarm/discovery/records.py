@@ -77,6 +77,8 @@ class StageRecord:
     # DHT time of this heartbeat (0 = not known: an older peer); status shows its age
     announced_s: float = 0.0
     device: str = ""  # where the stage computes, e.g. "cpu" ("" = not known: an older peer)
+    # PEM certificate of its gRPC server's TLS key, which callers pin ("" = it serves in the clear: --plaintext)
+    tls_cert: str = ""
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:

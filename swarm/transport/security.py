@@ -16,6 +16,7 @@ machine); callers dial such a peer in the clear, as its own signed record asks.
 from __future__ import annotations
 
 import datetime
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
-from swarm.identity import Identity
+from swarm.identity import Identity, certified_key, peer_id_of
 from swarm.transport.channel import GRPC_OPTIONS
 
 # The one name in every peer's certificate: callers pin the certificate, not a host name.
@@ -85,15 +86,6 @@ def server_credentials(identity: Identity, cert_pem: str) -> grpc.ServerCredenti
     return grpc.ssl_server_credentials([(key_pem, cert_pem.encode())])
 
 
-def certificate_key(cert_pem: str) -> bytes:
-    """The public key (OpenSSH form, as identities name keys) a PEM certificate certifies; ValueError if the
-    text is not a certificate."""
-    cert = x509.load_pem_x509_certificate(cert_pem.encode())
-    return cert.public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-    )
-
-
 def open_channel(address: PeerAddress, options=GRPC_OPTIONS) -> grpc.aio.Channel:
     """A channel to ``address``: TLS trusting only its pinned certificate, or in the clear for a peer that
     announces none."""
@@ -105,3 +97,16 @@ def open_channel(address: PeerAddress, options=GRPC_OPTIONS) -> grpc.aio.Channel
         credentials,
         options=[*options, ("grpc.ssl_target_name_override", TLS_NAME)],
     )
+
+
+def address_by_handshake(endpoint: str, *, timeout_s: float = 10.0) -> PeerAddress:
+    """The address of whoever serves TLS at ``endpoint``: the certificate from a handshake, the id from its key.
+    This trusts on first use, so it is only for tools and tests that started the peer themselves (on loopback);
+    swarm pins the certificate a peer's signed record names. Blocking; OSError if nothing answers with TLS,
+    ValueError if the certificate holds no RSA key."""
+    host, _, port = endpoint.rpartition(":")
+    cert = ssl.get_server_certificate((host.strip("[]"), int(port)), timeout=timeout_s)
+    key = certified_key(cert)
+    if key is None:
+        raise ValueError(f"the server at {endpoint} presents a certificate without an RSA key")
+    return PeerAddress(endpoint, peer_id_of(key), cert)

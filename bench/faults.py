@@ -36,6 +36,7 @@ from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E
 
 from swarm.coordinator.localswarm import LocalSwarm, finished, wait_ready  # noqa: E402
 from swarm.transport.client import PeerClient  # noqa: E402
+from swarm.transport.security import address_by_handshake  # noqa: E402
 
 PEER_FLAGS = [
     "--preset",
@@ -67,7 +68,8 @@ def log_time(line: str) -> float:
 
 
 async def microbatches_applied(endpoint: str, run_id: str) -> int:
-    client = PeerClient(endpoint)
+    # the bench's own peer process: its certificate taken from the handshake
+    client = PeerClient(await asyncio.to_thread(address_by_handshake, endpoint))
     try:
         return (await client.info(run_id, timeout_s=10)).microbatches_applied
     finally:

@@ -45,6 +45,7 @@ from swarm.proto import PROTOCOL_VERSION  # noqa: E402
 from swarm.proto import swarm_pb2 as pb  # noqa: E402
 from swarm.transport.channel import GRPC_OPTIONS  # noqa: E402
 from swarm.transport.client import PeerClient  # noqa: E402
+from swarm.transport.security import PeerAddress  # noqa: E402
 
 SEQ_LEN, WIDTH = 128, 256  # activation shape (B, SEQ_LEN, WIDTH): W1's cut
 BYTES_PER_SAMPLE = SEQ_LEN * WIDTH * 4  # float32: 128 KiB per sequence
@@ -152,13 +153,13 @@ class ComputeTimer:
 
 
 async def round_trips(
-    peer_endpoint: str, echo_endpoint: str, cases: list[Case], warmup: int
+    peer_address: PeerAddress, echo_endpoint: str, cases: list[Case], warmup: int
 ) -> list[tuple[list[str], list[float]]]:
     """For each case (all of one size): (microbatch ids, round-trip seconds) of its timed calls.
 
     The cases take turns call by call (none, fp16, bf16, int8, raw gRPC, none, ...), so a burst of load from
     other processes hits every codec alike and their ratios stay comparable."""
-    client = PeerClient(peer_endpoint)
+    client = PeerClient(peer_address)
     results: list[tuple[list[str], list[float]]] = [([], []) for _ in cases]
     try:
         async with grpc.aio.insecure_channel(echo_endpoint, options=GRPC_OPTIONS) as echo_channel:
@@ -308,7 +309,7 @@ def main() -> None:
             for size in dict.fromkeys(c.size_mib for c in cases):
                 group = [c for c in cases if c.size_mib == size]
                 measured = client_loop.run(
-                    round_trips(peer.endpoint, echo_endpoint, group, args.warmup)
+                    round_trips(peer.address, echo_endpoint, group, args.warmup)
                 )
                 for case, (ids, rtts) in zip(group, measured):
                     compute = [0.0 if case.codec == RAW else timer.seconds[i] for i in ids]

@@ -158,7 +158,7 @@ def label(error: grpc.aio.AioRpcError) -> str:
 
 
 async def one_call(
-    method, frames, *, hold: asyncio.Event | None, timeout_s: float
+    method, frames, *, hold: asyncio.Event | None, timeout_s: float, metadata=()
 ) -> tuple[str, str]:
     """Send ``frames`` (then, with ``hold``, keep the stream open and silent until it is set); the answer's
     label and the peer's sentence."""
@@ -170,7 +170,7 @@ async def one_call(
             await hold.wait()
 
     try:
-        async for _ in method(gen(), timeout=timeout_s):
+        async for _ in method(gen(), timeout=timeout_s, metadata=metadata):
             pass
     except grpc.aio.AioRpcError as e:
         return label(e), e.details() or ""
@@ -183,10 +183,14 @@ async def client_main(spec: dict) -> dict:
     if kind == "garbage":  # the sender's own cap must not stop messages bigger than the peer's
         options = [(k, v) for k, v in options if k != "grpc.max_send_message_length"]
         options.append(("grpc.max_send_message_length", -1))
-    channels = [
-        grpc.aio.insecure_channel(spec["endpoint"], options=options)
-        for _ in range(spec["channels"])
-    ]
+    from swarm.identity import Identity
+    from swarm.transport.callers import CallerToken
+    from swarm.transport.security import PeerAddress, open_channel
+
+    # each flood client is a caller with a valid identity: the flood is on the peer's bounds, not its door
+    address = PeerAddress(spec["endpoint"], spec["peer_id"], spec["tls_cert"])
+    token = CallerToken(Identity.ephemeral())
+    channels = [open_channel(address, options) for _ in range(spec["channels"])]
     framed = [
         c.stream_stream(
             FORWARD,
@@ -219,17 +223,41 @@ async def client_main(spec: dict) -> dict:
             mb = f"{prefix}-{i}-{n}"
             if kind == "huge":
                 frames = [request_frame(run_id, mb), HUGE_HEADERS[(i + n) % len(HUGE_HEADERS)]]
-                count(await one_call(method, frames, hold=hold, timeout_s=30))
+                count(
+                    await one_call(
+                        method,
+                        frames,
+                        hold=hold,
+                        timeout_s=30,
+                        metadata=token.metadata(address.peer_id),
+                    )
+                )
             elif kind == "max":
                 frames = [request_frame(run_id, mb), *body]
-                count(await one_call(method, frames, hold=None, timeout_s=spec["call_timeout_s"]))
+                count(
+                    await one_call(
+                        method,
+                        frames,
+                        hold=None,
+                        timeout_s=spec["call_timeout_s"],
+                        metadata=token.metadata(address.peer_id),
+                    )
+                )
             elif kind == "idle":
                 # half stop after all but the last chunk of the input, half after the request frame
                 frames = [
                     request_frame(run_id, mb),
                     *(body[: INPUT_BYTES // CHUNK_BYTES] if i % 2 == 0 else []),
                 ]
-                count(await one_call(method, frames, hold=hold, timeout_s=spec["call_timeout_s"]))
+                count(
+                    await one_call(
+                        method,
+                        frames,
+                        hold=hold,
+                        timeout_s=spec["call_timeout_s"],
+                        metadata=token.metadata(address.peer_id),
+                    )
+                )
                 return
             elif kind == "garbage":
                 sizes = [
@@ -238,7 +266,15 @@ async def client_main(spec: dict) -> dict:
                 if rng.random() < 0.1:
                     sizes = [MAX_MESSAGE_BYTES + (4 << 20)]  # past the peer's message cap
                 frames = [rng.randbytes(size) for size in sizes]
-                count(await one_call(raw[i % len(raw)], frames, hold=None, timeout_s=30))
+                count(
+                    await one_call(
+                        raw[i % len(raw)],
+                        frames,
+                        hold=None,
+                        timeout_s=30,
+                        metadata=token.metadata(address.peer_id),
+                    )
+                )
             n += 1
             if n >= spec["calls_per_stream"] or time.monotonic() > deadline:
                 return
@@ -368,14 +404,14 @@ class BudgetRun:
         return self.budget_mib + self.one_call_mib + SLACK_MIB
 
 
-async def normal_call(endpoint: str, run_id: str, microbatch_id: str) -> str:
+async def normal_call(address, run_id: str, microbatch_id: str) -> str:
     """A trainer's call at the last stage: compute_loss Forward of W1's microbatch, then its commit."""
     import torch
 
     from swarm.compression import get_codec
     from swarm.transport.client import PeerClient
 
-    client = PeerClient(endpoint)
+    client = PeerClient(address)
     started = time.perf_counter()
     try:
         meta = pb.RequestMeta(
@@ -399,11 +435,11 @@ async def normal_call(endpoint: str, run_id: str, microbatch_id: str) -> str:
         await client.close()
 
 
-async def max_in_flight_while(endpoint: str, run_id: str, clients_done) -> int:
+async def max_in_flight_while(address, run_id: str, clients_done) -> int:
     """The largest ``in_flight`` the peer announces (Info) while ``clients_done()`` is false."""
     from swarm.transport.client import PeerClient
 
-    client, most = PeerClient(endpoint), 0
+    client, most = PeerClient(address), 0
     try:
         while not clients_done():
             try:
@@ -443,6 +479,7 @@ def run_clients(
 
 def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
     from swarm.coordinator.localswarm import start_peer, wait_ready
+    from swarm.transport.security import address_by_handshake
 
     tag = f"{budget_bytes // MiB}mib"
     run_id = f"flood-{tag}"
@@ -461,13 +498,16 @@ def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
         group, f"peer-{tag}", stage=STAGE, run_id=run_id, addr_file=addr_file, run_flags=run_flags
     )
     endpoint = wait_ready(peer)
+    address = address_by_handshake(
+        endpoint
+    )  # the bench's own peer: its certificate from the handshake
     result = BudgetRun(budget_bytes)
     print(
         f"budget {budget_bytes / MiB:.0f} MiB: peer {peer.pid} serves stage {STAGE} at {endpoint}",
         flush=True,
     )
     for i in range(2):  # warm-up: first-call allocations are part of the peer's rest state
-        warm = asyncio.run(normal_call(endpoint, run_id, f"warm-{i}"))
+        warm = asyncio.run(normal_call(address, run_id, f"warm-{i}"))
         if not warm.startswith("OK"):
             raise RuntimeError(f"the peer does not serve a normal call before the flood: {warm}")
     monitor = RssMonitor(peer.pid)
@@ -475,6 +515,8 @@ def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
         result.rest_mib, result.tree_rest_mib = monitor.peer_rss_mib(), monitor.tree_kib() / 1024
         base = {
             "endpoint": endpoint,
+            "peer_id": address.peer_id,
+            "tls_cert": address.tls_cert,
             "run_id": run_id,
             "channels": 4,
             "hold_s": 0.0,
@@ -533,7 +575,7 @@ def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
             started = time.monotonic()
             poll = None
             if spec["kind"] == "idle":
-                poll = lambda done: max_in_flight_while(endpoint, run_id, done)  # noqa: E731
+                poll = lambda done: max_in_flight_while(address, run_id, done)  # noqa: E731
             counts, examples, polled = run_clients(
                 group,
                 f"{name[:3].strip('() ')}-{tag}",
@@ -574,7 +616,7 @@ def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
             )
             for what, sentence in sorted(examples.items()):
                 print(f"    {what}: {sentence}", flush=True)
-        result.after = asyncio.run(normal_call(endpoint, run_id, "after-flood"))
+        result.after = asyncio.run(normal_call(address, run_id, "after-flood"))
         print(f"  normal call after the flood: {result.after}", flush=True)
     finally:
         monitor.close()

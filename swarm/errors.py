@@ -85,6 +85,20 @@ class DeadlineUnmet(PeerOverloaded):
     peer of the stage at once, without a ban."""
 
 
+class Unauthenticated(SwarmError):
+    """The call carried no valid caller token (none, forged, expired, or made for another peer): the peer does
+    not know who is calling. A caller with a valid identity may get in at another peer (or after fixing its
+    clock: tokens are dated)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class NotAdmitted(SwarmError):
+    """The caller is known but the peer's admission policy (``--allow-callers``) does not admit it."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class StreamTimeout(SwarmError):
     """The caller's request stream went silent, or trickled, past the peer's read deadlines; the call was cut."""
 
@@ -128,6 +142,8 @@ WIRE_ERRORS: tuple[type[SwarmError], ...] = (
     PeerDraining,
     PeerOverloaded,
     DeadlineUnmet,
+    Unauthenticated,
+    NotAdmitted,
     StreamTimeout,
     StageUnavailable,
     TransportError,
@@ -145,6 +161,8 @@ _BY_CODE: dict[grpc.StatusCode, type[SwarmError]] = {
     grpc.StatusCode.ALREADY_EXISTS: AlreadyApplied,
     grpc.StatusCode.ABORTED: GradientsDropped,
     grpc.StatusCode.RESOURCE_EXHAUSTED: PeerOverloaded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: NotAdmitted,
 }
 
 

@@ -19,6 +19,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
@@ -61,6 +62,18 @@ def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
     except (ValueError, TypeError):
         return False
     return key.verify(data, signature)
+
+
+def certified_key(cert_pem: str) -> bytes | None:
+    """The public key (OpenSSH form) a PEM certificate certifies; None if the text is not a certificate with an
+    RSA key."""
+    try:
+        key = x509.load_pem_x509_certificate(cert_pem.encode()).public_key()
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(key, rsa.RSAPublicKey):
+        return None
+    return key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
 
 
 def _wrap(key: rsa.RSAPrivateKey) -> RSAPrivateKey:

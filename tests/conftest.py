@@ -114,12 +114,16 @@ def pytest_runtest_setup(item) -> None:
 
 def ask_peers(endpoints, call):
     """``call(client)`` against each endpoint in turn (a fresh PeerClient each, closed after); the results in
-    order. Synchronous, for tests that drive peer processes from the outside."""
+    order. Synchronous, for tests that drive peer processes from the outside: an endpoint string is resolved by
+    ``address_by_handshake`` (trust on first use, fine for the test's own peers)."""
     from swarm.transport.client import PeerClient
+    from swarm.transport.security import address_by_handshake
 
     async def go():
         out = []
         for endpoint in endpoints:
+            if isinstance(endpoint, str):
+                endpoint = await asyncio.to_thread(address_by_handshake, endpoint)
             client = PeerClient(endpoint)
             try:
                 out.append(await call(client))

@@ -46,7 +46,7 @@ def hidden(seed: int) -> torch.Tensor:
 
 async def step_last(peer: Peer, steps: int, *, seed: int = 0) -> None:
     """``steps`` committed loss calls of B samples to a last-stage peer: each is one optimizer step there."""
-    client = PeerClient(peer.endpoint)
+    client = PeerClient(peer.address)
     try:
         for i in range(steps):
             reply = await client.forward(
@@ -62,7 +62,7 @@ async def step_last(peer: Peer, steps: int, *, seed: int = 0) -> None:
 
 
 async def get_state(peer: Peer):
-    client = PeerClient(peer.endpoint)
+    client = PeerClient(peer.address)
     try:
         return await client.get_state(peer.run_id, timeout_s=30)
     finally:

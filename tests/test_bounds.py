@@ -22,8 +22,9 @@ from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport import server
-from swarm.transport.channel import GRPC_OPTIONS
+from swarm.transport.callers import default_token
 from swarm.transport.client import PeerClient
+from swarm.transport.security import PeerAddress, open_channel
 from swarm.transport.tensors import tensor_frames
 
 pytestmark = pytest.mark.integration
@@ -89,10 +90,17 @@ def header(shape, dtype="float32", name="input") -> pb.Frame:
     )
 
 
-async def call(endpoint: str, frames, *, then_wait: asyncio.Event | None = None, method="Forward"):
+def auth(address: PeerAddress):
+    """The metadata that authenticates this test process's calls to ``address``."""
+    return default_token().metadata(address.peer_id)
+
+
+async def call(
+    address: PeerAddress, frames, *, then_wait: asyncio.Event | None = None, method="Forward"
+):
     """Send ``frames`` (then, with ``then_wait``, keep the stream open and silent until it is set); return the
     call's (status code, details)."""
-    async with grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
+    async with open_channel(address) as channel:
         stub = pb_grpc.StagePeerStub(channel)
 
         async def gen():
@@ -102,7 +110,7 @@ async def call(endpoint: str, frames, *, then_wait: asyncio.Event | None = None,
                 await then_wait.wait()
 
         try:
-            async for _ in getattr(stub, method)(gen(), timeout=60):
+            async for _ in getattr(stub, method)(gen(), timeout=60, metadata=auth(address)):
                 pass
         except grpc.aio.AioRpcError as e:
             return e.code(), e.details()
@@ -110,7 +118,7 @@ async def call(endpoint: str, frames, *, then_wait: asyncio.Event | None = None,
 
 
 async def loss_call(peer: Peer, mb: str):
-    client = PeerClient(peer.endpoint)
+    client = PeerClient(peer.address)
     try:
         x = torch.randn(B, T, D)
         targets = torch.randint(0, 256, (B, T))
@@ -164,7 +172,7 @@ def test_a_header_is_refused_before_its_payload_is_sent_or_allocated(
                 header((64, T), dtype="int64", name="targets"),
             ]
         try:
-            return await call(roomy.endpoint, frames, then_wait=hold)
+            return await call(roomy.address, frames, then_wait=hold)
         finally:
             hold.set()
 
@@ -186,7 +194,7 @@ def test_an_idle_stream_and_a_trickling_one_are_cut_with_a_clear_status(peers, l
         """A whole, valid request sent one small chunk at a time, each well within the idle deadline."""
         frames = [pb.Frame(request=meta(quick, num_tensors=2))]
         frames += [f async for f in tensor_frames("input", x, NONE, segment_bytes=64)]
-        async with grpc.aio.insecure_channel(quick.endpoint, options=GRPC_OPTIONS) as channel:
+        async with open_channel(quick.address) as channel:
 
             async def gen():
                 for f in frames:
@@ -196,7 +204,9 @@ def test_an_idle_stream_and_a_trickling_one_are_cut_with_a_clear_status(peers, l
                     )  # the attack: slow, never silent for long
 
             try:
-                async for _ in pb_grpc.StagePeerStub(channel).Forward(gen(), timeout=60):
+                async for _ in pb_grpc.StagePeerStub(channel).Forward(
+                    gen(), timeout=60, metadata=auth(quick.address)
+                ):
                     pass
             except grpc.aio.AioRpcError as e:
                 return e.code(), e.details()
@@ -205,9 +215,9 @@ def test_an_idle_stream_and_a_trickling_one_are_cut_with_a_clear_status(peers, l
         hold = asyncio.Event()
         try:
             idle = await call(
-                quick.endpoint, [pb.Frame(request=meta(quick, num_tensors=2))], then_wait=hold
+                quick.address, [pb.Frame(request=meta(quick, num_tensors=2))], then_wait=hold
             )
-            silent = await call(quick.endpoint, [], then_wait=hold)  # not even a request frame
+            silent = await call(quick.address, [], then_wait=hold)  # not even a request frame
         finally:
             hold.set()
         return idle, silent, await trickle(), await loss_call(quick, "after")
@@ -229,14 +239,14 @@ def test_streams_per_caller_are_limited_and_idle_ones_are_not_announced_as_load(
         hold = asyncio.Event()
         idle = [
             asyncio.ensure_future(
-                call(roomy.endpoint, [pb.Frame(request=meta(roomy, num_tensors=2))], then_wait=hold)
+                call(roomy.address, [pb.Frame(request=meta(roomy, num_tensors=2))], then_wait=hold)
             )
             for _ in range(ROOMY.max_streams_per_caller)
         ]
         try:
             await until(lambda: roomy.admission.open_calls == 3, "the three idle streams are open")
-            info = await PeerClient(roomy.endpoint).info(roomy.run_id, timeout_s=10)
-            one_more = await call(roomy.endpoint, [pb.Frame(request=meta(roomy, num_tensors=2))])
+            info = await PeerClient(roomy.address).info(roomy.run_id, timeout_s=10)
+            one_more = await call(roomy.address, [pb.Frame(request=meta(roomy, num_tensors=2))])
         finally:
             hold.set()
         cut = await asyncio.gather(*idle)
@@ -270,7 +280,7 @@ def test_a_full_compute_queue_answers_resource_exhausted(peers, loop_thread):
         try:
             await until(lambda: roomy.admission.in_flight == 1, "the first call waits for compute")
             refused = await call(
-                roomy.endpoint,
+                roomy.address,
                 [
                     pb.Frame(request=meta(roomy, microbatch_id="refused", num_tensors=2)),
                     *[f async for f in tensor_frames("input", torch.randn(B, T, D), NONE)],
@@ -296,7 +306,7 @@ def test_garbage_frames_log_one_line_without_a_traceback(peers, loop_thread, cap
     monkeypatch.setattr(server, "_garbage_log", server._RateLimitedLog(server.GARBAGE_LOG_EVERY_S))
 
     async def body():
-        async with grpc.aio.insecure_channel(quick.endpoint, options=GRPC_OPTIONS) as channel:
+        async with open_channel(quick.address) as channel:
             forward = channel.stream_stream(
                 "/swarm.v1.StagePeer/Forward",
                 request_serializer=lambda b: b,
@@ -309,7 +319,7 @@ def test_garbage_frames_log_one_line_without_a_traceback(peers, loop_thread, cap
             out = []
             for _ in range(20):
                 try:
-                    async for _ in forward(garbage(), timeout=30):
+                    async for _ in forward(garbage(), timeout=30, metadata=auth(quick.address)):
                         pass
                 except grpc.aio.AioRpcError as e:
                     out.append((e.code(), e.details()))

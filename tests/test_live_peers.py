@@ -235,7 +235,7 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
         await step_last(a, 2)
         await step_last(b, 2)
         await wait_for_records(directory, 1, both_at(2))
-        client = PeerClient(a.endpoint)
+        client = PeerClient(a.address)
         try:
             info = await client.info("agree", timeout_s=10)
         finally:
@@ -433,7 +433,7 @@ def test_a_moved_peer_serves_the_new_stages_parameters(peers, loop_thread):
 
 async def forward_first(peer: Peer, microbatch_id: str, seed: int):
     """A stage-0 forward that keeps what its backward needs: the peer now holds one cached microbatch."""
-    client = PeerClient(peer.endpoint)
+    client = PeerClient(peer.address)
     try:
         return await client.forward(
             meta(peer, microbatch_id), [("input", tokens(seed))], NONE, timeout_s=30
@@ -443,7 +443,7 @@ async def forward_first(peer: Peer, microbatch_id: str, seed: int):
 
 
 async def backward_first(peer: Peer, microbatch_id: str, grad: torch.Tensor):
-    client = PeerClient(peer.endpoint)
+    client = PeerClient(peer.address)
     try:
         reply = await client.backward(
             meta(peer, microbatch_id), [("grad_output", grad)], NONE, timeout_s=30

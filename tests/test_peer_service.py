@@ -22,8 +22,9 @@ from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.states import PeerState
-from swarm.transport.channel import GRPC_OPTIONS
+from swarm.transport.callers import default_token
 from swarm.transport.client import PeerClient
+from swarm.transport.security import PeerAddress, open_channel
 from swarm.transport.tensors import FrameReader, tensor_frames
 
 pytestmark = pytest.mark.integration
@@ -49,6 +50,11 @@ def peers(loop_thread):
     loop_thread.run(last.shutdown())
 
 
+def auth(address: PeerAddress):
+    """The metadata that authenticates this test process's calls to ``address``."""
+    return default_token().metadata(address.peer_id)
+
+
 def meta(stage=1, **kw) -> pb.RequestMeta:
     kw.setdefault("microbatch_id", "mb")
     return pb.RequestMeta(
@@ -69,15 +75,15 @@ def targets():
 
 
 async def state(peer: Peer):
-    reply = await PeerClient(peer.endpoint).get_state("t", include_grads=True, timeout_s=10)
+    reply = await PeerClient(peer.address).get_state("t", include_grads=True, timeout_s=10)
     return reply.meta.samples_accumulated, {
         k: v for k, v in reply.tensors.items() if k.startswith("grad/")
     }
 
 
-async def raw_call(endpoint: str, frames: list[pb.Frame], method="Forward"):
+async def raw_call(address: PeerAddress, frames: list[pb.Frame], method="Forward"):
     """Send exactly these frames (possibly malformed) and return (status code, details)."""
-    async with grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
+    async with open_channel(address) as channel:
         stub = pb_grpc.StagePeerStub(channel)
 
         async def gen():
@@ -85,7 +91,7 @@ async def raw_call(endpoint: str, frames: list[pb.Frame], method="Forward"):
                 yield f
 
         try:
-            async for _ in getattr(stub, method)(gen(), timeout=10):
+            async for _ in getattr(stub, method)(gen(), timeout=10, metadata=auth(address)):
                 pass
         except grpc.aio.AioRpcError as e:
             return e.code(), e.details()
@@ -103,7 +109,7 @@ async def frames_of(m: pb.RequestMeta, *tensors) -> list[pb.Frame]:
 
 async def loss_call(peer, mb_id, x=None):
     """A well-formed last-stage call, committed: its gradients count once this returns."""
-    client = PeerClient(peer.endpoint)
+    client = PeerClient(peer.address)
     reply = await client.forward(
         meta(microbatch_id=mb_id, compute_loss=True, num_samples=B),
         [("input", hidden() if x is None else x), ("targets", targets())],
@@ -282,7 +288,7 @@ def test_bad_input_gets_clear_error_and_loses_nothing(peers, loop_thread, case):
 
     async def body():
         before = await state(last)
-        got = await raw_call(last.endpoint, await make_frames())
+        got = await raw_call(last.address, await make_frames())
         after = await state(last)
         still_serving = await loss_call(last, f"after-{case}")
         return before, got, after, still_serving
@@ -301,7 +307,7 @@ def test_stage0_rejects_bad_token_ids(peers, loop_thread):
     tokens = torch.full((B, T), 256, dtype=torch.int64)
 
     async def body():
-        await PeerClient(first.endpoint).forward(
+        await PeerClient(first.address).forward(
             meta(stage=0), [("input", tokens)], NONE, timeout_s=10
         )
 
@@ -315,7 +321,7 @@ def test_backward_without_cache_asks_for_inputs_and_counts_once(peers, loop_thre
     grad = torch.randn(B, T, D)
 
     async def body():
-        client = PeerClient(first.endpoint)
+        client = PeerClient(first.address)
         with pytest.raises(NotCached, match="resend it with its inputs"):
             await client.backward(
                 meta(stage=0, microbatch_id="nc"), [("grad_output", grad)], NONE, timeout_s=10
@@ -344,7 +350,7 @@ def test_forward_then_backward_uses_cache(peers, loop_thread):
 
     async def body():
         before = await state(first)
-        client = PeerClient(first.endpoint)
+        client = PeerClient(first.address)
         out = await client.forward(
             meta(stage=0, microbatch_id="fb"), [("input", tokens)], NONE, timeout_s=10
         )
@@ -370,7 +376,7 @@ def test_info_and_wrong_run(peers, loop_thread):
     first, last = peers
 
     async def info(run_id):
-        return await PeerClient(last.endpoint).info(run_id, timeout_s=10)
+        return await PeerClient(last.address).info(run_id, timeout_s=10)
 
     got = loop_thread.run(info("t"))
     assert got.stage == 1 and got.state == PeerState.SERVING and "int8" in got.codecs
@@ -393,8 +399,10 @@ async def reply_then_break(peer: Peer, microbatch_id: str, x: torch.Tensor):
             yield f
         await lost.wait()  # the commit frame never comes
 
-    async with grpc.aio.insecure_channel(peer.endpoint, options=GRPC_OPTIONS) as channel:
-        call = pb_grpc.StagePeerStub(channel).Forward(gen(), timeout=30)
+    async with open_channel(peer.address) as channel:
+        call = pb_grpc.StagePeerStub(channel).Forward(
+            gen(), timeout=30, metadata=auth(peer.address)
+        )
         reader = FrameReader(call)
         got = await reader.reply()
         assert set(await reader.tensors(got.num_tensors)) == {"grad_input"}
@@ -411,7 +419,7 @@ def test_a_call_lost_after_its_reply_commits_once_through_the_commit_rpc(peers, 
         samples_before, grads_before = await state(last)
         got = await reply_then_break(last, "lost", x)
         not_yet = await state(last)
-        client = PeerClient(last.endpoint)
+        client = PeerClient(last.address)
         try:
             first = await client.commit("t", 1, "lost", None, timeout_s=10)
             again = await client.commit("t", 1, "lost", None, timeout_s=10)
@@ -475,7 +483,7 @@ def test_metrics_parse_and_move_with_the_calls_served(peers, loop_thread):
         for i in range(3):
             await loss_call(last, f"metrics-{i}")
         with pytest.raises(InvalidRequest):
-            await PeerClient(last.endpoint).forward(
+            await PeerClient(last.address).forward(
                 meta(microbatch_id="metrics-bad", compute_loss=True),
                 [("input", hidden())],
                 NONE,

@@ -11,7 +11,7 @@ import torch
 from conftest import SOLO_PEER_FLAGS, TEST_TRAINER, ask_peers
 
 from swarm.config import RunConfig
-from swarm.coordinator.localswarm import finished
+from swarm.coordinator.localswarm import finished, read_peer_addresses
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.model import ModelConfig, build_full_model
 from swarm.trainer.pipeline import Pipeline
@@ -58,8 +58,8 @@ def test_split_across_peer_processes_matches_one_process(swarm, dht, num_stages)
         finally:
             await pipeline.close()
         states = []
-        for endpoint in endpoints:
-            client = PeerClient(endpoint)
+        for address in await read_peer_addresses(directory, endpoints):
+            client = PeerClient(address)
             states.append(await client.get_state(run_id, include_grads=True, timeout_s=30))
             await client.close()
         return result, states

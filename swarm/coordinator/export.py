@@ -19,7 +19,9 @@ from swarm.discovery.records import StageRecord
 from swarm.errors import StageUnavailable, SwarmError
 from swarm.model import generate, state_digest
 from swarm.states import PeerState
+from swarm.transport.callers import caller_token
 from swarm.transport.client import PeerClient
+from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ async def _download(
     hash to the digest it announced for that step. A peer that stepped since its record was read cannot be
     checked against it (its new digest is not announced yet): its state is taken, with a warning, since a
     training swarm steps every few seconds and a re-read would race the same way."""
-    client = PeerClient(record.endpoint)
+    client = PeerClient(PeerAddress.of(record), token=caller_token(directory.identity))
     try:
         reply = await client.get_state(directory.run_id, timeout_s=timeout_s)
     except SwarmError as e:

@@ -317,6 +317,34 @@ def read_metrics(path: Path) -> Metrics:
     return out
 
 
+async def read_peer_addresses(directory, endpoints, *, timeout_s: float = 60.0) -> list:
+    """The addresses (:class:`~swarm.transport.security.PeerAddress`) the peers serving at ``endpoints`` announce
+    in ``directory``'s run, in order, waiting up to ``timeout_s`` for their records; TimeoutError names the missing
+    endpoints."""
+    import asyncio
+    import time
+
+    from swarm.transport.security import PeerAddress
+
+    endpoints, deadline = list(endpoints), time.monotonic() + timeout_s
+    while True:
+        run = await directory.get_run()
+        found = {}
+        if run is not None:
+            for records in await directory.all_stages(run.model.num_stages):
+                found.update({r.endpoint: PeerAddress.of(r) for r in records.values()})
+        missing = [e for e in endpoints if e not in found]
+        if not missing:
+            return [found[e] for e in endpoints]
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no record of run '{directory.run_id}' names {missing} after {timeout_s:.0f}s"
+            )
+        await asyncio.sleep(
+            0.5
+        )  # the next heartbeat: records appear in the DHT, nothing to wait on here
+
+
 def publish_run(addr_file: Path, run_id: str, run, *, ttl_s: float = 3600.0) -> None:
     """Publish ``run`` (a swarm.config.RunConfig) under ``run_id`` from a short-lived client DHT node, so peers
     started without ``--preset`` serve a model no preset describes (tests use tiny widths). The record stays

@@ -29,7 +29,7 @@ from swarm.discovery.records import (
     trainers_key,
 )
 from swarm.forking import protect_forks
-from swarm.identity import Identity, fingerprint_of, owner_key, peer_id_of, verify
+from swarm.identity import Identity, certified_key, fingerprint_of, owner_key, peer_id_of, verify
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,14 @@ def _valid_records(values: dict, parse, owner_of, belongs, *, what: str) -> dict
         if owner_of(record) != writer or not belongs(record):
             logger.warning(
                 "ignoring a %s that %s signed for another owner or place: %r", what, writer, record
+            )
+            continue
+        cert = getattr(record, "tls_cert", "")
+        if cert and certified_key(cert) != key:
+            # callers pin this certificate: it must be the writer's own key, or the record could send them to
+            # a server someone else holds the key of
+            logger.warning(
+                "ignoring a %s from %s whose TLS certificate is not its key's", what, writer
             )
             continue
         records[writer] = record

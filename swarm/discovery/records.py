@@ -80,6 +80,8 @@ class StageRecord:
     # it all-reduces gradients with its stage's other replicas and steps with them once per global batch
     # (False for --no-average, and for an older peer)
     averaging: bool = False
+    # PEM certificate of its gRPC server's TLS key, which callers pin ("" = it serves in the clear: --plaintext)
+    tls_cert: str = ""
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:

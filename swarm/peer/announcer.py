@@ -52,10 +52,12 @@ class Announcer:
         heartbeat_s: float,
         endpoint: Callable[[], str],
         serving: Callable[[], Serving | None],
+        tls_cert: Callable[[], str] = str,
     ):
         self.directory, self.run, self.peer_id = directory, run, peer_id
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
         self._endpoint = endpoint
+        self._tls_cert = tls_cert  # the certificate its server presents ("" = plaintext)
         self._serving = serving  # None until the peer serves a stage
         self._heading_to: tuple[int, float] | None = None  # (stage index, expected samples/s)
         self.last_moved_s = 0.0  # DHT time of the arrival or the last change of stage (0 = not yet)
@@ -92,6 +94,7 @@ class Announcer:
                     device=serving.device,
                     averaging=serving.averaging,
                     announced_s=now,
+                    tls_cert=self._tls_cert(),
                 )
             )
         if self._heading_to is not None:
@@ -108,6 +111,7 @@ class Announcer:
                     config_hash=config_hash,
                     last_moved_s=self.last_moved_s,
                     announced_s=now,
+                    tls_cert=self._tls_cert(),
                 )
             )
         return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from swarm.averaging.config import AveragingConfig
 from swarm.balance import RebalanceConfig
 from swarm.discovery.config import DHTConfig
+from swarm.peer.members import check_allow_callers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,13 +107,22 @@ _FAULTS = "advanced: fault injection (for tests and benchmarks; all off by defau
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     FLAG_TITLE = "peer"
-    FLAG_GROUPS = {
-        name: _FAULTS
-        for name in ("slowdown", "fail_probability", "hang_after_calls", "lose_commit_probability")
-    } | {
-        name: "advanced: limits"
-        for name in ("max_microbatch_size", "calibration_batch", "drain_notice_s")
-    }
+    FLAG_GROUPS = (
+        {
+            name: _FAULTS
+            for name in (
+                "slowdown",
+                "fail_probability",
+                "hang_after_calls",
+                "lose_commit_probability",
+            )
+        }
+        | {
+            name: "advanced: limits"
+            for name in ("max_microbatch_size", "calibration_batch", "drain_notice_s")
+        }
+        | {name: "security" for name in ("plaintext", "allow_callers")}
+    )
 
     run_id: str = "demo"  # the run to join
     # stage index to serve (default: the stage where this peer adds the most throughput)
@@ -143,6 +153,12 @@ class PeerConfig:
     metrics_port: int | None = None
     # seconds between the log lines that sum up what the peer did (0 = none)
     log_every_s: float = 30.0
+    # serve gRPC without TLS and announce no certificate (experiments on one machine: anyone on the path can
+    # read and change the traffic); callers are still authenticated
+    plaintext: bool = False
+    # admit only these callers (peer ids or fingerprints, comma-separated, or "@FILE" with one a line); default:
+    # any caller with a valid identity. Others get PERMISSION_DENIED
+    allow_callers: str | None = None
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -157,6 +173,7 @@ class PeerConfig:
     balance: RebalanceConfig = field(default_factory=RebalanceConfig)
 
     def __post_init__(self):
+        check_allow_callers(self.allow_callers)
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
         if not 0 <= self.port <= 65535:

@@ -27,12 +27,15 @@ from swarm.peer.announcer import RUN_TTL_FACTOR, Announcer, Serving
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import StageExecutor
+from swarm.peer.members import load_allow_callers
 from swarm.peer.metrics import PeerMetrics
 from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
 from swarm.peer.service import ServiceContext, StageService
 from swarm.peer.statesync import fetch_stage_state, serving_peers
 from swarm.peer.worker import PriorityWorker
 from swarm.states import PeerState
+from swarm.transport.callers import CallerCheck
+from swarm.transport.security import PeerAddress, make_certificate, server_credentials
 from swarm.transport.server import start_server
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,10 @@ class Peer:
         self._summary_mark = (time.monotonic(), 0, 0.0)
         self.stage_index: int | None = config.stage  # the stage served (or chosen on arrival)
         self.endpoint = ""
+        self.tls_cert = (
+            ""  # the certificate its server presents, announced in its record ("" = --plaintext)
+        )
+        self.caller_check: CallerCheck | None = None  # admits its callers (set with the server)
         self.run: RunConfig | None = None
         self.executor: StageExecutor | None = None  # replaced by a move
         self.dht = None
@@ -167,6 +174,7 @@ class Peer:
             heartbeat_s=self.config.heartbeat_s,
             endpoint=lambda: self.endpoint,
             serving=self._serving,
+            tls_cert=lambda: self.tls_cert,
         )
 
     async def _choose_stage(self) -> None:
@@ -343,7 +351,20 @@ class Peer:
                 self.config.host,
                 self.metrics_port,
             )
-        server, port = await start_server(service, host=self.config.host, port=self.config.port)
+        credentials = None
+        if not self.config.plaintext:
+            self.tls_cert = make_certificate(self.identity)
+            credentials = server_credentials(self.identity, self.tls_cert)
+        self.caller_check = CallerCheck(
+            self.peer_id, allowed=load_allow_callers(self.config.allow_callers)
+        )
+        server, port = await start_server(
+            service,
+            host=self.config.host,
+            port=self.config.port,
+            credentials=credentials,
+            interceptors=[self.caller_check],
+        )
         self._stack.push_async_callback(server.stop, 1.0)
         self.endpoint = f"{self.config.announce_host or self.config.host}:{port}"
         if self.endpoint.startswith("0.0.0.0:"):
@@ -391,6 +412,11 @@ class Peer:
         self._background(self.rebalancer.run(), "rebalance")
 
     # ------------------------------------------------------------------ running
+
+    @property
+    def address(self) -> PeerAddress:
+        """How callers reach this peer: what its record announces (endpoint, id, certificate)."""
+        return PeerAddress(self.endpoint, self.peer_id, self.tls_cert)
 
     @property
     def throughput(self) -> float:

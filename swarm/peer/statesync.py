@@ -10,7 +10,9 @@ from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
 from swarm.errors import SwarmError
 from swarm.states import PeerState
+from swarm.transport.callers import caller_token
 from swarm.transport.client import PeerClient
+from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ async def fetch_stage_state(
     """Parameters of ``stage`` from its most advanced serving peer (highest optimizer step), trying the
     next one if a peer fails. None when no peer serves the stage."""
     for record in await serving_peers(directory, stage, exclude=exclude):
-        client = PeerClient(record.endpoint)
+        client = PeerClient(PeerAddress.of(record), token=caller_token(directory.identity))
         try:
             reply = await client.get_state(directory.run_id, timeout_s=timeout_s)
             return {

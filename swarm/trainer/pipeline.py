@@ -36,7 +36,9 @@ from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
 from swarm.trainer.spotcheck import CheckedCall, SpotChecker
+from swarm.transport.callers import caller_token
 from swarm.transport.client import ClientPool, Reply
+from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +86,10 @@ class Pipeline:
         self.grad_codec = get_codec(run.gradient_codec)
         self.router = Router(routing)
         self.rng = random.Random(seed)
-        self.clients = ClientPool(segment_bytes=config.segment_bytes)
+        # every call signed with the trainer's DHT identity (see swarm.transport.callers)
+        self.clients = ClientPool(
+            segment_bytes=config.segment_bytes, token=caller_token(directory.identity)
+        )
         # every record seen recently, draining ones included (backward may still go there)
         self.records: list[dict[str, StageRecord]] = [{} for _ in range(self.num_stages)]
         self._replied_steps = [
@@ -287,7 +292,7 @@ class Pipeline:
             """True: it answered. False: it is gone (the call failed before its deadline: refused, reset,
             unreachable). None: no answer in time: busy or frozen, nobody can tell which from here."""
             try:
-                await self.clients.get(record.endpoint).info(
+                await self.clients.get(PeerAddress.of(record)).info(
                     self.run_id, timeout_s=CLOSE_BATCH_TIMEOUT_S
                 )
                 return True
@@ -311,7 +316,7 @@ class Pipeline:
 
         async def close(stage: int, record: StageRecord) -> None:
             try:
-                await self.clients.get(record.endpoint).close_batch(
+                await self.clients.get(PeerAddress.of(record)).close_batch(
                     self.run_id, stage, batch_steps[stage], live[stage], CLOSE_BATCH_TIMEOUT_S
                 )
             except SwarmError as e:
@@ -473,8 +478,8 @@ class Pipeline:
             result = reply.tensors["output"]
         check = self._forward_attempt(stage, "spot-check", h, targets=targets, eval_only=True)
 
-        async def recompute(endpoint: str, timeout_s: float):
-            answer = await check(endpoint, timeout_s)
+        async def recompute(address: PeerAddress, timeout_s: float):
+            answer = await check(address, timeout_s)
             version = (answer.meta.step, answer.meta.param_digest)
             if targets is not None:
                 return version, torch.tensor([answer.meta.loss])
@@ -530,18 +535,18 @@ class Pipeline:
             eval_only=eval_only,
         )
 
-        async def attempt(endpoint: str, timeout_s: float) -> Reply:
-            return await self.clients.get(endpoint).forward(
+        async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
+            return await self.clients.get(address).forward(
                 meta, tensors, self.codec, timeout_s=timeout_s, expect=expect, judge=judge
             )
 
         return attempt
 
     def _backward_attempt(self, stage, microbatch_id, grad, inputs, forward_peer, batch_step):
-        async def attempt(endpoint: str, timeout_s: float) -> Reply:
-            client = self.clients.get(endpoint)
+        async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
+            client = self.clients.get(address)
             holder = self.records[stage].get(forward_peer)
-            if holder is not None and holder.endpoint == endpoint:
+            if holder is not None and PeerAddress.of(holder) == address:
                 try:
                     meta = self._meta(
                         stage, microbatch_id, grad.shape[0], batch_step, codec=self.grad_codec
@@ -556,7 +561,7 @@ class Pipeline:
                     )
                 except NotCached:
                     pass  # evicted there: send the inputs along for a recompute at the same peer
-            return await with_inputs(endpoint, timeout_s)
+            return await with_inputs(address, timeout_s)
 
         with_inputs = self._backward_with_inputs(stage, microbatch_id, grad, inputs, batch_step)
         return attempt
@@ -571,9 +576,9 @@ class Pipeline:
             include_inputs=True,
         )
 
-        async def attempt(endpoint: str, timeout_s: float) -> Reply:
+        async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
             # one codec per call: the inputs of this recompute travel in the gradient codec too
-            return await self.clients.get(endpoint).backward(
+            return await self.clients.get(address).backward(
                 meta,
                 [("grad_output", grad), ("input", inputs)],
                 self.grad_codec,
@@ -596,24 +601,23 @@ class Pipeline:
         self,
         stage: int,
         work: float,
-        attempt: Callable[[str, float], Awaitable[Reply]],
+        attempt: Callable[[PeerAddress, float], Awaitable[Reply]],
         *,
         preferred: str | None = None,
     ) -> tuple[Reply, str]:
-        """Run ``attempt(endpoint, timeout_s)`` against a peer of ``stage`` until it succeeds, retrying
+        """Run ``attempt(address, timeout_s)`` against a peer of ``stage`` until it succeeds, retrying
         transport failures at other peers within the routing policy's finite budget. ``work`` is the call's
         size in forward-sample units, so the routing estimates and deadlines fit every kind of call."""
         request = StageRequest(self.router, stage, preferred=preferred)
         while True:
             peer = await self._choose(request)
             record = self.records[stage][peer]
-            endpoint = record.endpoint
             # The call may land while the peer's stage steps (all-reduce): allow for the pause it announces.
             timeout_s = self.router.deadline_s(stage, peer, work) + 2 * record.step_pause_s
             started = time.monotonic()
             self.router.on_start(stage, peer, started)
             try:
-                reply = await attempt(endpoint, timeout_s)
+                reply = await attempt(PeerAddress.of(record), timeout_s)
             except SwarmError as e:
                 now = time.monotonic()
                 kind = failure_kind(e)

@@ -27,6 +27,7 @@ import torch
 
 from swarm.errors import SwarmError
 from swarm.states import PeerState
+from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,8 @@ class SpotCheckCounts:
     banned: list[str] = field(default_factory=list)
 
 
-# An eval-only forward of the checked call's input at a given endpoint: ((step, digest) it ran at, its result).
-Recompute = Callable[[str, float], Awaitable[tuple[tuple[int, str], torch.Tensor]]]
+# An eval-only forward of the checked call's input at a given peer address: ((step, digest) it ran at, its result).
+Recompute = Callable[[PeerAddress, float], Awaitable[tuple[tuple[int, str], torch.Tensor]]]
 
 
 class CheckedCall(NamedTuple):
@@ -133,7 +134,7 @@ class SpotChecker:
             pipeline.router.deadline_s(call.stage, peer, call.work) + 2 * record.step_pause_s
         )
         try:
-            answered_with, result = await call.recompute(record.endpoint, timeout_s)
+            answered_with, result = await call.recompute(PeerAddress.of(record), timeout_s)
         except SwarmError as e:
             logger.debug("spot-check at stage %d peer %s failed: %s", call.stage, peer, e)
             return None

@@ -24,7 +24,9 @@ from swarm.errors import (
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
-from swarm.transport.channel import GRPC_OPTIONS, WORK_TIMEOUT_KEY
+from swarm.transport.callers import CallerToken, default_token
+from swarm.transport.channel import WORK_TIMEOUT_KEY
+from swarm.transport.security import PeerAddress, open_channel
 from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
 
 # What a caller expects of a reply: tensor name -> (shape, dtype). A reply carrying anything else is a BadReply.
@@ -52,24 +54,34 @@ class PeerClient:
 
     def __init__(
         self,
-        endpoint: str,
+        address: PeerAddress | str,
         *,
+        token: CallerToken | None = None,
         segment_bytes: int = 1 << 20,
         limits: StreamLimits = StreamLimits(),
         commit_grace_s: float = 30.0,
     ):
-        self.endpoint = endpoint
+        """``address``: the peer's :class:`PeerAddress` (from its signed record: TLS pinned to its certificate,
+        calls authenticated for its id), or a bare endpoint for a plaintext server that checks no caller.
+        ``token``: signs this caller's calls (default: a key made for this process)."""
+        self.address = address if isinstance(address, PeerAddress) else PeerAddress(address)
+        self.endpoint = self.address.endpoint
+        self._token = token or default_token()
         # After a reply arrives, the commit round trip may take this long beyond the call's deadline: the
         # deadline bounds the work, and a slow peer that answered in time must not lose the microbatch
         # because its commit queued behind other work.
         self._commit_grace_s = commit_grace_s
         self._segment_bytes = segment_bytes
         self._limits = limits
-        self._channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+        self._channel = open_channel(self.address)
         self._stub = pb_grpc.StagePeerStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
+
+    def _auth(self):
+        """This caller's token for the peer, in each call's metadata (see :mod:`swarm.transport.callers`)."""
+        return self._token.metadata(self.address.peer_id)
 
     async def forward(
         self,
@@ -117,7 +129,9 @@ class PeerClient:
 
     async def info(self, run_id: str = "", *, timeout_s: float) -> pb.InfoResponse:
         try:
-            return await self._stub.Info(pb.InfoRequest(run_id=run_id), timeout=timeout_s)
+            return await self._stub.Info(
+                pb.InfoRequest(run_id=run_id), timeout=timeout_s, metadata=self._auth()
+            )
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
 
@@ -126,7 +140,9 @@ class PeerClient:
     ) -> Reply:
         """The replica's parameters (and accumulated gradients) as ``Reply.tensors``."""
         call = self._stub.GetState(
-            pb.StateRequest(run_id=run_id, include_grads=include_grads), timeout=timeout_s
+            pb.StateRequest(run_id=run_id, include_grads=include_grads),
+            timeout=timeout_s,
+            metadata=self._auth(),
         )
         return await self._read(call)
 
@@ -158,7 +174,7 @@ class PeerClient:
                 if reply_ok:
                     yield pb.Frame(commit=pb.Commit(microbatch_id=meta.microbatch_id))
 
-        metadata = ((WORK_TIMEOUT_KEY, f"{timeout_s:.3f}"),)
+        metadata = ((WORK_TIMEOUT_KEY, f"{timeout_s:.3f}"), *self._auth())
         if not commit:
             call = method(frames(), timeout=timeout_s, metadata=metadata)
             return await self._read(call, expect=expect, judge=judge)
@@ -207,7 +223,7 @@ class PeerClient:
         if batch_step is not None:
             request.batch_step = batch_step
         try:
-            reply = await self._stub.Commit(request, timeout=timeout_s)
+            reply = await self._stub.Commit(request, timeout=timeout_s, metadata=self._auth())
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
         return reply.applied_now
@@ -225,7 +241,7 @@ class PeerClient:
             replicas=replicas,
         )
         try:
-            reply = await self._stub.CloseBatch(request, timeout=timeout_s)
+            reply = await self._stub.CloseBatch(request, timeout=timeout_s, metadata=self._auth())
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
         return reply.step
@@ -311,20 +327,21 @@ def typed_error(error: grpc.aio.AioRpcError, *, peer: str) -> SwarmError:
 
 
 class ClientPool:
-    """Reuses one :class:`PeerClient` per endpoint; closes them all on :meth:`close`."""
+    """Reuses one :class:`PeerClient` per address (endpoint, peer id and certificate: a record naming another
+    peer's endpoint gets a client of its own, which fails the TLS handshake); closes them all on :meth:`close`."""
 
     def __init__(self, **client_kwargs):
-        self._clients: dict[str, PeerClient] = {}
+        self._clients: dict[PeerAddress | str, PeerClient] = {}
         self._kwargs = client_kwargs
 
-    def get(self, endpoint: str) -> PeerClient:
-        client = self._clients.get(endpoint)
+    def get(self, address: PeerAddress | str) -> PeerClient:
+        client = self._clients.get(address)
         if client is None:
-            client = self._clients[endpoint] = PeerClient(endpoint, **self._kwargs)
+            client = self._clients[address] = PeerClient(address, **self._kwargs)
         return client
 
-    async def discard(self, endpoint: str) -> None:
-        client = self._clients.pop(endpoint, None)
+    async def discard(self, address: PeerAddress | str) -> None:
+        client = self._clients.pop(address, None)
         if client is not None:
             await client.close()
 

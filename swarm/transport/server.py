@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -57,12 +57,23 @@ _garbage_log = _RateLimitedLog(GARBAGE_LOG_EVERY_S)
 
 
 async def start_server(
-    servicer: pb_grpc.StagePeerServicer, *, host: str, port: int
+    servicer: pb_grpc.StagePeerServicer,
+    *,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int]:
-    """Start serving on ``host:port`` (port 0 picks a free one); return the server and the bound port."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    """Start serving on ``host:port`` (port 0 picks a free one); return the server and the bound port. With
+    ``credentials`` (see :mod:`swarm.transport.security`) it serves TLS only; ``interceptors`` see every call
+    before its handler (e.g. :class:`swarm.transport.callers.CallerCheck`)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     pb_grpc.add_StagePeerServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(
             f"cannot listen on {host}:{port}: the port is taken or the address is not local; "
@@ -129,7 +140,7 @@ def stream_handler(fn: Callable[..., AsyncIterator[pb.Frame]]):
             if isinstance(e, MalformedFrame):
                 _garbage_log.warning("%s from %s: %s", fn.__name__, context.peer(), e)
             else:
-                await _drain(request_iterator)
+                await drain_request(request_iterator)
             await abort_with(context, e)
         except grpc.aio.AbortError:
             raise
@@ -159,7 +170,7 @@ def _observe(servicer, method: str, seconds: float, outcome: str) -> None:
             logger.exception("recording the metrics of a %s call failed", method)
 
 
-async def _drain(
+async def drain_request(
     request_iterator, *, timeout_s: float = 2.0, idle_s: float = 0.25, max_bytes: int = 64 << 20
 ) -> None:
     """Read (and drop) what the caller is still sending before answering with an error.

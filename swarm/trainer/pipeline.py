@@ -260,7 +260,7 @@ class Pipeline:
 
         async def poll(record: StageRecord) -> None:
             try:
-                info = await self.clients.get(record.endpoint).info(
+                info = await self.clients.get(PeerAddress.of(record)).info(
                     self.run_id, timeout_s=STEP_POLL_TIMEOUT_S
                 )
             except SwarmError:

@@ -470,8 +470,10 @@ def test_a_drain_serves_held_backwards_refuses_new_work_and_drops_the_rest_after
             await asyncio.sleep(0.02)
         with pytest.raises(PeerDraining):
             await forward_first(peer, "new", 3)
-        reply = await backward_first(peer, "answered", torch.ones_like(answered.tensors["output"]))
+        # The quiet time counts from the peer's mark of its last call, made before this caller reads the reply:
+        # measure from before the call, never after that mark.
         last_call = time.monotonic()
+        reply = await backward_first(peer, "answered", torch.ones_like(answered.tensors["output"]))
         await drain
         return reply, time.monotonic() - started, time.monotonic() - last_call
 

@@ -127,7 +127,7 @@ def test_closing_a_batch_counts_a_replica_that_is_gone_but_not_one_that_is_only_
     import dataclasses
     import socket
 
-    from swarm.trainer import pipeline as pipeline_module
+    from swarm.trainer import stagesteps as stagesteps_module
 
     live, last = peers("close-count", 0), peers("close-count", 1)
     seen: list[int] = []
@@ -147,16 +147,16 @@ def test_closing_a_batch_counts_a_replica_that_is_gone_but_not_one_that_is_only_
                     template, peer_id=peer_id, endpoint=endpoint
                 )
             seen.clear()
-            await pipeline.close_batch([0, None])
+            await pipeline.steps.close_batch([0, None])
             return seen[-1]
 
-    old_timeout = pipeline_module.CLOSE_BATCH_TIMEOUT_S
-    pipeline_module.CLOSE_BATCH_TIMEOUT_S = 1.0  # the silent one's deadline, shortened for the test
+    old_timeout = stagesteps_module.CLOSE_BATCH_TIMEOUT_S
+    stagesteps_module.CLOSE_BATCH_TIMEOUT_S = 1.0  # the silent one's deadline, shortened for the test
     try:
         assert loop_thread.run(body({"gone": gone})) == 1
         assert loop_thread.run(body({"gone": gone, "silent": silent})) == 0
         assert loop_thread.run(body({})) == 1
     finally:
-        pipeline_module.CLOSE_BATCH_TIMEOUT_S = old_timeout
+        stagesteps_module.CLOSE_BATCH_TIMEOUT_S = old_timeout
         gone.close()
         silent.close()

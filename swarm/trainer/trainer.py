@@ -142,7 +142,7 @@ class Trainer:
         # flow control (see _stages_caught_up): the flag, or by default lockstep when the stages average
         self._batches_ahead = config.max_batches_ahead
         if self._batches_ahead is None:
-            self._batches_ahead = 0 if pipeline.stages_average() else -1
+            self._batches_ahead = 0 if pipeline.steps.stages_average() else -1
         # what the metrics endpoint shows: the last step's and validation's numbers, and the counts
         self.latest: dict[str, float] = dict(
             step=0, loss=math.nan, val_loss=math.nan, tokens_per_s=0.0, microbatches=0, samples=0
@@ -213,7 +213,7 @@ class Trainer:
         tally = _Tally(self._per_step)
         # Microbatch i belongs to global batch i // per_step: tell each stage which of its optimizer steps
         # that is, counting from the step it has reached now (so a restarted trainer continues the count).
-        first_steps = self.pipeline.stage_steps()
+        first_steps = self.pipeline.steps.stage_steps()
         launched = 0
         started = self._last_log = time.monotonic()
         self._last_val_loss = float("nan")  # shown on progress lines until the next validation
@@ -257,11 +257,13 @@ class Trainer:
         if ahead < 0 or applied <= 0:
             return True
         targets = [first + applied for first in first_steps]
-        if all(now >= target for now, target in zip(self.pipeline.stage_steps(), targets)):
+        if all(now >= target for now, target in zip(self.pipeline.steps.stage_steps(), targets)):
             return True
         if waiting_on_replies:
             return False
-        await self.pipeline.wait_for_stage_steps(targets, stall_s=self.config.stage_step_wait_s)
+        await self.pipeline.steps.wait_for_stage_steps(
+            targets, stall_s=self.config.stage_step_wait_s
+        )
         return True
 
     def _train_microbatch(self, index: int, first_steps: list[int]):
@@ -300,7 +302,7 @@ class Trainer:
         # Averaging stages step a little after the trainer sends a batch's last microbatch (the all-reduce).
         if self._batches_ahead >= 0:  # the stages count global batches (averaging peers)
             batches = math.ceil(launched / self._per_step)
-            await self.pipeline.wait_for_stage_steps(
+            await self.pipeline.steps.wait_for_stage_steps(
                 [first + batches for first in first_steps],
                 stall_s=cfg.stage_step_wait_s,
                 every_replica=True,
@@ -458,7 +460,7 @@ def _duration(seconds: float) -> str:
 
 class _BatchCloser:
     """Closes each global batch at the stages once all its microbatches are in (their gradients committed at every
-    stage): see :meth:`Pipeline.close_batch`. Batches close in the background, in any order."""
+    stage): see :meth:`StageSteps.close_batch`. Batches close in the background, in any order."""
 
     def __init__(self, pipeline: Pipeline, per_step: int, first_steps: list[int]):
         self.pipeline, self.per_step, self.first_steps = pipeline, per_step, first_steps
@@ -471,7 +473,9 @@ class _BatchCloser:
         if self._done[batch] == self.per_step:
             del self._done[batch]
             steps = [first + batch for first in self.first_steps]
-            task = asyncio.create_task(self.pipeline.close_batch(steps), name=f"close-{batch}")
+            task = asyncio.create_task(
+                self.pipeline.steps.close_batch(steps), name=f"close-{batch}"
+            )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

@@ -1,0 +1,191 @@
+"""Where each stage's optimizer stands as one trainer knows it, and the trainer's side of closing global batches.
+
+Averaging replicas step once per global batch, a little after its last microbatch (the all-reduce). The trainer
+reads their steps from the DHT records, the replies of its calls, and, while it waits for a stage in lockstep,
+the replicas' own ``Info`` (a local round trip instead of a heartbeat); it closes each batch at every replica
+(``CloseBatch``) with the count of the stage's replicas that answered just before, so a stage steps on what it
+has and knows whom to step with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from swarm.discovery.records import StageRecord
+from swarm.errors import SwarmError
+from swarm.states import PeerState
+from swarm.transport.client import ClientPool
+from swarm.transport.security import PeerAddress
+
+logger = logging.getLogger(__name__)
+
+# Deadline of the calls that close a global batch (see StageSteps.close_batch), and how often a stage that is
+# behind is closed again.
+CLOSE_BATCH_TIMEOUT_S = 5.0
+RECLOSE_EVERY_S = 2.0
+# While the trainer waits for stages to step: seconds between two reads of their replicas' steps (Info), and
+# how long one read may take
+STEP_POLL_S, STEP_POLL_TIMEOUT_S = 0.05, 1.0
+
+
+class StageSteps:
+    """The optimizer steps of the stages of one run, over the pipeline's records (stage -> peer id -> record,
+    refreshed in place by the pipeline)."""
+
+    def __init__(
+        self,
+        records: list[dict[str, StageRecord]],
+        clients: ClientPool,
+        run_id: str,
+        *,
+        refresh: Callable[[], Awaitable[None]],
+        refresh_s: float,
+    ):
+        self.records, self.clients, self.run_id = records, clients, run_id
+        self._refresh, self.refresh_s = refresh, refresh_s
+        # the highest optimizer step any reply of each stage carried
+        self._replied_steps = [0] * len(records)
+        # peer id -> the optimizer step its Info answered while the trainer waited for its stage to step (the DHT
+        # record says it a heartbeat later)
+        self._polled_steps: dict[str, int] = {}
+
+    def replied(self, stage: int, step: int) -> None:
+        """A reply of ``stage`` said its replica is at optimizer step ``step``."""
+        self._replied_steps[stage] = max(self._replied_steps[stage], step)
+
+    def stages_average(self) -> bool:
+        """Whether every serving replica of every stage averages with its stage (``swarm peer``'s default):
+        then the stages step once per global batch, together."""
+        serving = [
+            r for stage in self.records for r in stage.values() if r.state == PeerState.SERVING
+        ]
+        return bool(serving) and all(r.averaging for r in serving)
+
+    def stage_steps(self, *, every_replica: bool = False) -> list[int]:
+        """Each stage's optimizer step as far as this trainer knows (DHT records, and the step peers put in
+        their replies): the most advanced replica's, or with ``every_replica`` the least advanced's."""
+        out = []
+        for stage in range(len(self.records)):
+            steps = [
+                max(r.step, self._polled_steps.get(r.peer_id, 0))
+                for r in self.records[stage].values()
+                if r.state == PeerState.SERVING
+            ]
+            if every_replica:
+                out.append(min(steps, default=0))
+            else:
+                out.append(max([*steps, self._replied_steps[stage]]))
+        return out
+
+    async def wait_for_stage_steps(
+        self, targets: list[int], *, stall_s: float, every_replica: bool = False
+    ) -> bool:
+        """Wait until each stage k has taken optimizer step ``targets[k]`` (with ``every_replica``: each of its
+        serving replicas has). Gives up (False) once no stage has advanced for ``stall_s``. Every batch before the
+        targets is complete: a stage that is behind is closed again every ``RECLOSE_EVERY_S`` with a fresh count of
+        its replicas (one that died since the batch was closed would otherwise be waited for)."""
+        deadline, last = time.monotonic() + stall_s, None
+        reclosed = refreshed = time.monotonic()
+        while True:
+            steps = self.stage_steps(every_replica=every_replica)
+            behind = [k for k, target in enumerate(targets) if steps[k] < target]
+            if not behind:
+                return True
+            if time.monotonic() - reclosed >= RECLOSE_EVERY_S:
+                await self.close_batch(
+                    [steps[k] if k in behind else None for k in range(len(steps))]
+                )
+                reclosed = time.monotonic()
+            if steps != last:
+                deadline, last = time.monotonic() + stall_s, steps
+            elif time.monotonic() > deadline:
+                logger.warning(
+                    "stage(s) %s stopped short of optimizer step %s (they are at %s)",
+                    behind,
+                    [targets[k] for k in behind],
+                    [steps[k] for k in behind],
+                )
+                return False
+            # Ask the replicas of the stages behind (a local round trip), rather than wait a heartbeat for their
+            # DHT records to say it: in lockstep training every batch waits here.
+            await asyncio.gather(*(self._poll_steps(k) for k in behind))
+            if time.monotonic() - refreshed >= self.refresh_s:
+                await self._refresh()
+                refreshed = time.monotonic()
+            else:
+                await asyncio.sleep(STEP_POLL_S)
+
+    async def _poll_steps(self, stage: int) -> None:
+        """Read the optimizer step of each serving replica of ``stage`` from its Info (best effort: one that does
+        not answer keeps the step its record says)."""
+
+        async def poll(record: StageRecord) -> None:
+            try:
+                info = await self.clients.get(PeerAddress.of(record)).info(
+                    self.run_id, timeout_s=STEP_POLL_TIMEOUT_S
+                )
+            except SwarmError:
+                return
+            if info.peer_id == record.peer_id:
+                self._polled_steps[record.peer_id] = max(
+                    self._polled_steps.get(record.peer_id, 0), info.step
+                )
+
+        serving = [r for r in self.records[stage].values() if r.state == PeerState.SERVING]
+        await asyncio.gather(*(poll(r) for r in serving))
+
+    async def close_batch(self, batch_steps: list[int | None]) -> None:
+        """Tell every replica of each stage k that this trainer's part of its global batch ``batch_steps[k]`` is all
+        committed, so the stage steps on what it has rather than wait for samples that will not come (a replica
+        killed with its part), and how many of its replicas answered just now: the replicas to step with, whatever
+        the stage's progress records (which outlive a killed replica, and lag a live one) say; no count (0) when a
+        replica did not answer in time (it may be busy, not gone). Best effort: a replica that does not answer
+        steps on its own rules. ``batch_steps[k]`` None: leave stage k alone."""
+        targets = [
+            (stage, record)
+            for stage in range(len(self.records))
+            if batch_steps[stage] is not None
+            for record in list(self.records[stage].values())
+            if record.state in (PeerState.SERVING, PeerState.DRAINING)
+        ]
+
+        async def alive(stage: int, record: StageRecord) -> bool | None:
+            """True: it answered. False: it is gone (the call failed before its deadline: refused, reset,
+            unreachable). None: no answer in time: busy or frozen, nobody can tell which from here."""
+            try:
+                await self.clients.get(PeerAddress.of(record)).info(
+                    self.run_id, timeout_s=CLOSE_BATCH_TIMEOUT_S
+                )
+                return True
+            except SwarmError as e:
+                return (
+                    None
+                    if getattr(e, "status", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+                    else False
+                )
+
+        answered = await asyncio.gather(*(alive(*target) for target in targets))
+        live = [0] * len(self.records)
+        for (stage, _), ok in zip(targets, answered):
+            live[stage] += ok is True
+        # A replica that did not answer in time may be alive and busy: a count without it could tell the others
+        # they are alone, and each would step on its own part of the batch. Send no count (0: the replicas go by
+        # the stage's progress records, which drop a frozen replica once its record expires).
+        for (stage, _), ok in zip(targets, answered):
+            if ok is None:
+                live[stage] = 0
+
+        async def close(stage: int, record: StageRecord) -> None:
+            try:
+                await self.clients.get(PeerAddress.of(record)).close_batch(
+                    self.run_id, stage, batch_steps[stage], live[stage], CLOSE_BATCH_TIMEOUT_S
+                )
+            except SwarmError as e:
+                logger.debug("stage %d peer %s: closing batch failed: %s", stage, record.peer_id, e)
+
+        await asyncio.gather(*(close(*target) for target, ok in zip(targets, answered) if ok))

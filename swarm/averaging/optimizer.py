@@ -168,6 +168,12 @@ class HivemindStageOptimizer:
     def local_samples(self) -> int:
         return self.opt.grad_averager.local_samples_accumulated
 
+    @property
+    def holds_unaveraged(self) -> bool:
+        """Whether this replica holds samples its stage has not averaged yet: of the current batch, or handed to an
+        all-reduce still running. A replica that leaves now drops them from the stage's step."""
+        return self.local_samples > 0 or self._pending is not None
+
     def accumulate(self, grads, num_samples, batch_step=None):
         """Add one microbatch toward step ``batch_step``: now if that is the stage's current step (or an
         earlier one: a late microbatch joins the current batch), else aside until the stage gets there.

@@ -4,6 +4,7 @@ what they learn against one process.)"""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -171,3 +172,40 @@ def test_a_killed_and_a_frozen_replica_cost_time_not_the_model(local_swarm):
         applied,
         result,
     )
+
+
+DRAIN_STEPS = 12
+
+
+def test_a_replica_drained_mid_run_hands_in_its_samples_and_leaves_nothing_counted_twice(
+    local_swarm,
+):
+    """2 stages, stage 0 with 2 averaging replicas, one of them stopped with SIGTERM mid-run (the trainer in its
+    default lockstep): it finishes its calls, takes part in its batch's all-reduce and exits 0 within the drain
+    timeout; the trainer finishes every batch without a failed call or an unconfirmed commit, and stage 0
+    counted every microbatch exactly once across the two replicas (the drained one's last summary says how
+    many it applied)."""
+    run_id = "avgdrain"
+    flags = [*FLAGS, "--target-batch-size", "32"]
+    names = ["s0-a", "s0-b", "s1-a"]
+    procs = {n: local_swarm.peer(n, int(n[1]), *flags, run_id=run_id, wait=False) for n in names}
+    endpoints = {n: local_swarm.wait_ready(p) for n, p in procs.items()}
+    trainer = local_swarm.trainer(
+        "trainer", run_id=run_id, **TEST_TRAINER, steps=DRAIN_STEPS, in_flight=4, eval_batches=2
+    )
+    trainer.wait_for(r"^step 4/", timeout_s=300)
+    leaving = procs["s0-b"]
+    t0 = time.monotonic()
+    leaving.signal(signal.SIGTERM)
+    code = leaving.popen.wait(timeout=60)
+    took = time.monotonic() - t0
+    assert code == 0 and took <= 30.0, (code, took)  # the default --drain-timeout-s bound
+    result = finished(trainer, timeout_s=600)
+    assert result.microbatches == result.microbatches_started == DRAIN_STEPS * 4
+    assert result.failed_calls == 0 and result.unconfirmed_commits == 0, result
+    log = leaving.log_path.read_text()
+    assert "did not average" not in log, log[-3000:]
+    left_with = int(re.findall(r"\((\d+) microbatches in all\)", log)[-1])
+    info = ask_peers([endpoints["s0-a"]], lambda c: c.info(run_id, timeout_s=10))[0]
+    assert info.microbatches_applied + left_with == DRAIN_STEPS * 4, (info, left_with)
+    assert _wait_for_step([endpoints["s0-a"]], DRAIN_STEPS, run_id=run_id) == [DRAIN_STEPS]

@@ -151,7 +151,9 @@ def test_closing_a_batch_counts_a_replica_that_is_gone_but_not_one_that_is_only_
             return seen[-1]
 
     old_timeout = stagesteps_module.CLOSE_BATCH_TIMEOUT_S
-    stagesteps_module.CLOSE_BATCH_TIMEOUT_S = 1.0  # the silent one's deadline, shortened for the test
+    stagesteps_module.CLOSE_BATCH_TIMEOUT_S = (
+        1.0  # the silent one's deadline, shortened for the test
+    )
     try:
         assert loop_thread.run(body({"gone": gone})) == 1
         assert loop_thread.run(body({"gone": gone, "silent": silent})) == 0

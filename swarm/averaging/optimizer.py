@@ -95,10 +95,9 @@ class HivemindStageOptimizer:
         self._replicas: dict[int, int] = {}
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
-        self._closed_at = (
-            -1,
-            0.0,
-        )  # (step, when this replica first saw its batch closed): for the step's log
+        self._handed = 0  # samples this replica put into the step under way
+        # (step, when this replica first saw its batch closed): for the step's log line
+        self._closed_at = (-1, 0.0)
         self.step_pause_s = (
             0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
         )
@@ -167,6 +166,12 @@ class HivemindStageOptimizer:
     @property
     def local_samples(self) -> int:
         return self.opt.grad_averager.local_samples_accumulated
+
+    @property
+    def holds_unaveraged(self) -> bool:
+        """Whether this replica holds samples its stage has not averaged yet: of the current batch, or handed to an
+        all-reduce still running. A replica that leaves now drops them from the stage's step."""
+        return self.local_samples > 0 or self._pending is not None
 
     def accumulate(self, grads, num_samples, batch_step=None):
         """Add one microbatch toward step ``batch_step``: now if that is the stage's current step (or an
@@ -322,6 +327,7 @@ class HivemindStageOptimizer:
         )
         set_learning_rate(self.opt.opt, self.run, self.step)
         self.opt.used_local_gradients = False
+        self._handed = self.local_samples
         began = hp.begin_global_step(self.opt)
         self._hold_s = time.perf_counter() - self._step_started[2]
         self._pending = self.opt.scheduled_grads if began else None
@@ -338,14 +344,6 @@ class HivemindStageOptimizer:
         hp.finish_global_step(self.opt, began)
         now, started = time.perf_counter(), self._step_started[2]
         closed = self._closed_at[1] if self._closed_at[0] == before else started
-        logger.debug(
-            "stage %d step %d: %s %.3fs after its batch closed, all-reduce %.3fs",
-            self.stage_index,
-            before,
-            "group formed" if began else "stepped alone",
-            started - closed,
-            now - started,
-        )
         if self._group_sized is not None:  # the next step's group waits for its own count
             self._group_sized = None
             self.opt.grad_averager.set_group_size(None)
@@ -361,6 +359,17 @@ class HivemindStageOptimizer:
             else "received part of the all-reduce only"
             if self._partial.count.value > partial
             else None
+        )
+        # One line per step (bench/soak.py sums the samples each stage averaged from these): how the step went,
+        # the samples this replica put in, and the time from the batch's close to the group and to the update.
+        logger.debug(
+            "stage %d step %d: %s, %d samples in, group %.3fs after the batch closed, all-reduce %.3fs",
+            self.stage_index,
+            before,
+            why or ("averaged" if began else "stepped alone"),
+            self._handed,
+            started - closed,
+            now - started,
         )
         # (Not gated on the progress records showing peers: they lag, and a replica that took part in a group had
         # peers whatever they show. One truly alone finds no donor and keeps its state, saying so.)

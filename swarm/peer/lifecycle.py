@@ -449,6 +449,7 @@ class Peer:
         self._announcer.heading_to(None)  # leaving the swarm, not moving within it
         await self._drain_work()
         await self.save_checkpoint()
+        logger.info("%s", self.summary())  # what it leaves behind, counted to the end
 
     async def move_to(self, stage_index: int, *, expected_throughput: float) -> None:
         """Leave the current stage for ``stage_index``: drain, load the new stage's state, serve it."""
@@ -479,6 +480,33 @@ class Peer:
         # Trainers stop routing new forwards here once they see the draining state (in a reply or the
         # DHT); until the cached microbatches are claimed by their backward, keep serving.
         await self.admission.wait_until_drained(lambda: self.executor.cached_microbatches)
+        await self._hand_in_samples()
+
+    async def _hand_in_samples(self) -> None:
+        """An averaging replica that holds samples of its stage's current batch takes part in that batch's step
+        before it leaves (the trainer closes the batch with it counted, see Pipeline.close_batch), within what
+        is left of ``drain_timeout_s``: leaving with them would drop them from the stage's average."""
+        optimizer = self.executor.optimizer
+        if not getattr(optimizer, "holds_unaveraged", False):
+            return
+        step = self.executor.step
+        while optimizer.holds_unaveraged and self.admission.drain_left_s > 0:
+            await asyncio.sleep(self.config.averaging.step_check_s)  # the step loop takes the step
+        if optimizer.holds_unaveraged:
+            logger.warning(
+                "peer %s leaves stage %d with %d samples of step %d its stage did not average (the drain "
+                "timeout ran out first; raise --drain-timeout-s)",
+                self.peer_id,
+                self.stage_index,
+                self.executor.samples_accumulated,
+                self.executor.step,
+            )
+        else:
+            logger.info(
+                "peer %s handed its samples of step %d to its stage's all-reduce before leaving",
+                self.peer_id,
+                step,
+            )
 
     async def shutdown(self) -> None:
         await self._stack.aclose()

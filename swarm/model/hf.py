@@ -25,12 +25,36 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from swarm.errors import UsageError
 from swarm.model.base import StageBase
 from swarm.model.hfconfig import HFModelConfig, pretrained_sha256, weight_files
 
 # where the transformers model keeps its layers, per family (the prefix of every non-head name)
 _BASE_PREFIX = {"gpt2": "transformer", "llama": "model"}
 _INPUT_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+
+
+# The stages call transformers' layer classes directly (not through a model's forward), whose signatures and
+# return values changed across major versions (4.x layers return tuples); written and tested against 5.x.
+SUPPORTED_TRANSFORMERS_MAJOR = 5
+
+
+@functools.cache
+def require_transformers() -> None:
+    """Raise UsageError (a line, exit 2 from the CLI) unless a supported transformers is installed."""
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(
+            "GPT-2 and Llama stages need transformers and safetensors: pip install 'swarm[hf]'"
+        ) from None
+    major = int(transformers.__version__.split(".")[0])
+    if major != SUPPORTED_TRANSFORMERS_MAJOR:
+        raise UsageError(
+            f"transformers {transformers.__version__} is installed; swarm's GPT-2 and Llama stages use the "
+            f"layer classes of transformers {SUPPORTED_TRANSFORMERS_MAJOR}.x: pip install "
+            f"'transformers>={SUPPORTED_TRANSFORMERS_MAJOR},<{SUPPORTED_TRANSFORMERS_MAJOR + 1}'"
+        )
 
 
 def _stage_transformers_config(config: HFModelConfig):
@@ -53,6 +77,7 @@ class HFStage(StageBase):
     def __init__(self, config: HFModelConfig, index: int) -> None:
         super().__init__()
         self._place(config, index)
+        require_transformers()
         tc = _stage_transformers_config(config)
         self.family = config.family
         d, layers = config.d_model, config.stage_layers(index)

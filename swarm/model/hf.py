@@ -242,8 +242,8 @@ def build_hf_stage(
 # ---- pretrained checkpoints (a local directory: config.json and model.safetensors, or shards with an index)
 
 
-def _checkpoint_tensors(directory: Path) -> Iterator[tuple[str, object]]:
-    """(key, safe_open handle) for every tensor of the checkpoint."""
+def _checkpoint_tensors(directory: Path) -> Iterator[tuple[str, Path]]:
+    """(name, file holding it) for every tensor of the checkpoint."""
     from safetensors import safe_open
 
     for file in weight_files(directory):
@@ -274,7 +274,7 @@ def load_pretrained_into(stage: HFStage, directory: str | Path) -> None:
     with torch.no_grad():
         for name, target in state.items():
             candidates = [name, name.removeprefix(prefix)]
-            if name == "lm_head.weight":
+            if name == "lm_head.weight" and config.tied_embeddings:
                 embedding = _INPUT_EMBEDDING[config.family]
                 candidates += [embedding, embedding.removeprefix(prefix)]
             key = next((c for c in candidates if c in where), None)

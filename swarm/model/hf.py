@@ -25,12 +25,36 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from swarm.errors import UsageError
 from swarm.model.base import StageBase
 from swarm.model.hfconfig import HFModelConfig, pretrained_sha256, weight_files
 
 # where the transformers model keeps its layers, per family (the prefix of every non-head name)
 _BASE_PREFIX = {"gpt2": "transformer", "llama": "model"}
 _INPUT_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+
+
+# The stages call transformers' layer classes directly (not through a model's forward), whose signatures and
+# return values changed across major versions (4.x layers return tuples); written and tested against 5.x.
+SUPPORTED_TRANSFORMERS_MAJOR = 5
+
+
+@functools.cache
+def require_transformers() -> None:
+    """Raise UsageError (a line, exit 2 from the CLI) unless a supported transformers is installed."""
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(
+            "GPT-2 and Llama stages need transformers and safetensors: pip install 'swarm[hf]'"
+        ) from None
+    major = int(transformers.__version__.split(".")[0])
+    if major != SUPPORTED_TRANSFORMERS_MAJOR:
+        raise UsageError(
+            f"transformers {transformers.__version__} is installed; swarm's GPT-2 and Llama stages use the "
+            f"layer classes of transformers {SUPPORTED_TRANSFORMERS_MAJOR}.x: pip install "
+            f"'transformers>={SUPPORTED_TRANSFORMERS_MAJOR},<{SUPPORTED_TRANSFORMERS_MAJOR + 1}'"
+        )
 
 
 def _stage_transformers_config(config: HFModelConfig):
@@ -53,6 +77,7 @@ class HFStage(StageBase):
     def __init__(self, config: HFModelConfig, index: int) -> None:
         super().__init__()
         self._place(config, index)
+        require_transformers()
         tc = _stage_transformers_config(config)
         self.family = config.family
         d, layers = config.d_model, config.stage_layers(index)
@@ -217,8 +242,8 @@ def build_hf_stage(
 # ---- pretrained checkpoints (a local directory: config.json and model.safetensors, or shards with an index)
 
 
-def _checkpoint_tensors(directory: Path) -> Iterator[tuple[str, object]]:
-    """(key, safe_open handle) for every tensor of the checkpoint."""
+def _checkpoint_tensors(directory: Path) -> Iterator[tuple[str, Path]]:
+    """(name, file holding it) for every tensor of the checkpoint."""
     from safetensors import safe_open
 
     for file in weight_files(directory):
@@ -249,7 +274,7 @@ def load_pretrained_into(stage: HFStage, directory: str | Path) -> None:
     with torch.no_grad():
         for name, target in state.items():
             candidates = [name, name.removeprefix(prefix)]
-            if name == "lm_head.weight":
+            if name == "lm_head.weight" and config.tied_embeddings:
                 embedding = _INPUT_EMBEDDING[config.family]
                 candidates += [embedding, embedding.removeprefix(prefix)]
             key = next((c for c in candidates if c in where), None)

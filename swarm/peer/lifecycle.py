@@ -212,9 +212,7 @@ class Peer:
         stage's hivemind optimizer if they are ahead, without it (on a move only, and only with no
         checkpoint) the parameters of the stage's most advanced peer."""
         run, config = self.run, self.config
-        stage_module = await asyncio.to_thread(
-            build_stage, run.model, stage_index, pretrained=config.pretrained
-        )
+        stage_module = build_stage(run.model, stage_index, pretrained=config.pretrained)
         restored = None
         if self._checkpoints is not None:
             restored = await asyncio.to_thread(self._checkpoints.load, stage_index, run=run)

@@ -172,12 +172,12 @@ def test_run_records_carry_the_family_and_its_config():
 
 
 def _peer_run_config(tmp_path, *argv: str):
-    from swarm import cli
+    from swarm import cli, runflags
     from swarm.argconfig import config_from_args
     from swarm.peer.config import PeerConfig
 
     args = cli.build_parser(("peer",)).parse_args(["peer", *argv])
-    return cli._run_config_from_args(args, config_from_args(PeerConfig, args).pretrained)
+    return runflags.run_config_from_args(args, config_from_args(PeerConfig, args).pretrained)
 
 
 def test_peer_flags_start_hf_runs_from_a_preset_a_config_or_a_checkpoint(tmp_path):

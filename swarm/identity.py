@@ -27,8 +27,6 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 PEER_ID_HEX = 16
 FINGERPRINT_HEX = 32
-# How a caller list names a key: its peer id or its fingerprint (the peer id is the fingerprint's first digits).
-KEY_NAME = re.compile(r"[0-9a-f]{16}(?:[0-9a-f]{16})?")
 _MARKER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 

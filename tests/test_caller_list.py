@@ -4,9 +4,12 @@ admit only its keys and the owner's; nobody else can publish or fake it; publish
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 from hivemind.utils import get_dht_time
+from livepeers import RUN
 
 from swarm.discovery.callerlist import (
     CallerList,
@@ -14,9 +17,12 @@ from swarm.discovery.callerlist import (
     publish_caller_list,
     read_caller_list,
 )
+from swarm.discovery.config import DHTConfig
 from swarm.discovery.dht import RunDirectory
 from swarm.errors import NotAdmitted, UsageError
 from swarm.identity import Identity
+from swarm.peer.config import PeerConfig
+from swarm.peer.lifecycle import Peer
 from swarm.peer.members import apply_caller_list, follow_caller_list
 from swarm.transport.callers import CallerToken
 from swarm.transport.client import PeerClient
@@ -100,3 +106,40 @@ def test_a_caller_list_from_the_wire_is_validated():
     for bad in (None, {"open": "yes"}, {"open": False, "callers": ["XYZ"]}, {"open": True}):
         with pytest.raises(ValueError):
             CallerList.from_wire(bad)
+
+
+def test_swarm_callers_publishes_as_the_owner_only(loop_thread, boot, tmp_path):
+    """The CLI, run with the owner's key file, sets the list the run's peers enforce; with another key it refuses."""
+    owner_key = tmp_path / "owner.pem"
+    config = PeerConfig(
+        run_id="callers-cli",
+        stage=1,
+        rebalance=False,
+        dht=DHTConfig(initial_peers=boot, identity_path=str(owner_key)),
+    )
+    peer = loop_thread.run(Peer.create(config, run=RUN))
+    try:
+
+        def cli(*args):
+            return subprocess.run(
+                [sys.executable, "-m", "swarm", "callers", "--run-id", "callers-cli"]
+                + [a for addr in boot for a in ("--initial-peers", addr)]
+                + list(args),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+
+        refused = cli("--identity-path", str(tmp_path / "someone.pem"), "--allow", LISTED.peer_id)
+        assert refused.returncode == 2 and "only the owner" in refused.stderr, refused.stderr
+        done = cli("--identity-path", str(owner_key), "--allow", LISTED.peer_id)
+        assert done.returncode == 0, done.stderr
+        assert f"admits its owner and: {LISTED.peer_id}" in done.stdout
+        loop_thread.run(apply_caller_list(peer.directory, peer.caller_check))
+        assert peer.caller_check.run_allowed == tuple(
+            sorted({LISTED.peer_id, peer.identity.fingerprint})
+        )
+        shown = cli()
+        assert f"admits its owner and: {LISTED.peer_id}" in shown.stdout, shown.stderr
+    finally:
+        loop_thread.run(peer.shutdown())

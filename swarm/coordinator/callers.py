@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from swarm.discovery.callerlist import CallerList, publish_caller_list, read_caller_list
 from swarm.discovery.config import DHTConfig
 from swarm.discovery.dht import RunDirectory, start_dht
 from swarm.errors import UsageError
+from swarm.identity import Identity
 from swarm.peer.members import load_allow_callers
 
 # How long a published list lives in the DHT unless published again.
@@ -34,7 +36,14 @@ async def manage_callers(
     UsageError if this node's identity (``--identity-path``) is not the run's owner, or the run is not found."""
     if allow is not None and open_run:
         raise UsageError("give either --allow or --open, not both")
-    dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
+    # signs with the owner's key, but is a DHT node of its own: the owner's running peer holds its libp2p identity
+    identity = Identity.load_or_create(dht_config.identity_path)
+    dht = await asyncio.to_thread(
+        start_dht,
+        dataclasses.replace(dht_config, identity_path=None),
+        client_mode=True,
+        identity=identity,
+    )
     try:
         directory = RunDirectory(dht, run_id, run_owner=dht_config.run_owner)
         if await directory.get_run() is None:

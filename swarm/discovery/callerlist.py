@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
+from swarm.discovery.config import KEY_NAME
 from swarm.discovery.dht import RunDirectory, subkey_values
 from swarm.errors import UsageError
-from swarm.identity import KEY_NAME, fingerprint_of, owner_key
+from swarm.identity import fingerprint_of, owner_key
 
 logger = logging.getLogger(__name__)
 

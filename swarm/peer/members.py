@@ -16,7 +16,7 @@ import logging
 import re
 from pathlib import Path
 
-from swarm.identity import KEY_NAME
+from swarm.discovery.config import KEY_NAME
 
 logger = logging.getLogger(__name__)
 

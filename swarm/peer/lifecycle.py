@@ -59,9 +59,8 @@ class Peer:
         self._summary_mark = (time.monotonic(), 0, 0.0)
         self.stage_index: int | None = config.stage  # the stage served (or chosen on arrival)
         self.endpoint = ""
-        self.tls_cert = (
-            ""  # the certificate its server presents, announced in its record ("" = --plaintext)
-        )
+        # the certificate its server presents, announced in its record ("" = --plaintext)
+        self.tls_cert = ""
         self.caller_check: CallerCheck | None = None  # admits its callers (set with the server)
         self.run: RunConfig | None = None
         self.executor: StageExecutor | None = None  # replaced by a move

@@ -6,8 +6,8 @@ Writes bench/results/tls_swarm.md.
 
 The swarm: tiny preset, 2 stages x 1 peer per run (``--threads 1``, codec int8, target batch 32, no averaging),
 loopback processes; both runs' peers stay up, idle while the other run trains. Each round runs one trainer per mode,
-TLS first; tokens/s comes from each trainer's summary. Callers are authenticated in both runs (tokens), so the
-ratio is what encryption costs a step. See bench/tls_cost.py for the cost per call.
+in alternating order; tokens/s comes from each trainer's summary. Callers are authenticated in both runs (tokens),
+so the ratio is what encryption costs a step. See bench/tls_cost.py for the cost per call.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def run(steps: int, rounds: int, workdir: Path) -> list[dict]:
         for proc in procs:
             wait_ready(proc)
         for round_ in range(rounds):
-            for mode in MODES:
+            # TLS first in even rounds, plaintext first in odd ones: a drift in load hits both alike
+            for mode in list(MODES)[:: 1 if round_ % 2 == 0 else -1]:
                 trainer = swarm.trainer(
                     f"trainer-r{round_}-{mode}",
                     run_id=f"tls-{mode}",
@@ -69,7 +70,7 @@ def run(steps: int, rounds: int, workdir: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15, help="global batches per trainer run")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating")
+    parser.add_argument("--rounds", type=int, default=4, help="runs of each mode, alternating")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "tls_swarm.md")
     args = parser.parse_args()
     info = RunInfo(

@@ -24,6 +24,7 @@ from swarm.identity import Identity
 from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
 from swarm.peer.members import apply_caller_list, follow_caller_list
+from swarm.trainer.pipeline import Pipeline
 from swarm.transport.callers import CallerToken
 from swarm.transport.client import PeerClient
 
@@ -46,8 +47,11 @@ def test_the_owners_list_decides_who_the_runs_peers_admit(peers, loop_thread):
     assert owner.directory.owner == owner.identity.fingerprint != other.identity.fingerprint
 
     async def body():
-        # an open run: anyone identified
+        # an open run: anyone identified, and a trainer routes to every peer
         assert (await info(other, STRANGER)).stage == 0
+        pipeline = Pipeline(other.directory, RUN)
+        await pipeline.refresh()
+        assert set(pipeline.records[0]) == {other.peer_id}
         # a peer that is not the owner cannot publish the list, nor fake one under its own key
         with pytest.raises(UsageError, match="only the owner"):
             await publish_caller_list(
@@ -71,6 +75,10 @@ def test_the_owners_list_decides_who_the_runs_peers_admit(peers, loop_thread):
         assert (await info(other, owner.identity)).stage == 0
         with pytest.raises(NotAdmitted, match="not on the run's caller list"):
             await info(other, STRANGER)
+        # a trainer routes only to listed peers (the owner's is: its key is always admitted)
+        await pipeline.refresh()
+        assert not pipeline.records[0] and set(pipeline.records[1]) == {owner.peer_id}
+        await pipeline.close()
         # the owner opens the run again; the peer's own loop picks it up
         await publish_caller_list(owner.directory, CallerList(True), ttl_s=60)
         follower = asyncio.ensure_future(

@@ -158,7 +158,7 @@ def label(error: grpc.aio.AioRpcError) -> str:
 
 
 async def one_call(
-    method, frames, *, hold: asyncio.Event | None, timeout_s: float, metadata=()
+    method, frames, *, hold: asyncio.Event | None, timeout_s: float
 ) -> tuple[str, str]:
     """Send ``frames`` (then, with ``hold``, keep the stream open and silent until it is set); the answer's
     label and the peer's sentence."""
@@ -170,7 +170,7 @@ async def one_call(
             await hold.wait()
 
     try:
-        async for _ in method(gen(), timeout=timeout_s, metadata=metadata):
+        async for _ in method(gen(), timeout=timeout_s):
             pass
     except grpc.aio.AioRpcError as e:
         return label(e), e.details() or ""
@@ -190,17 +190,25 @@ async def client_main(spec: dict) -> dict:
     # each flood client is a caller with a valid identity: the flood is on the peer's bounds, not its door
     address = PeerAddress(spec["endpoint"], spec["peer_id"], spec["tls_cert"])
     token = CallerToken(Identity.ephemeral())
+
+    def signed(method):
+        return lambda requests, timeout: method(
+            requests, timeout=timeout, metadata=token.metadata(address.peer_id)
+        )
+
     channels = [open_channel(address, options) for _ in range(spec["channels"])]
     framed = [
-        c.stream_stream(
-            FORWARD,
-            request_serializer=pb.Frame.SerializeToString,
-            response_deserializer=pb.Frame.FromString,
+        signed(
+            c.stream_stream(
+                FORWARD,
+                request_serializer=pb.Frame.SerializeToString,
+                response_deserializer=pb.Frame.FromString,
+            )
         )
         for c in channels
     ]
     raw = [
-        c.stream_stream(FORWARD, request_serializer=None, response_deserializer=None)
+        signed(c.stream_stream(FORWARD, request_serializer=None, response_deserializer=None))
         for c in channels
     ]
     counts: collections.Counter[str] = collections.Counter()
@@ -223,41 +231,17 @@ async def client_main(spec: dict) -> dict:
             mb = f"{prefix}-{i}-{n}"
             if kind == "huge":
                 frames = [request_frame(run_id, mb), HUGE_HEADERS[(i + n) % len(HUGE_HEADERS)]]
-                count(
-                    await one_call(
-                        method,
-                        frames,
-                        hold=hold,
-                        timeout_s=30,
-                        metadata=token.metadata(address.peer_id),
-                    )
-                )
+                count(await one_call(method, frames, hold=hold, timeout_s=30))
             elif kind == "max":
                 frames = [request_frame(run_id, mb), *body]
-                count(
-                    await one_call(
-                        method,
-                        frames,
-                        hold=None,
-                        timeout_s=spec["call_timeout_s"],
-                        metadata=token.metadata(address.peer_id),
-                    )
-                )
+                count(await one_call(method, frames, hold=None, timeout_s=spec["call_timeout_s"]))
             elif kind == "idle":
                 # half stop after all but the last chunk of the input, half after the request frame
                 frames = [
                     request_frame(run_id, mb),
                     *(body[: INPUT_BYTES // CHUNK_BYTES] if i % 2 == 0 else []),
                 ]
-                count(
-                    await one_call(
-                        method,
-                        frames,
-                        hold=hold,
-                        timeout_s=spec["call_timeout_s"],
-                        metadata=token.metadata(address.peer_id),
-                    )
-                )
+                count(await one_call(method, frames, hold=hold, timeout_s=spec["call_timeout_s"]))
                 return
             elif kind == "garbage":
                 sizes = [
@@ -266,15 +250,7 @@ async def client_main(spec: dict) -> dict:
                 if rng.random() < 0.1:
                     sizes = [MAX_MESSAGE_BYTES + (4 << 20)]  # past the peer's message cap
                 frames = [rng.randbytes(size) for size in sizes]
-                count(
-                    await one_call(
-                        raw[i % len(raw)],
-                        frames,
-                        hold=None,
-                        timeout_s=30,
-                        metadata=token.metadata(address.peer_id),
-                    )
-                )
+                count(await one_call(raw[i % len(raw)], frames, hold=None, timeout_s=30))
             n += 1
             if n >= spec["calls_per_stream"] or time.monotonic() > deadline:
                 return
@@ -498,9 +474,7 @@ def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
         group, f"peer-{tag}", stage=STAGE, run_id=run_id, addr_file=addr_file, run_flags=run_flags
     )
     endpoint = wait_ready(peer)
-    address = address_by_handshake(
-        endpoint
-    )  # the bench's own peer: its certificate from the handshake
+    address = address_by_handshake(endpoint)  # the bench's own peer: certificate from the handshake
     result = BudgetRun(budget_bytes)
     print(
         f"budget {budget_bytes / MiB:.0f} MiB: peer {peer.pid} serves stage {STAGE} at {endpoint}",

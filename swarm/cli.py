@@ -112,6 +112,26 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _callers_flags(p: argparse.ArgumentParser) -> None:
+    _run_in_dht_flags(p)
+    p.add_argument(
+        "--allow",
+        nargs="+",
+        metavar="ID",
+        help="admit only these keys at every peer of the run (peer ids or fingerprints, or @FILE), and the "
+        "owner's; run as the owner (--identity-path of the key that created the run)",
+    )
+    p.add_argument(
+        "--open", action="store_true", help="admit any identified caller again (the default)"
+    )
+    p.add_argument(
+        "--ttl-s",
+        type=float,
+        default=7 * 24 * 3600.0,
+        help="seconds the list lives in the DHT; publish it again before (default: 7 days)",
+    )
+
+
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint", required=True, help="directory (or older file) written by `swarm export`"
@@ -171,6 +191,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "export": (
         "gather the latest state of every stage from live peers into one file",
         _export_flags,
+    ),
+    "callers": (
+        "show or set (as the run's owner) which keys the run's peers admit",
+        _callers_flags,
     ),
     "generate": ("sample text from an exported model, on CPU", _generate_flags),
     "plot": ("draw loss and throughput curves from trainers' metrics files", _plot_flags),
@@ -270,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo": _demo,
         "simulate": _simulate,
         "export": _export,
+        "callers": _callers,
         "generate": _generate,
         "plot": _plot,
     }[args.command]
@@ -448,6 +473,24 @@ def _export(args) -> int:
                 config_from_args(DHTConfig, args),
                 args.out,
                 allow_disagreement=args.allow_disagreement,
+            )
+        )
+    )
+    return 0
+
+
+def _callers(args) -> int:
+    from swarm.coordinator.callers import manage_callers
+    from swarm.discovery.config import DHTConfig
+
+    print(
+        _run(
+            manage_callers(
+                args.run_id,
+                config_from_args(DHTConfig, args),
+                allow=args.allow,
+                open_run=args.open,
+                ttl_s=args.ttl_s,
             )
         )
     )

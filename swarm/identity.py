@@ -119,7 +119,7 @@ class Identity:
                 )
             return cls(_wrap(key))
         identity = cls.ephemeral()
-        pem = identity.private_key._private_key.private_bytes(
+        pem = identity.rsa_key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
@@ -137,6 +137,12 @@ class Identity:
         finally:
             os.unlink(tmp)
         return identity
+
+    @property
+    def rsa_key(self) -> rsa.RSAPrivateKey:
+        """The key itself (``cryptography``'s), e.g. for a TLS certificate: hivemind's wrapper keeps it in a
+        private field, read here only."""
+        return self.private_key._private_key
 
     def sign(self, data: bytes) -> bytes:
         return self.private_key.sign(data)

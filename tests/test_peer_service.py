@@ -81,8 +81,9 @@ async def state(peer: Peer):
     }
 
 
-async def raw_call(address: PeerAddress, frames: list[pb.Frame], method="Forward"):
-    """Send exactly these frames (possibly malformed) and return (status code, details)."""
+async def raw_call(address: PeerAddress, frames: list[pb.Frame], method="Forward", auth_=True):
+    """Send exactly these frames (possibly malformed), with this process's caller token unless ``auth_`` is
+    False, and return (status code, details)."""
     async with open_channel(address) as channel:
         stub = pb_grpc.StagePeerStub(channel)
 
@@ -91,7 +92,8 @@ async def raw_call(address: PeerAddress, frames: list[pb.Frame], method="Forward
                 yield f
 
         try:
-            async for _ in getattr(stub, method)(gen(), timeout=10, metadata=auth(address)):
+            metadata = auth(address) if auth_ else ()
+            async for _ in getattr(stub, method)(gen(), timeout=10, metadata=metadata):
                 pass
         except grpc.aio.AioRpcError as e:
             return e.code(), e.details()
@@ -477,6 +479,7 @@ def test_metrics_parse_and_move_with_the_calls_served(peers, loop_thread):
         "refused": calls("Forward", "InvalidRequest"),
         # absent until the first Forward call (this test may run first)
         "count": scrape(last).get(("swarm_peer_call_seconds_count", (("method", "Forward"),)), 0.0),
+        "unauthenticated": value("swarm_peer_calls_refused_total", why="Unauthenticated"),
     }
 
     async def body():
@@ -489,8 +492,17 @@ def test_metrics_parse_and_move_with_the_calls_served(peers, loop_thread):
                 NONE,
                 timeout_s=10,
             )
+        # a call without a caller token never reaches a handler: counted apart
+        code, _ = await raw_call(
+            last.address, [pb.Frame(request=meta())], method="Forward", auth_=False
+        )
+        assert code == grpc.StatusCode.UNAUTHENTICATED
 
     loop_thread.run(body())
+    assert (
+        value("swarm_peer_calls_refused_total", why="Unauthenticated")
+        == before["unauthenticated"] + 1
+    )
     assert value("swarm_peer_microbatches_applied_total") == before["applied"] + 3
     assert value("swarm_peer_samples_applied_total") == before["samples"] + 3 * B
     assert calls("Forward") == before["forward"] + 3

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+# How a caller list names a key: its peer id or its fingerprint (the peer id is the fingerprint's first 16 digits).
+KEY_NAME = re.compile(r"[0-9a-f]{16}(?:[0-9a-f]{16})?")
 
 
 @dataclass(frozen=True, kw_only=True)

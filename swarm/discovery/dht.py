@@ -109,7 +109,7 @@ async def list_runs(dht: hivemind.DHT) -> dict[str, dict]:
     """The runs published in this DHT and still refreshed: run id -> {"num_stages", "config", "owners"} (the
     fingerprints of the keys that signed a config of that id: more than one means someone else uses the id)."""
     runs: dict[str, dict] = {}
-    for subkey, value in (await _subkey_values(dht, RUNS_KEY)).items():
+    for subkey, value in (await subkey_values(dht, RUNS_KEY)).items():
         key = owner_key(subkey)
         run_id = subkey.partition(b"]/")[2].decode(errors="replace") if key else None
         if (
@@ -129,7 +129,7 @@ async def list_runs(dht: hivemind.DHT) -> dict[str, dict]:
     return runs
 
 
-async def _subkey_values(dht: hivemind.DHT, key: str) -> dict:
+async def subkey_values(dht: hivemind.DHT, key: str) -> dict:
     """The values stored under ``key``, by subkey (empty when there is none, or it is not a subkey dict)."""
     found = await dht.get(key, latest=True, return_future=True)
     if found is None or not isinstance(found.value, dict):
@@ -258,7 +258,7 @@ class RunDirectory:
         return by_owner
 
     async def get_run(self) -> RunConfig | None:
-        by_owner = self._signed_configs(await _subkey_values(self.dht, config_key(self.run_id)))
+        by_owner = self._signed_configs(await subkey_values(self.dht, config_key(self.run_id)))
         if self.run_owner is not None:
             for owner in by_owner.keys() - {self.run_owner} - self._refused:
                 self._refused.add(owner)
@@ -393,13 +393,13 @@ class RunDirectory:
 
     async def claimers(self, key: str) -> frozenset[str]:
         """The peer ids that claimed ``key`` (signed claims only)."""
-        values = await _subkey_values(self.dht, f"swarm/{self.run_id}/{key}")
+        values = await subkey_values(self.dht, f"swarm/{self.run_id}/{key}")
         return frozenset(peer_id_of(k) for k in map(owner_key, values) if k is not None)
 
     async def stage_records(self, stage: int) -> dict[str, StageRecord]:
         """Live peers announced for ``stage``, by peer id. Malformed or misplaced records are dropped and logged."""
         return _valid_records(
-            await _subkey_values(self.dht, stage_key(self.run_id, stage)),
+            await subkey_values(self.dht, stage_key(self.run_id, stage)),
             StageRecord.from_wire,
             lambda record: record.peer_id,
             lambda record: record.stage == stage,
@@ -423,7 +423,7 @@ class RunDirectory:
     async def trainer_records(self) -> dict[str, TrainerRecord]:
         """Live trainers of the run, by trainer id. Malformed or misplaced records are dropped and logged."""
         return _valid_records(
-            await _subkey_values(self.dht, trainers_key(self.run_id)),
+            await subkey_values(self.dht, trainers_key(self.run_id)),
             TrainerRecord.from_wire,
             lambda record: record.trainer_id,
             lambda record: True,

@@ -107,22 +107,13 @@ _FAULTS = "advanced: fault injection (for tests and benchmarks; all off by defau
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     FLAG_TITLE = "peer"
-    FLAG_GROUPS = (
-        {
-            name: _FAULTS
-            for name in (
-                "slowdown",
-                "fail_probability",
-                "hang_after_calls",
-                "lose_commit_probability",
-            )
-        }
-        | {
-            name: "advanced: limits"
-            for name in ("max_microbatch_size", "calibration_batch", "drain_notice_s")
-        }
-        | {name: "security" for name in ("plaintext", "allow_callers")}
-    )
+    FLAG_GROUPS = {
+        name: _FAULTS
+        for name in ("slowdown", "fail_probability", "hang_after_calls", "lose_commit_probability")
+    } | {
+        name: "advanced: limits"
+        for name in ("max_microbatch_size", "calibration_batch", "drain_notice_s")
+    }
 
     run_id: str = "demo"  # the run to join
     # stage index to serve (default: the stage where this peer adds the most throughput)

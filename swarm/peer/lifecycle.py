@@ -27,7 +27,7 @@ from swarm.peer.announcer import RUN_TTL_FACTOR, Announcer, Serving
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import StageExecutor
-from swarm.peer.members import load_allow_callers
+from swarm.peer.members import apply_caller_list, follow_caller_list, load_allow_callers
 from swarm.peer.metrics import PeerMetrics
 from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
 from swarm.peer.service import ServiceContext, StageService
@@ -59,9 +59,8 @@ class Peer:
         self._summary_mark = (time.monotonic(), 0, 0.0)
         self.stage_index: int | None = config.stage  # the stage served (or chosen on arrival)
         self.endpoint = ""
-        self.tls_cert = (
-            ""  # the certificate its server presents, announced in its record ("" = --plaintext)
-        )
+        # the certificate its server presents, announced in its record ("" = --plaintext)
+        self.tls_cert = ""
         self.caller_check: CallerCheck | None = None  # admits its callers (set with the server)
         self.run: RunConfig | None = None
         self.executor: StageExecutor | None = None  # replaced by a move
@@ -356,6 +355,7 @@ class Peer:
         self.caller_check = CallerCheck(
             self.peer_id, allowed=load_allow_callers(self.config.allow_callers)
         )
+        await apply_caller_list(self.directory, self.caller_check)  # in force from the first call
         server, port = await start_server(
             service,
             host=self.config.host,
@@ -372,6 +372,7 @@ class Peer:
 
     async def _start_heartbeat(self) -> None:
         self._background(self._announcer.run_forever(), "announce")
+        self._background(follow_caller_list(self.directory, self.caller_check), "callers")
         if self.config.log_every_s > 0:
             self._background(self._log_forever(), "summary")
 

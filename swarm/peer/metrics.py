@@ -98,6 +98,16 @@ class _PeerCollector:
                 "Predicted seconds of compute admitted and not finished (what a new call waits behind)",
                 self.queue.queued_s,
             )
+        if peer.caller_check is not None:  # set with the server
+            refused = CounterMetricFamily(
+                "swarm_peer_calls_refused",
+                "Calls refused before their handler: Unauthenticated (no valid caller token), NotAdmitted (a "
+                "caller list leaves the caller out)",
+                labels=[*labels, "why"],
+            )
+            for why in ("Unauthenticated", "NotAdmitted"):
+                refused.add_metric([*labels.values(), why], peer.caller_check.refused[why])
+            yield refused
         ex = peer.executor
         if ex is None:
             return

@@ -23,9 +23,11 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.config import RunConfig
+from swarm.discovery.callerlist import read_caller_list
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
 from swarm.errors import BadReply, InvalidRequest, NotCached, StageUnavailable, SwarmError
+from swarm.identity import PEER_ID_HEX
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
@@ -128,10 +130,19 @@ class Pipeline:
 
     async def refresh(self) -> None:
         fingerprint = self.run.fingerprint()
-        stages = await self.directory.all_stages(self.num_stages)
+        stages, listed = await asyncio.gather(
+            self.directory.all_stages(self.num_stages), read_caller_list(self.directory)
+        )
+        # a run whose owner lists its callers: only listed peers get work (others cannot join its peers anyway)
+        admitted = None if listed is None else listed.admitted(self.directory.owner)
+        listed_ids = None if admitted is None else {entry[:PEER_ID_HEX] for entry in admitted}
         now = time.monotonic()
         for stage, found in enumerate(stages):
-            compatible = {pid: r for pid, r in found.items() if r.config_hash == fingerprint}
+            compatible = {
+                pid: r
+                for pid, r in found.items()
+                if r.config_hash == fingerprint and (listed_ids is None or pid in listed_ids)
+            }
             self.records[stage] = compatible
             self._update_router(stage, now)
         self._refreshed.set()

@@ -97,9 +97,10 @@ def _header(metadata, key: str):
 
 
 class CallerCheck(grpc.aio.ServerInterceptor):
-    """Admits a peer's calls: each must carry a valid token for ``callee`` (this peer's id) from a caller the
-    policy admits: any identified caller when ``allowed`` is None, else those whose fingerprint starts with one
-    of ``allowed`` (peer ids are fingerprints' first 16 digits). ``clock``: unix seconds."""
+    """Admits a peer's calls: each must carry a valid token for ``callee`` (this peer's id) from a caller every
+    policy admits: ``allowed`` (the peer's ``--allow-callers``) and ``run_allowed`` (the run owner's list, set as
+    it changes). A policy that is None admits any identified caller; otherwise those whose fingerprint starts with
+    one of its entries (peer ids are fingerprints' first 16 digits). ``clock``: unix seconds."""
 
     def __init__(
         self,
@@ -110,6 +111,9 @@ class CallerCheck(grpc.aio.ServerInterceptor):
     ):
         self.callee, self._clock = callee, clock
         self.allowed = None if allowed is None else tuple(allowed)
+        self.run_allowed: tuple[str, ...] | None = (
+            None  # the run owner's list (None: the run is open)
+        )
         # (key, token, signature) -> when it expires: valid tokens, their signatures checked once
         self._verified: collections.OrderedDict[tuple, float] = collections.OrderedDict()
         self.refused = collections.Counter()  # class name of the error -> calls refused
@@ -139,6 +143,11 @@ class CallerCheck(grpc.aio.ServerInterceptor):
             raise NotAdmitted(
                 f"caller {fingerprint[:PEER_ID_HEX]} is not on this peer's --allow-callers list; ask the peer's "
                 f"operator to add its fingerprint {fingerprint}"
+            )
+        if self.run_allowed is not None and not fingerprint.startswith(self.run_allowed):
+            raise NotAdmitted(
+                f"caller {fingerprint[:PEER_ID_HEX]} is not on the run's caller list; ask the run's owner to add "
+                f"its fingerprint {fingerprint} (swarm callers --allow)"
             )
         return fingerprint
 

@@ -53,7 +53,7 @@ class PeerAddress:
 
 def make_certificate(identity: Identity) -> str:
     """A self-signed certificate (PEM) for ``identity``'s key, named :data:`TLS_NAME`."""
-    key = identity.private_key._private_key  # hivemind's wrapper holds the cryptography key
+    key = identity.rsa_key
     name = x509.Name(
         [
             x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME),
@@ -78,7 +78,7 @@ def make_certificate(identity: Identity) -> str:
 
 def server_credentials(identity: Identity, cert_pem: str) -> grpc.ServerCredentials:
     """TLS credentials for a peer's server: ``identity``'s key and its certificate (callers need none)."""
-    key_pem = identity.private_key._private_key.private_bytes(
+    key_pem = identity.rsa_key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),

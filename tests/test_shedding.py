@@ -8,7 +8,7 @@ import pytest
 from swarm.errors import DeadlineUnmet, PeerOverloaded, error_from_status, wire_name
 from swarm.peer.config import LimitsConfig
 from swarm.peer.queue import WorkQueue
-from swarm.routing import Router, StageRequest
+from swarm.routing import NoPeersAvailable, Router, StageRequest, wake_at
 from swarm.routing.retry import Failure, failure_kind
 from swarm.routing.shedding import ShedReason, shed_reason
 
@@ -101,9 +101,23 @@ def test_refusal_crosses_the_wire_typed_and_is_retried_elsewhere_without_a_ban()
     router.on_start(0, "a", 0.0)
     assert failure_kind(rebuilt) is Failure.SHED
     assert request.failed("a", rebuilt, 0.0) is Failure.SHED
-    assert router.banned_until_s("a", 0.0) is None
-    assert (
-        router.snapshot(0, "a", 0.0).failures == 0 and router.snapshot(0, "a", 0.0).in_flight == 0
-    )
-
+    # Not a fault: no failure counted, no ban.
+    snapshot = router.snapshot(0, "a", 0.0)
+    assert snapshot.failures == 0 and snapshot.in_flight == 0 and snapshot.banned_until_s is None
     assert request.choose(0.0, random.Random(0)) == "b"  # this request goes to the other peer
+
+
+def test_when_every_peer_shed_a_request_it_waits_before_trying_one_again():
+    router = Router()
+    router.update_peers(0, {"a": 1.0}, now=0.0)
+    request = StageRequest(router, 0)
+    router.on_start(0, "a", 0.0)
+    request.failed("a", DeadlineUnmet("busy"), 0.0)
+    with pytest.raises(NoPeersAvailable) as info:
+        request.choose(0.5, random.Random(0))
+    assert info.value.retry_at_s == router.config.shed_hold_s == 1.0
+    assert wake_at(info.value, 0.5, wait_s=5.0) == 1.0
+    assert request.choose(1.0, random.Random(0)) == "a"  # then tried again, one attempt spent
+    assert request.budget.attempts_left == router.config.max_attempts - 1
+    # Other requests are not held back: the peer itself is neither banned nor penalised.
+    assert StageRequest(router, 0).choose(0.5, random.Random(0)) == "a"

@@ -37,6 +37,10 @@ class RoutingConfig:
     explore_probability: float = 0.05
     # Peer ids whose ban history is kept (peers that left included); bounds memory under churn.
     max_ban_records: int = 10_000
+    # A request that every eligible peer of its stage refused as busy (DeadlineUnmet) waits this long after
+    # a refusal before it is sent to that peer again, seconds (its queue drains meanwhile; attempts are not
+    # burnt in an instant). Larger stages retry elsewhere at once and never wait.
+    shed_hold_s: float = 1.0
     # In a stage of more peers than this, a choice weighs a uniform random sample of this many (bounded cost
     # per request in stages of thousands); 0 = always weigh every peer.
     max_candidates: int = 32
@@ -57,6 +61,7 @@ class RoutingConfig:
                 "ban_max_s",
                 "explore_probability",
                 "default_throughput",
+                "shed_hold_s",
             ),
             ints=("max_attempts", "max_ban_records", "max_candidates"),
         )
@@ -95,6 +100,8 @@ class RoutingConfig:
             )
         if self.max_ban_records < 1:
             raise ValueError(f"max_ban_records must be >= 1, got {self.max_ban_records}")
+        if self.shed_hold_s < 0:
+            raise ValueError(f"shed_hold_s must be >= 0 seconds, got {self.shed_hold_s}")
         if self.max_candidates < 0:
             raise ValueError(
                 f"max_candidates must be >= 0 (0 = weigh every peer), got {self.max_candidates}"

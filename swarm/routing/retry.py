@@ -28,9 +28,11 @@ The rule:
   budget: the attempts stay bounded (a fresh budget there would retry a small stage forever).
 * **Failure.** A request the peer rejected as invalid (``retry_elsewhere`` false) fails the same way
   anywhere: give up, no ban. A peer that shed the work (``DeadlineUnmet``: busy, not faulty) is not banned
-  and its failure count is untouched; the request goes to another peer. A peer that is draining or moved
-  (``PeerDraining``, ``WrongPeer``) is alive and honest: no ban (it may come back), the caller stops routing
-  new work there. Anything else bans the peer with back-off. Every failure but the first kind counts against the budget.
+  and its failure count is untouched; the request goes to another peer, or, when every eligible peer
+  already failed it, back to one that shed it only ``shed_hold_s`` after that refusal (its queue drains
+  meanwhile). A peer that is draining or moved (``PeerDraining``, ``WrongPeer``) is alive and honest: no
+  ban (it may come back), the caller stops routing new work there. Anything else bans the peer with
+  back-off. Every failure but the first kind counts against the budget.
 * **Waiting.** With no eligible peer, wake at the earliest ban end, or after the caller's wait if that
   comes first (:func:`wake_at`).
 """
@@ -88,6 +90,7 @@ class StageRequest:
         self.stage = stage
         self.preferred = preferred
         self.budget = router.retry_budget(stage)
+        self._shed_at: dict[str, float] = {}  # peers that refused this request as busy, and when
 
     @property
     def failed_peers(self) -> frozenset[str]:
@@ -109,8 +112,18 @@ class StageRequest:
         except NoPeersAvailable as error:
             if not error.num_excluded:
                 raise
-        # Every eligible peer already failed this request once: try them again (bans still apply).
-        return self.router.choose(self.stage, now, rng)
+        # Every eligible peer already failed this request once: try them again (bans still apply), but
+        # not a peer that refused it as busy until its queue had time to drain.
+        peer = self.router.choose(self.stage, now, rng)
+        shed_at = self._shed_at.get(peer)
+        if shed_at is not None and now < shed_at + self.router.config.shed_hold_s:
+            raise NoPeersAvailable(
+                self.stage,
+                num_known=len(self.router.peers(self.stage)),
+                num_excluded=len(self.budget.failed_peers),
+                retry_at_s=min(self._shed_at.values()) + self.router.config.shed_hold_s,
+            )
+        return peer
 
     def failed(self, peer: str, error: BaseException | None, now: float) -> Failure:
         """Apply the failed attempt at ``peer`` to the router (ban, or just end the call) and to the budget.
@@ -121,6 +134,8 @@ class StageRequest:
             self.router.on_failure(self.stage, peer, now)
         else:
             self.router.on_cancel(self.stage, peer, now)
+        if kind is Failure.SHED:
+            self._shed_at[peer] = now
         if kind is not Failure.GIVE_UP:
             self.budget.record_failure(peer, error)
         return kind

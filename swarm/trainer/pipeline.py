@@ -497,7 +497,9 @@ class Pipeline:
                 kind = failure_kind(e)
                 if kind is not Failure.GIVE_UP:
                     self.failed_calls += 1
-                    logger.info(
+                    # A shed call is routine under load (the peer was busy, not faulty): not worth a line each.
+                    logger.log(
+                        logging.DEBUG if kind is Failure.SHED else logging.INFO,
                         "stage %d peer %s failed (%s: %s); retrying elsewhere",
                         stage,
                         peer,

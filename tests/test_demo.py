@@ -98,6 +98,12 @@ def test_demo_trains_reports_and_cleans_up(tmp_path):
     initial, final, val = map(float, m.groups())
     assert final < initial and val > 0
     assert "all processes stopped" in text
+    # the summary reads `swarm status --json` and says whether each stage's replicas hold one model
+    assert re.search(
+        r"replicas agree \(stage 0: 1 replica\(s\) at step 12, same parameters; stage 1: 1 replica\(s\) at "
+        r"step 12, same parameters\)",
+        text,
+    ), text
     assert _sessions_alive(sessions) == []
 
 

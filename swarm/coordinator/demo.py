@@ -27,7 +27,7 @@ class DemoConfig:
     peers_per_stage: int = 2  # peers serving each stage
     # the replicas of a stage average (all-reduce, one step per global batch); --no-average: each steps alone
     average: bool = True
-    steps: int = 300  # global batches the trainer runs (about two minutes on 2 cores)
+    steps: int = 150  # global batches the trainer runs (a few minutes on 2 cores)
     microbatch_size: int = 8  # sequences per microbatch
     in_flight: int = 4  # microbatches in the pipeline at once
     target_batch_size: int = 32  # samples per optimizer step of each stage

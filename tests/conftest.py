@@ -112,6 +112,19 @@ def pytest_runtest_setup(item) -> None:
         pytest.skip(reason)
 
 
+def drain_peer(proc, *, bound_s: float = 30.0) -> None:
+    """Stop a peer process with SIGTERM (a drain) and check that it exits cleanly within ``bound_s`` (the default
+    ``--drain-timeout-s``)."""
+    import signal
+    import time
+
+    t0 = time.monotonic()
+    proc.signal(signal.SIGTERM)
+    code = proc.popen.wait(timeout=2 * bound_s)
+    took = time.monotonic() - t0
+    assert code == 0 and took <= bound_s, (proc.name, code, took)
+
+
 def ask_peers(endpoints, call):
     """``call(client)`` against each endpoint in turn (a fresh PeerClient each, closed after); the results in
     order. Synchronous, for tests that drive peer processes from the outside: an endpoint string is resolved by

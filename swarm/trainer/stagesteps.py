@@ -120,6 +120,11 @@ class StageSteps:
             else:
                 await asyncio.sleep(STEP_POLL_S)
 
+    async def poll(self) -> None:
+        """Read every serving replica's step from its Info now: the steps the DHT records say may be a heartbeat
+        old (a trainer starting right after another's last batch would tag its batches with steps already taken)."""
+        await asyncio.gather(*(self._poll_steps(k) for k in range(len(self.records))))
+
     async def _poll_steps(self, stage: int) -> None:
         """Read the optimizer step of each serving replica of ``stage`` from its Info (best effort: one that does
         not answer keeps the step its record says)."""

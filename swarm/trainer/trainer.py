@@ -213,6 +213,7 @@ class Trainer:
         tally = _Tally(self._per_step)
         # Microbatch i belongs to global batch i // per_step: tell each stage which of its optimizer steps
         # that is, counting from the step it has reached now (so a restarted trainer continues the count).
+        await self.pipeline.steps.poll()
         first_steps = self.pipeline.steps.stage_steps()
         launched = 0
         started = self._last_log = time.monotonic()

@@ -233,8 +233,9 @@ def compare_replicas(project: ComposeProject, *, timeout_s: float = 120.0) -> li
     answers and all report the same step (polled until ``timeout_s``: a peer may still be starting, stepping or
     loading its peers' state). The result names each replica's step and how far its parameters are from its
     stage's first. TimeoutError if some replica never answers."""
-    from swarm.errors import SwarmError
+    from swarm.errors import SwarmError, TransportError
     from swarm.transport.client import PeerClient
+    from swarm.transport.security import address_by_handshake
 
     stages: dict[int, dict[str, int]] = {}  # stage -> service -> its gRPC port
     for service, (stage, port) in sorted(peer_services().items()):
@@ -243,8 +244,14 @@ def compare_replicas(project: ComposeProject, *, timeout_s: float = 120.0) -> li
     async def states(ports: dict[str, int]):
         out = {}
         for service, port in ports.items():
-            # asked each time: a container that restarted may have another address
-            client = PeerClient(f"{project.address(service)}:{port}")
+            # asked each time: a container that restarted may have another address (and, restarted without its
+            # identity volume, another certificate: this host started the peers, so it trusts what they present)
+            endpoint = f"{project.address(service)}:{port}"
+            try:
+                address = await asyncio.to_thread(address_by_handshake, endpoint)
+            except OSError as e:
+                raise TransportError(f"peer {endpoint}: no TLS handshake ({e})") from None
+            client = PeerClient(address)
             try:
                 out[service] = await client.get_state(RUN_ID, timeout_s=30)
             finally:

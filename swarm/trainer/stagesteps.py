@@ -53,6 +53,9 @@ class StageSteps:
         # peer id -> the optimizer step its Info answered while the trainer waited for its stage to step (the DHT
         # record says it a heartbeat later)
         self._polled_steps: dict[str, int] = {}
+        # peers whose Info was refused (the process is gone) since they last answered: their records outlive them
+        # by up to their TTL, and waiting for every replica must not wait for them
+        self._gone: set[str] = set()
 
     def replied(self, stage: int, step: int) -> None:
         """A reply of ``stage`` said its replica is at optimizer step ``step``."""
@@ -74,7 +77,7 @@ class StageSteps:
             steps = [
                 max(r.step, self._polled_steps.get(r.peer_id, 0))
                 for r in self.records[stage].values()
-                if r.state == PeerState.SERVING
+                if r.state == PeerState.SERVING and not (every_replica and r.peer_id in self._gone)
             ]
             if every_replica:
                 out.append(min(steps, default=0))
@@ -134,8 +137,12 @@ class StageSteps:
                 info = await self.clients.get(PeerAddress.of(record)).info(
                     self.run_id, timeout_s=STEP_POLL_TIMEOUT_S
                 )
-            except SwarmError:
+            except SwarmError as e:
+                # refused or reset (not a deadline: a frozen or busy peer may come back): the process is gone
+                if getattr(e, "status", None) == grpc.StatusCode.UNAVAILABLE:
+                    self._gone.add(record.peer_id)
                 return
+            self._gone.discard(record.peer_id)
             if info.peer_id == record.peer_id:
                 self._polled_steps[record.peer_id] = max(
                     self._polled_steps.get(record.peer_id, 0), info.step

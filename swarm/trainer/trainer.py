@@ -258,12 +258,16 @@ class Trainer:
         if ahead < 0 or applied <= 0:
             return True
         targets = [first + applied for first in first_steps]
-        if all(now >= target for now, target in zip(self.pipeline.steps.stage_steps(), targets)):
+        # Lockstep waits for every live replica: one still taking the last step would compute the next batch's
+        # microbatches on parameters one step old (the first replica done with it is not enough).
+        every = ahead == 0
+        steps = self.pipeline.steps.stage_steps(every_replica=every)
+        if all(now >= target for now, target in zip(steps, targets)):
             return True
         if waiting_on_replies:
             return False
         await self.pipeline.steps.wait_for_stage_steps(
-            targets, stall_s=self.config.stage_step_wait_s
+            targets, stall_s=self.config.stage_step_wait_s, every_replica=every
         )
         return True
 

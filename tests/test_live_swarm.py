@@ -133,6 +133,7 @@ def test_periodic_checkpoints_without_a_drain_and_a_killed_peer_resumes_from_the
 
 MODEL = ModelConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16, num_stages=2)
 MICROBATCH, PER_STEP = 8, 2
+QUIET_S = 1.0  # the averaging stages below step only after this long without a commit
 AVG_RUN = RunConfig(model=MODEL, target_batch_size=MICROBATCH * PER_STEP, warmup_steps=0)
 
 
@@ -162,13 +163,22 @@ def averaging_stages(loop_thread):
     peers = loop_thread.run(start())
     for peer in peers:
         executor = peer.executor
-        commit = executor.commit
+        commit, maybe_step = executor.commit, executor.maybe_step
+        last_commit = [0.0]
 
-        def spy(microbatch_id, batch_step=None, *, commit=commit, executor=executor):
+        def spy(
+            microbatch_id, batch_step=None, *, commit=commit, executor=executor, last=last_commit
+        ):
             commits.append((executor.stage_index, batch_step, executor.step))
+            last[0] = time.monotonic()
             return commit(microbatch_id, batch_step)
 
-        executor.commit = spy
+        def quiet_step(*, maybe_step=maybe_step, last=last_commit):
+            # A stage steps only once no commit has come for QUIET_S (a slow all-reduce, made certain): a trainer
+            # allowed ahead commits its next batch before the stage steps, one held back does not.
+            return False if time.monotonic() - last[0] < QUIET_S else maybe_step()
+
+        executor.commit, executor.maybe_step = spy, quiet_step
     yield peers, commits
     for peer in peers:
         loop_thread.run(peer.shutdown())

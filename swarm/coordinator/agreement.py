@@ -56,8 +56,8 @@ def settled_verdict(document: dict) -> tuple[bool | None, str]:
             return None, f"stage {stage['stage']} has not settled: " + ", ".join(
                 f"{r['peer_id'][:8]} at step {r['step']}" for r in serving
             )
-        digests = {r["param_digest"] for r in serving}
-        if len(digests) == 1:
+        # the document's own verdict (see agreement: None for one replica, which agrees with itself)
+        if stage["agree"] is not False:
             lines.append(
                 f"stage {stage['stage']}: {len(serving)} replica(s) at step {steps.pop()}, same parameters"
             )

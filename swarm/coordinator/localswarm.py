@@ -340,9 +340,8 @@ async def read_peer_addresses(directory, endpoints, *, timeout_s: float = 60.0) 
             raise TimeoutError(
                 f"no record of run '{directory.run_id}' names {missing} after {timeout_s:.0f}s"
             )
-        await asyncio.sleep(
-            0.5
-        )  # the next heartbeat: records appear in the DHT, nothing to wait on here
+        # the next heartbeat: records appear in the DHT, nothing to wait on here
+        await asyncio.sleep(0.5)
 
 
 def publish_run(addr_file: Path, run_id: str, run, *, ttl_s: float = 3600.0) -> None:

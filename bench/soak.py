@@ -63,8 +63,10 @@ CONTRIBUTED = ("averaged", "stepped alone")  # a replica's samples reached its s
 class Soak:
     """The swarm, its live replicas per stage, and the faults injected so far."""
 
-    def __init__(self, swarm: LocalSwarm, run_id: str, peers_per_stage: int, seed: int):
-        self.swarm, self.run_id = swarm, run_id
+    def __init__(
+        self, swarm: LocalSwarm, run_id: str, peers_per_stage: int, seed: int, freeze_s: float
+    ):
+        self.swarm, self.run_id, self.freeze_s = swarm, run_id, freeze_s
         self.rng = random.Random(seed)
         self.live: dict[int, list[str]] = {0: [], 1: []}
         self.started = 0
@@ -193,8 +195,7 @@ def main() -> int:
     run_id = "soak"
     print(f"soak: logs in {workdir}", flush=True)
     with LocalSwarm(workdir) as swarm:
-        soak = Soak(swarm, run_id, args.peers_per_stage, args.seed)
-        soak.freeze_s = args.freeze_s
+        soak = Soak(swarm, run_id, args.peers_per_stage, args.seed, args.freeze_s)
         for stage in (0, 1):
             for _ in range(args.peers_per_stage):
                 soak.add_peer(stage, wait=False)

@@ -78,12 +78,21 @@ def test_a_hf_family_trains_in_a_swarm_and_exports_what_transformers_loads(swarm
             swarm.peer(f"{run_id}-s0", 0, *model_flags, *RUN_FLAGS, *PEER_FLAGS, run_id=run_id)
         ]
         procs.append(swarm.peer(f"{run_id}-s1", 1, *model_flags, *PEER_FLAGS, run_id=run_id))
+    # One batch ahead at most: with replicas that do not average the trainer's default is no limit, and under
+    # load it could run every batch's forward on the initial weights before a stage steps, so the training loss
+    # it reports would not fall however well the model trains.
     trainer = swarm.trainer(
-        f"{run_id}-trainer", run_id=run_id, **{**TEST_TRAINER, "eval_batches": 2}, steps=STEPS
+        f"{run_id}-trainer",
+        run_id=run_id,
+        **{**TEST_TRAINER, "eval_batches": 2},
+        steps=STEPS,
+        max_batches_ahead=1,
     )
     summary = finished(trainer, timeout_s=600)
-    # 20 steps of a byte model from ~ln(256) (the checkpoint's random init too): the loss clearly falls
-    assert summary.final_loss < 0.85 * summary.initial_loss, summary.describe()
+    # 20 steps of a byte model from ~ln(256) (the checkpoint's random init too): the loss clearly falls. Judged on
+    # the validation loss of the trained weights (the ones exported below): the training loss of the last steps
+    # is a mean over 5 noisy batches at lr 3e-3, and one spike put it above the first step's in a CI run whose
+    # validation loss was 0.68x the initial one.
     assert summary.val_loss < 0.8 * summary.initial_loss, summary.describe()
 
     out = tmp_path / "export"

@@ -69,6 +69,17 @@ class StageSteps:
         ]
         return bool(serving) and all(r.averaging for r in serving)
 
+    def solo_replicas(self) -> dict[int, int]:
+        """Stage -> count of its serving replicas, for each stage served by more than one replica that does not
+        average (``--no-average``): each of them steps on its own count of samples, so the stage's step does not
+        count global batches and a limit on batches ahead cannot be met."""
+        out = {}
+        for stage, records in enumerate(self.records):
+            serving = [r for r in records.values() if r.state == PeerState.SERVING]
+            if len(serving) > 1 and not all(r.averaging for r in serving):
+                out[stage] = len(serving)
+        return out
+
     def stage_steps(self, *, every_replica: bool = False) -> list[int]:
         """Each stage's optimizer step as far as this trainer knows (DHT records, and the step peers put in
         their replies): the most advanced replica's, or with ``every_replica`` the least advanced's."""

@@ -215,6 +215,19 @@ class Trainer:
         # that is, counting from the step it has reached now (so a restarted trainer continues the count).
         await self.pipeline.steps.poll()
         first_steps = self.pipeline.steps.stage_steps()
+        solo = self.pipeline.steps.solo_replicas()
+        if self._batches_ahead >= 0 and solo:
+            logger.warning(
+                "--max-batches-ahead %d counts global batches, but stage(s) %s are served by several replicas "
+                "that do not average (%s): each steps alone on its own %d samples, so their steps lag the "
+                "batches and the trainer will wait up to --stage-step-wait-s (%.0f s) at each. Run those peers "
+                "with averaging (the default, drop --no-average) or leave --max-batches-ahead unset.",
+                self._batches_ahead,
+                sorted(solo),
+                ", ".join(f"stage {k}: {n}" for k, n in sorted(solo.items())),
+                self.run.target_batch_size,
+                cfg.stage_step_wait_s,
+            )
         launched = 0
         started = self._last_log = time.monotonic()
         self._last_val_loss = float("nan")  # shown on progress lines until the next validation

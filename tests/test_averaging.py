@@ -123,7 +123,7 @@ FAULT_STEPS = 14
 
 
 def test_a_killed_and_a_frozen_replica_cost_time_not_the_model(local_swarm):
-    """2 stages x 2 averaging replicas: one replica of stage 0 is killed (with its part of a batch and its
+    """2 stages x 2 averaging replicas, the trainer in its default mode (lockstep): one replica of stage 0 is killed (with its part of a batch and its
     accumulators) and one of stage 1 frozen past its calls' deadlines, then resumed. The trainer finishes every
     batch; each stage's survivors end at the same step with bit-identical parameters (the all-reduce gives every
     member the same average, see hivemind_private.ExactDeltaReducer); stage 1 counted every microbatch at least
@@ -141,9 +141,8 @@ def test_a_killed_and_a_frozen_replica_cost_time_not_the_model(local_swarm):
         **TEST_TRAINER,
         steps=FAULT_STEPS,
         in_flight=4,
-        max_batches_ahead=2,
         eval_batches=2,
-    )
+    )  # left at its default: lockstep, as a user's trainer over averaging stages runs
     trainer.wait_for(r"^step 4/", timeout_s=300)
     procs["s0-b"].signal(signal.SIGKILL)
     del endpoints["s0-b"]

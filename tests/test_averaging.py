@@ -123,11 +123,12 @@ FAULT_STEPS = 14
 
 
 def test_a_killed_and_a_frozen_replica_cost_time_not_the_model(local_swarm):
-    """2 stages x 2 averaging replicas, the trainer in its default mode (lockstep): one replica of stage 0 is killed (with its part of a batch and its
-    accumulators) and one of stage 1 frozen past its calls' deadlines, then resumed. The trainer finishes every
-    batch; each stage's survivors end at the same step with bit-identical parameters (the all-reduce gives every
-    member the same average, see hivemind_private.ExactDeltaReducer); stage 1 counted every microbatch at least
-    once and none twice beyond the commits the trainer could not confirm."""
+    """2 stages x 2 averaging replicas, the trainer in its default mode (lockstep): one replica of stage 0
+    is killed (with its part of a batch and its accumulators) and one of stage 1 frozen past its calls'
+    deadlines, then resumed. The trainer finishes every batch; each stage's survivors end at the same step
+    with bit-identical parameters (the all-reduce gives every member the same average, see
+    hivemind_private.ExactDeltaReducer); stage 1 counted every microbatch at least once and none twice
+    beyond the commits the trainer could not confirm."""
     run_id = "avgfaults"
     # 4 microbatches a batch (a fault hits a batch in flight); an all-reduce whose groupmate was killed in it is
     # abandoned after 15 s (the configured cost of a kill)

@@ -3,13 +3,17 @@ call for, and which stages a limit on batches ahead cannot count."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import socket
+
 import pytest
 
 from swarm.discovery.records import StageRecord
 from swarm.states import PeerState
+from swarm.trainer.holdings import Holdings
 from swarm.trainer.stagesteps import StageSteps
-
-pytestmark = pytest.mark.unit
+from swarm.transport.client import ClientPool
 
 
 def _record(peer_id: str, stage: int, *, step: int, averaging: bool, state=PeerState.SERVING):
@@ -34,6 +38,7 @@ def _steps(*stages: list[StageRecord]) -> StageSteps:
     return StageSteps(records, clients=None, run_id="r", refresh=refresh, refresh_s=1.0)
 
 
+@pytest.mark.unit
 def test_averaging_stages_step_together_and_count_batches():
     steps = _steps(
         [_record("a", 0, step=4, averaging=True), _record("b", 0, step=3, averaging=True)],
@@ -47,6 +52,7 @@ def test_averaging_stages_step_together_and_count_batches():
     assert steps.stage_steps() == [4, 6]
 
 
+@pytest.mark.unit
 def test_solo_replicas_are_named_where_a_stage_has_several():
     steps = _steps(
         [_record("a", 0, step=2, averaging=False), _record("b", 0, step=1, averaging=False)],
@@ -62,6 +68,7 @@ def test_solo_replicas_are_named_where_a_stage_has_several():
     assert steps.solo_replicas() == {0: 2}
 
 
+@pytest.mark.unit
 def test_one_replica_that_does_not_average_makes_the_stages_not_average():
     steps = _steps(
         [_record("a", 0, step=0, averaging=True), _record("b", 0, step=0, averaging=False)]
@@ -69,3 +76,85 @@ def test_one_replica_that_does_not_average_makes_the_stages_not_average():
     assert not steps.stages_average()
     assert steps.solo_replicas() == {0: 2}
     assert not _steps([]).stages_average()
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed): connecting to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+def test_a_replica_gone_before_its_stage_stepped_has_its_gradients_computed_again():
+    """Closing a batch, the trainer finds a replica's address refusing connections (the process is gone): what that
+    replica counted toward batches it had not stepped on is computed again elsewhere, once; what it had stepped on,
+    and what live replicas hold, is left alone."""
+    gone = _record("gone", 0, step=2, averaging=True)
+    gone = dataclasses.replace(gone, endpoint=f"127.0.0.1:{_closed_port()}")
+    holdings = Holdings(num_stages=1)
+    holdings.enabled = True
+    redone: list[str] = []
+
+    def redo(microbatch_id: str):
+        async def run() -> str:
+            redone.append(microbatch_id)
+            return "elsewhere"
+
+        return run
+
+    holdings.add(
+        0, 1, "gone", "stepped-on", redo("stepped-on")
+    )  # its replica is at step 2: averaged
+    holdings.add(0, 2, "gone", "mb-a", redo("mb-a"))
+    holdings.add(0, 2, "gone", "mb-b", redo("mb-b"))
+    holdings.add(
+        0, 2, "live", "mb-c", redo("mb-c")
+    )  # another replica's: not in the records, not gone
+
+    async def close() -> None:
+        async def refresh() -> None:
+            pass
+
+        clients = ClientPool()
+        steps = StageSteps(
+            [{"gone": gone}], clients, "r", refresh=refresh, refresh_s=1.0, holdings=holdings
+        )
+        try:
+            await steps.close_batch([2])
+            await steps.close_batch([2])  # a second close finds nothing more to do
+        finally:
+            await clients.close()
+
+    asyncio.run(close())
+    assert redone == ["mb-a", "mb-b"]
+    assert holdings.redone == 2
+    assert [h.peer for h in holdings.held_by(0, {"elsewhere", "live"})] == [
+        "elsewhere",
+        "elsewhere",
+        "live",
+    ]
+
+
+@pytest.mark.unit
+def test_holdings_are_kept_only_while_bounded_and_forgotten_once_stepped_on():
+    async def never() -> str:
+        raise AssertionError("not computed again")
+
+    off = Holdings(num_stages=1)
+    off.add(
+        0, 0, "a", "mb", never
+    )  # the trainer runs unbounded (or its stages do not average): nothing kept
+    assert off.count() == 0
+    holdings = Holdings(num_stages=2)
+    holdings.enabled = True
+    for step in range(6):
+        holdings.add(1, step, "a", f"mb{step}", never)
+    holdings.add(1, None, "a", "untagged", never)
+    steps = {"a": 3}
+    holdings.prune(1, lambda peer: steps.get(peer, 0))
+    assert [h.microbatch_id for h in holdings.held_by(1, {"a"})] == ["mb3", "mb4", "mb5"]
+    # a replica the trainer no longer sees (step 0) holding a batch far behind the stage's: forgotten
+    holdings.add(1, 0, "b", "old", never)
+    holdings.prune(1, lambda peer: steps.get(peer, 0))
+    assert [h.microbatch_id for h in holdings.held_by(1, {"a", "b"})] == ["mb3", "mb4", "mb5"]

@@ -36,6 +36,7 @@ from swarm.states import PeerState
 from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
+from swarm.trainer.holdings import Holdings
 from swarm.trainer.spotcheck import CheckedCall, SpotChecker
 from swarm.trainer.stagesteps import StageSteps
 from swarm.transport.callers import caller_token
@@ -88,12 +89,16 @@ class Pipeline:
         # every record seen recently, draining ones included (backward may still go there)
         self.records: list[dict[str, StageRecord]] = [{} for _ in range(self.num_stages)]
         # where each stage's optimizer stands, and closing global batches at the stages
+        # where the gradients of batches the stages have not stepped on lie, to compute again those of a replica
+        # that leaves before its stage steps
+        self.holdings = Holdings(self.num_stages)
         self.steps = StageSteps(
             self.records,
             self.clients,
             directory.run_id,
             refresh=self.refresh,
             refresh_s=config.refresh_s,
+            holdings=self.holdings,
         )
         # (stage, peer) -> when a reply said "draining"; trusted until the DHT catches up
         self._draining_replies: dict[tuple[int, str], float] = {}
@@ -207,7 +212,7 @@ class Pipeline:
         samples = x.shape[0]
         failures_before = self.failed_calls
         # (stage, reply of its gradient call, how to compute that gradient again) for each stage
-        held: list[tuple[int, Reply, Callable[[], Awaitable[Reply]]]] = []
+        held: list[tuple[int, Reply, str, Callable[[], Awaitable[tuple[Reply, str]]]]] = []
         stage_inputs: list[torch.Tensor] = []
         forward_peers: list[str] = []
         last = self.num_stages - 1
@@ -248,7 +253,7 @@ class Pipeline:
                 break
             h = _tensor(reply, "output", peer)
             stage += 1
-        held.append((last, reply, functools.partial(self._recompute, last, cost, attempt)))
+        held.append((last, reply, peer, functools.partial(self._call, last, cost, attempt)))
         loss = reply.meta.loss
         grad = reply.tensors.get("grad_input")
         for stage in reversed(range(self.num_stages - 1)):
@@ -260,24 +265,32 @@ class Pipeline:
                 stage, microbatch_id, grad, stage_inputs[stage], forward_peers[stage], tags[stage]
             )
             cost = samples * BACKWARD_COST
-            reply, _ = await self._call(stage, cost, attempt, preferred=forward_peers[stage])
+            reply, peer = await self._call(stage, cost, attempt, preferred=forward_peers[stage])
             # Computed again, it is a backward with the inputs (no peer keeps them after a backward): the peer
             # recomputes the forward too.
             recompute = functools.partial(
-                self._recompute,
+                self._call,
                 stage,
                 samples * (FORWARD_COST + BACKWARD_COST),
                 self._backward_with_inputs(
                     stage, microbatch_id, grad, stage_inputs[stage], tags[stage]
                 ),
             )
-            held.append((stage, reply, recompute))
+            held.append((stage, reply, peer, recompute))
             grad = reply.tensors.get("grad_input")
         settled = await asyncio.gather(
             *(self._settle(microbatch_id, *entry) for entry in held), return_exceptions=True
         )
         if errors := [e for e in settled if isinstance(e, BaseException)]:
             raise errors[0]
+        for (stage, _, _, recompute), counted_at in zip(held, settled):
+            self.holdings.add(
+                stage,
+                tags[stage],
+                counted_at,
+                microbatch_id,
+                functools.partial(self._redo, microbatch_id, stage, recompute),
+            )
         return MicrobatchResult(
             loss=loss,
             samples=samples,
@@ -285,18 +298,24 @@ class Pipeline:
             attempts_failed=self.failed_calls - failures_before,
         )
 
-    async def _recompute(self, stage: int, work: float, attempt) -> Reply:
-        reply, _ = await self._call(stage, work, attempt)
-        return reply
+    async def _redo(
+        self, microbatch_id: str, stage: int, recompute: Callable[[], Awaitable[tuple[Reply, str]]]
+    ) -> str:
+        """Compute a gradient of ``stage`` again (its replica left with it before the stage stepped) and make sure
+        it counts once; returns the peer that counted it (see swarm.trainer.holdings)."""
+        reply, peer = await recompute()
+        return await self._settle(microbatch_id, stage, reply, peer, recompute)
 
     async def _settle(
         self,
         microbatch_id: str,
         stage: int,
         reply: Reply,
-        recompute: Callable[[], Awaitable[Reply]],
-    ) -> None:
-        """Make sure ``stage`` counts this microbatch's gradient exactly once: wait for the commit's outcome
+        peer: str,
+        recompute: Callable[[], Awaitable[tuple[Reply, str]]],
+    ) -> str:
+        """Make sure ``stage`` counts this microbatch's gradient exactly once (returns the peer that counted it):
+        wait for the commit's outcome
         (one round trip after the reply, overlapped with the rest of the backward pass), and compute the
         gradient again, at most ``MAX_RECOMPUTES`` times, when the peer did not count it."""
         computations = 1
@@ -317,8 +336,9 @@ class Pipeline:
                 else "could not be asked whether it counted",
                 microbatch_id,
             )
-            reply = await recompute()
+            reply, peer = await recompute()
             computations += 1
+        return peer
 
     async def eval_microbatch(self, tokens: torch.Tensor) -> float:
         """Validation loss of one batch: forward only, nothing kept or accumulated by the peers."""

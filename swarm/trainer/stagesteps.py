@@ -19,6 +19,7 @@ import grpc
 from swarm.discovery.records import StageRecord
 from swarm.errors import SwarmError
 from swarm.states import PeerState
+from swarm.trainer.holdings import Holdings
 from swarm.transport.client import ClientPool
 from swarm.transport.security import PeerAddress
 
@@ -45,8 +46,10 @@ class StageSteps:
         *,
         refresh: Callable[[], Awaitable[None]],
         refresh_s: float,
+        holdings: Holdings | None = None,
     ):
         self.records, self.clients, self.run_id = records, clients, run_id
+        self.holdings = holdings
         self._refresh, self.refresh_s = refresh, refresh_s
         # the highest optimizer step any reply of each stage carried
         self._replied_steps = [0] * len(records)
@@ -186,13 +189,17 @@ class StageSteps:
                 )
                 return True
             except SwarmError as e:
-                return (
-                    None
-                    if getattr(e, "status", None) == grpc.StatusCode.DEADLINE_EXCEEDED
-                    else False
-                )
+                status = getattr(e, "status", None)
+                if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return None
+                # "refused": no process behind its address (the connection refused or reset)
+                return "refused" if status == grpc.StatusCode.UNAVAILABLE else False
 
         answered = await asyncio.gather(*(alive(*target) for target in targets))
+        if self.holdings is not None and self.holdings.enabled:
+            await self._redo_for_gone(
+                batch_steps, [target for target, ok in zip(targets, answered) if ok == "refused"]
+            )
         live = [0] * len(self.records)
         for (stage, _), ok in zip(targets, answered):
             live[stage] += ok is True
@@ -211,4 +218,34 @@ class StageSteps:
             except SwarmError as e:
                 logger.debug("stage %d peer %s: closing batch failed: %s", stage, record.peer_id, e)
 
-        await asyncio.gather(*(close(*target) for target, ok in zip(targets, answered) if ok))
+        await asyncio.gather(
+            *(close(*target) for target, ok in zip(targets, answered) if ok is True)
+        )
+
+    def _peer_step(self, stage: int, peer: str) -> int:
+        """The optimizer step this trainer last saw ``peer`` of ``stage`` at (its record, its Info)."""
+        record = self.records[stage].get(peer)
+        return max(record.step if record is not None else 0, self._polled_steps.get(peer, 0))
+
+    async def _redo_for_gone(
+        self, batch_steps: list[int | None], gone: list[tuple[int, StageRecord]]
+    ) -> None:
+        """Before a batch closes: the gradients that replicas now gone (their address refuses connections) counted
+        toward batches their stage has not stepped on left with them; compute them again at live replicas, so the
+        stage's step still averages the whole batch (see swarm.trainer.holdings). Forget those of batches every
+        replica that held them has stepped on."""
+        holdings = self.holdings
+        for stage in range(len(self.records)):
+            holdings.prune(stage, lambda peer, stage=stage: self._peer_step(stage, peer))
+        for stage in sorted({stage for stage, _ in gone}):
+            if batch_steps[stage] is None:
+                continue
+            try:
+                await holdings.redo(stage, {r.peer_id for s, r in gone if s == stage})
+            except SwarmError as e:
+                logger.warning(
+                    "stage %d: computing again the gradients of a replica that left failed (%s); its stage "
+                    "steps without them",
+                    stage,
+                    e,
+                )

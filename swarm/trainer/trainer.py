@@ -143,6 +143,9 @@ class Trainer:
         self._batches_ahead = config.max_batches_ahead
         if self._batches_ahead is None:
             self._batches_ahead = 0 if pipeline.steps.stages_average() else -1
+        # bounded ahead of averaging stages: keep what it takes to compute again the gradients of a replica that
+        # leaves before its stage steps (see swarm.trainer.holdings)
+        pipeline.holdings.enabled = self._batches_ahead >= 0 and pipeline.steps.stages_average()
         # what the metrics endpoint shows: the last step's and validation's numbers, and the counts
         self.latest: dict[str, float] = dict(
             step=0, loss=math.nan, val_loss=math.nan, tokens_per_s=0.0, microbatches=0, samples=0
@@ -326,6 +329,11 @@ class Trainer:
                 every_replica=True,
             )
         val_loss = await self.validate()
+        if self.pipeline.holdings.redone:
+            logger.info(
+                "%d gradient(s) computed again: the replicas that counted them left before their stage stepped",
+                self.pipeline.holdings.redone,
+            )
         await self.pipeline.spot_checks.settle()
         spot = self.pipeline.spot_checks.counts
         logger.info(

@@ -107,10 +107,10 @@ def test_a_gradient_no_peer_counts_is_computed_again_a_bounded_number_of_times(q
     async def go():
         async def recompute():
             computed.append(1)
-            return reply_with(GradientsDropped("hold over"), [])[0]
+            return reply_with(GradientsDropped("hold over"), [])[0], f"peer-{len(computed)}"
 
         first = reply_with(TransportError("frozen"), [TransportError("frozen")], hold_s=0.05)[0]
-        await Pipeline._settle(counters, "mb", 1, first, recompute)
+        await Pipeline._settle(counters, "mb", 1, first, "peer-0", recompute)
 
     with pytest.raises(
         SwarmError, match=rf"computed {MAX_RECOMPUTES + 1} times; is the peers' --commit-hold-s"

@@ -26,13 +26,12 @@ from swarm.config import RunConfig
 from swarm.discovery.callerlist import read_caller_list
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
-from swarm.errors import BadReply, InvalidRequest, NotCached, StageUnavailable, SwarmError
+from swarm.errors import BadReply, InvalidRequest, StageUnavailable, SwarmError
 from swarm.identity import PEER_ID_HEX
-from swarm.proto import PROTOCOL_VERSION
-from swarm.proto import swarm_pb2 as pb
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
 from swarm.routing.retry import failure_kind
 from swarm.states import PeerState
+from swarm.trainer.calls import StageCalls
 from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
@@ -117,6 +116,15 @@ class Pipeline:
             rng=random.Random(f"spot-checks {seed}"),
         )
         self.gradients = GradientWatch(self.num_stages, max_ratio=config.max_gradient_ratio)
+        self.calls = StageCalls(
+            directory.run_id,
+            run,
+            self.records,
+            self.clients,
+            codec=self.codec,
+            grad_codec=self.grad_codec,
+            gradients=self.gradients,
+        )
         self._refreshed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
 
@@ -224,10 +232,10 @@ class Pipeline:
             stage_inputs.append(h)
             try:
                 if stage < last:
-                    attempt = self._forward_attempt(stage, microbatch_id, h)
+                    attempt = self.calls.forward(stage, microbatch_id, h)
                     reply, peer = await self._call(stage, samples * FORWARD_COST, attempt)
                 else:
-                    attempt = self._forward_attempt(
+                    attempt = self.calls.forward(
                         last, microbatch_id, h, targets=targets, batch_step=tags[last]
                     )
                     reply, peer = await self._call(last, cost, attempt)
@@ -261,7 +269,7 @@ class Pipeline:
                 raise SwarmError(
                     f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}"
                 )
-            attempt = self._backward_attempt(
+            attempt = self.calls.backward(
                 stage, microbatch_id, grad, stage_inputs[stage], forward_peers[stage], tags[stage]
             )
             cost = samples * BACKWARD_COST
@@ -272,7 +280,7 @@ class Pipeline:
                 self._call,
                 stage,
                 samples * (FORWARD_COST + BACKWARD_COST),
-                self._backward_with_inputs(
+                self.calls.backward_with_inputs(
                     stage, microbatch_id, grad, stage_inputs[stage], tags[stage]
                 ),
             )
@@ -349,7 +357,7 @@ class Pipeline:
             reply, peer = await self._call(
                 stage,
                 samples * FORWARD_COST,
-                self._forward_attempt(
+                self.calls.forward(
                     stage, "eval", h, targets=targets if is_last else None, eval_only=True
                 ),
             )
@@ -370,7 +378,7 @@ class Pipeline:
             result = torch.tensor([reply.meta.loss])
         else:
             result = reply.tensors["output"]
-        check = self._forward_attempt(stage, "spot-check", h, targets=targets, eval_only=True)
+        check = self.calls.forward(stage, "spot-check", h, targets=targets, eval_only=True)
 
         async def recompute(address: PeerAddress, timeout_s: float):
             answer = await check(address, timeout_s)
@@ -382,112 +390,6 @@ class Pipeline:
         version = (reply.meta.step, reply.meta.param_digest)
         work = h.shape[0] * FORWARD_COST
         self.spot_checks.check(CheckedCall(stage, peer, version, result, recompute, work))
-
-    def _meta(
-        self,
-        stage: int,
-        microbatch_id: str,
-        samples: int,
-        batch_step: int | None = None,
-        *,
-        codec,
-        **flags,
-    ) -> pb.RequestMeta:
-        """The request header; ``codec`` is what the peer replies in (tensors carry their own codec)."""
-        meta = pb.RequestMeta(
-            protocol_version=PROTOCOL_VERSION,
-            run_id=self.run_id,
-            stage=stage,
-            microbatch_id=microbatch_id,
-            codec=codec.name,
-            num_samples=samples,
-            **flags,
-        )
-        if batch_step is not None:
-            meta.batch_step = batch_step
-        return meta
-
-    def _forward_attempt(
-        self, stage, microbatch_id, h, *, targets=None, eval_only=False, batch_step=None
-    ):
-        tensors = [("input", h)] + ([("targets", targets)] if targets is not None else [])
-        compute_loss = targets is not None and not eval_only
-        if stage < self.num_stages - 1:  # (B, T, width of the next cut)
-            width = self.run.model.boundary_dim(stage + 1)
-            expect = {"output": ((*h.shape[:2], width), torch.float32)}
-        else:
-            expect = self._expect_grad(stage, h) if compute_loss else {}
-        judge = self.gradients.judge(stage, h.shape[0]) if compute_loss else None
-        meta = self._meta(
-            stage,
-            microbatch_id,
-            h.shape[0],
-            batch_step,
-            # the loss call replies with the input's gradient, a forward call with activations
-            codec=self.grad_codec if compute_loss else self.codec,
-            compute_loss=compute_loss,
-            eval_only=eval_only,
-        )
-
-        async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
-            return await self.clients.get(address).forward(
-                meta, tensors, self.codec, timeout_s=timeout_s, expect=expect, judge=judge
-            )
-
-        return attempt
-
-    def _backward_attempt(self, stage, microbatch_id, grad, inputs, forward_peer, batch_step):
-        async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
-            client = self.clients.get(address)
-            holder = self.records[stage].get(forward_peer)
-            if holder is not None and PeerAddress.of(holder) == address:
-                try:
-                    meta = self._meta(
-                        stage, microbatch_id, grad.shape[0], batch_step, codec=self.grad_codec
-                    )
-                    return await client.backward(
-                        meta,
-                        [("grad_output", grad)],
-                        self.grad_codec,
-                        timeout_s=timeout_s,
-                        expect=self._expect_grad(stage, inputs),
-                        judge=self.gradients.judge(stage, grad.shape[0]),
-                    )
-                except NotCached:
-                    pass  # evicted there: send the inputs along for a recompute at the same peer
-            return await with_inputs(address, timeout_s)
-
-        with_inputs = self._backward_with_inputs(stage, microbatch_id, grad, inputs, batch_step)
-        return attempt
-
-    def _backward_with_inputs(self, stage, microbatch_id, grad, inputs, batch_step):
-        meta = self._meta(
-            stage,
-            microbatch_id,
-            grad.shape[0],
-            batch_step,
-            codec=self.grad_codec,
-            include_inputs=True,
-        )
-
-        async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
-            # one codec per call: the inputs of this recompute travel in the gradient codec too
-            return await self.clients.get(address).backward(
-                meta,
-                [("grad_output", grad), ("input", inputs)],
-                self.grad_codec,
-                timeout_s=timeout_s,
-                expect=self._expect_grad(stage, inputs),
-                judge=self.gradients.judge(stage, grad.shape[0]),
-            )
-
-        return attempt
-
-    @staticmethod
-    def _expect_grad(stage: int, inputs: torch.Tensor) -> dict:
-        """A gradient call's reply: the gradient of the stage's input, shaped like it (none for stage 0, whose
-        input is token ids)."""
-        return {} if stage == 0 else {"grad_input": (tuple(inputs.shape), torch.float32)}
 
     # ------------------------------------------------------------------ the one retry helper
 

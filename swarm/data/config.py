@@ -1,9 +1,11 @@
-"""Configuration of the byte-level corpus."""
+"""Configuration of the training data: files, their format, the tokenizer, where the trainer's position is kept."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
+DATA_FORMATS = ("auto", "files", "text", "json", "parquet")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -21,6 +23,18 @@ class DataConfig:
     val_fraction: float = 0.02
     # Cap on the bytes loaded (split between train and val as val_fraction says); None = load all.
     max_bytes: int | None = None
+    # how to read --data: files (walked, read whole), or through Hugging Face datasets as text (one example per
+    # line), json (JSON lines, see --text-field) or parquet; auto = json/parquet by the files' suffixes, else files
+    data_format: str = field(default="auto", metadata={"choices": DATA_FORMATS})
+    text_field: str = "text"  # the column holding the text, for json and parquet data
+    # read the dataset as a stream (for data larger than memory; json/text/parquet only): each trainer shuffles
+    # it with its own seed in a buffer and reads it once in that order
+    streaming: bool = False
+    # a local tokenizer directory (holding tokenizer.json; never downloaded); unset = one token per byte
+    tokenizer: str | None = None
+    # where the trainer keeps its data position (read at start to resume, written after each step); unset =
+    # next to --identity-path (PATH.data.json) when that is given, else not kept
+    data_state: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, (str, os.PathLike)):
@@ -36,6 +50,17 @@ class DataConfig:
             raise ValueError(f"DataConfig.val_fraction must be a number, got {self.val_fraction!r}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"DataConfig.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.data_format not in DATA_FORMATS:
+            raise ValueError(
+                f"DataConfig.data_format must be one of {', '.join(DATA_FORMATS)}, got {self.data_format!r}"
+            )
+        if not self.text_field:
+            raise ValueError("DataConfig.text_field must name a column, got an empty string")
+        if self.streaming and self.resolved_format() == "files":
+            raise ValueError(
+                "--streaming reads through Hugging Face datasets: give --data-format text, json or parquet "
+                "(or .jsonl/.parquet files)"
+            )
         if self.max_bytes is not None:
             if (
                 isinstance(self.max_bytes, bool)
@@ -45,3 +70,15 @@ class DataConfig:
                 raise ValueError(
                     f"DataConfig.max_bytes must be None or an int >= 2 (one byte per split), got {self.max_bytes!r}"
                 )
+
+    def resolved_format(self) -> str:
+        """The format ``auto`` stands for: json when every path ends in .json/.jsonl, parquet when every one
+        ends in .parquet, else files."""
+        if self.data_format != "auto":
+            return self.data_format
+        suffixes = {os.path.splitext(p)[1].lower() for p in self.paths}
+        if suffixes and suffixes <= {".json", ".jsonl"}:
+            return "json"
+        if suffixes == {".parquet"}:
+            return "parquet"
+        return "files"

@@ -155,3 +155,37 @@ def test_streaming_feed_resumes_and_differs_by_seed(tmp_path, tokdir):
     assert kept >= 1 and torch.equal(got[0][0, :kept], expected[0][0, :kept])
     val = a.val_batches(2, 16, 2)
     assert len(val) == 2 and val[0].shape == (2, 17)
+
+
+def test_trainers_started_alike_read_different_batches_unless_seeded(tmp_path, tokdir):
+    from dataclasses import replace
+
+    from swarm.config import RunConfig
+    from swarm.discovery.config import DHTConfig
+    from swarm.model import ModelConfig
+    from swarm.trainer.config import TrainerConfig
+    from swarm.trainer.data import TrainerData, state_path_of
+
+    vocab = load_tokenizer(str(tokdir)).vocab_size
+    run = RunConfig(model=ModelConfig(vocab_size=vocab, seq_len=16))
+    data = DataConfig(paths=(str(write_jsonl(tmp_path / "d.jsonl")),), tokenizer=str(tokdir))
+    config = TrainerConfig(data=data)  # default flags: no --seed
+    a, b = TrainerData.open(config, run, "peer-a"), TrainerData.open(config, run, "peer-b")
+    assert a.seed == seed_of("peer-a") != b.seed
+    assert not torch.equal(a.feed.next_batch(8, 16), b.feed.next_batch(8, 16))
+    seeded = replace(config, seed=3)
+    a, b = TrainerData.open(seeded, run, "peer-a"), TrainerData.open(seeded, run, "peer-b")
+    assert torch.equal(a.feed.next_batch(8, 16), b.feed.next_batch(8, 16))
+    # the position is kept next to a kept identity by default, and refuses another --seed
+    kept = replace(config, dht=DHTConfig(identity_path=str(tmp_path / "trainer.pem")))
+    assert state_path_of(kept) == str(tmp_path / "trainer.pem.data.json")
+    first = TrainerData.open(kept, run, "peer-a")
+    first.feed.next_batch(8, 16)
+    first.save()
+    again = TrainerData.open(kept, run, "a fresh identity")
+    assert again.seed == first.seed and again.feed.microbatches == 1
+    with pytest.raises(CorpusError, match=r"continues the data of --seed \d+, not --seed 5"):
+        TrainerData.open(replace(kept, seed=5), run, "peer-a")
+    assert (
+        state_path_of(config) is None
+    )  # nothing to resume without a kept identity or --data-state

@@ -189,3 +189,24 @@ def test_trainers_started_alike_read_different_batches_unless_seeded(tmp_path, t
     assert (
         state_path_of(config) is None
     )  # nothing to resume without a kept identity or --data-state
+
+
+def test_shards_are_disjoint_parts_of_the_training_data(tmp_path, tokdir):
+    from swarm.data.feed import open_feed
+
+    tok = load_tokenizer(str(tokdir))
+    path = str(write_jsonl(tmp_path / "d.jsonl"))
+    corpus = load_token_corpus(DataConfig(paths=(path,)), tok)
+    parts = [corpus.shard(k, 3).split("train") for k in range(3)]
+    assert torch.equal(torch.cat(parts), corpus.split("train"))
+    feed = open_feed(DataConfig(paths=(path,), shard="1/3"), tok, corpus, seed=0)
+    assert torch.equal(feed.corpus.split("train"), parts[1])
+    streams = [
+        StreamWindows(DataConfig(paths=(path,), streaming=True, shard=f"{k}/2"), tok, seed=0)
+        for k in range(2)
+    ]
+    docs = [set(s._documents(s._train)) for s in streams]
+    assert docs[0] and docs[1] and not docs[0] & docs[1]
+    for bad in ("3/3", "1", "a/b", "-1/2"):
+        with pytest.raises(ValueError, match="--shard must read K/N"):
+            DataConfig(shard=bad)

@@ -32,6 +32,9 @@ class DataConfig:
     streaming: bool = False
     # a local tokenizer directory (holding tokenizer.json; never downloaded); unset = one token per byte
     tokenizer: str | None = None
+    # "K/N": this trainer reads only part K (0-based) of N equal, disjoint parts of the training data (give each of
+    # N trainers its own K); unset = all of it (trainers then differ by their seeds alone)
+    shard: str | None = None
     # where the trainer keeps its data position (read at start to resume, written after each step); unset =
     # next to --identity-path (PATH.data.json) when that is given, else not kept
     data_state: str | None = None
@@ -61,6 +64,7 @@ class DataConfig:
                 "--streaming reads through Hugging Face datasets: give --data-format text, json or parquet "
                 "(or .jsonl/.parquet files)"
             )
+        self.shard_part()  # raises on a malformed --shard
         if self.max_bytes is not None:
             if (
                 isinstance(self.max_bytes, bool)
@@ -82,3 +86,14 @@ class DataConfig:
         if suffixes == {".parquet"}:
             return "parquet"
         return "files"
+
+    def shard_part(self) -> tuple[int, int]:
+        """(K, N) of ``shard``; (0, 1) when unset. ValueError unless it reads "K/N" with 0 <= K < N."""
+        if self.shard is None:
+            return 0, 1
+        k, sep, n = str(self.shard).partition("/")
+        if not (sep and k.strip().isdigit() and n.strip().isdigit()) or not 0 <= int(k) < int(n):
+            raise ValueError(
+                f"--shard must read K/N with 0 <= K < N (e.g. 0/4 for the first of 4 trainers), got {self.shard!r}"
+            )
+        return int(k), int(n)

@@ -90,6 +90,23 @@ class ByteCorpus:
             train_part, val_part, train_files=n_train + n_val, val_files=1, split_by_file=False
         )
 
+    def shard(self, index: int, count: int) -> ByteCorpus:
+        """The corpus whose training split is part ``index`` of ``count`` equal, contiguous parts of this one's
+        (views, no copy); validation stays whole, the same for every shard. CorpusError when a part is empty."""
+        train = self._data["train"]
+        lo, hi = index * train.numel() // count, (index + 1) * train.numel() // count
+        if hi <= lo:
+            raise CorpusError(
+                f"shard {index}/{count} of {train.numel()} training {self._unit()} is empty; use fewer shards"
+            )
+        return ByteCorpus(
+            train[lo:hi],
+            self._data["val"],
+            train_files=self.train_files,
+            val_files=self.val_files,
+            split_by_file=self.split_by_file,
+        )
+
     def split(self, name: str) -> Tensor:
         """The raw uint8 (N,) tensor of split `name` ("train" or "val"); do not modify it."""
         if name not in self._data:

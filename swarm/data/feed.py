@@ -11,6 +11,9 @@ Two feeds share one interface (``next_batch``, ``val_batches``, ``state_dict``/`
 A feed's seed defaults to one derived from the trainer's identity (:func:`seed_of`), so two trainers started
 with the same flags never feed the same batches; ``--seed`` fixes it. :class:`FeedState` keeps a feed's state in
 a JSON file (written atomically after each step), so a restarted trainer continues where it stopped.
+
+With ``--shard K/N`` a trainer reads only its part of the training data (a contiguous Nth of the tokens, or
+an Nth of a stream's examples), disjoint from the other N-1 trainers'.
 """
 
 from __future__ import annotations
@@ -93,7 +96,13 @@ class StreamWindows:
         self._tokenizer = tokenizer
         self._field = text_field(config)
         self._source = load_dataset(config, streaming=True)
-        self._train = self._source.shuffle(seed=seed % 2**32, buffer_size=buffer_size)
+        index, count = config.shard_part()
+        train = self._source
+        if count > 1:
+            from datasets.distributed import split_dataset_by_node
+
+            train = split_dataset_by_node(train, rank=index, world_size=count)
+        self._train = train.shuffle(seed=seed % 2**32, buffer_size=buffer_size)
         self._epoch = 0
         self._iterator = None
         self._buffer: list[int] = []
@@ -181,7 +190,8 @@ def open_feed(
         return StreamWindows(config, tokenizer, seed)
     if corpus is None:
         raise ValueError("a feed that does not stream needs the loaded corpus")
-    return RandomWindows(corpus, seed)
+    index, count = config.shard_part()
+    return RandomWindows(corpus.shard(index, count) if count > 1 else corpus, seed)
 
 
 def data_fingerprint(config: DataConfig, tokenizer: Tokenizer) -> dict:
@@ -193,6 +203,7 @@ def data_fingerprint(config: DataConfig, tokenizer: Tokenizer) -> dict:
         "streaming": config.streaming,
         "val_fraction": config.val_fraction,
         "max_bytes": config.max_bytes,
+        "shard": list(config.shard_part()),
         "tokenizer": tokenizer.fingerprint if not isinstance(tokenizer, ByteTokenizer) else "bytes",
     }
 

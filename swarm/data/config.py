@@ -17,9 +17,11 @@ class DataConfig:
 
     FLAG_TITLE = "data"
 
-    # Files or folders of text (folders are walked recursively); empty = the Python stdlib sources.
+    # Files or folders of text (folders are walked recursively), or of a dataset (.jsonl, .parquet, see
+    # --data-format); empty = the Python stdlib sources.
     paths: tuple[str, ...] = field(default=(), metadata={"flag": "--data"})
-    # Approximate share of FILES (not bytes) held out for validation, chosen by a hash of each path.
+    # Approximate share of FILES (not bytes; of documents for datasets) held out for validation, chosen by a hash
+    # of each path (of each document's text).
     val_fraction: float = 0.02
     # Cap on the bytes loaded (split between train and val as val_fraction says); None = load all.
     max_bytes: int | None = None

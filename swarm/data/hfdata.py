@@ -28,7 +28,12 @@ def offline_datasets():
     """The ``datasets`` module, in offline mode (no hub, no downloads)."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise CorpusError(
+            "reading jsonl, parquet or text datasets needs Hugging Face datasets: pip install 'swarm[hf]'"
+        ) from None
 
     datasets.config.HF_DATASETS_OFFLINE = True
     datasets.config.HF_HUB_OFFLINE = True

@@ -55,8 +55,12 @@ class HFTokenizer:
     def load(cls, directory: str | Path) -> HFTokenizer:
         """The tokenizer of ``directory``; CorpusError (a ValueError) saying what is wrong when it cannot be
         read."""
-        from tokenizers import Tokenizer
-
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise CorpusError(
+                "--tokenizer needs Hugging Face tokenizers: pip install 'swarm[hf]'"
+            ) from None
         path = Path(directory).expanduser()
         if not path.is_dir():
             what = "is a file" if path.exists() else "does not exist"

@@ -110,6 +110,12 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
         help="export even if a stage's replicas at its highest step hold different parameters "
         "(takes the most advanced replica's)",
     )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the local tokenizer directory the run trained with (swarm train --tokenizer): its files go into "
+        "the export, and swarm generate uses them",
+    )
 
 
 def _callers_flags(p: argparse.ArgumentParser) -> None:
@@ -138,7 +144,10 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prompt", default="def ", help="text the sample continues")
     p.add_argument(
-        "--max-new-tokens", type=int, default=200, help="bytes to generate (default: 200)"
+        "--max-new-tokens",
+        type=int,
+        default=200,
+        help="tokens to generate: bytes, or the exported tokenizer's tokens (default: 200)",
     )
     p.add_argument(
         "--temperature",
@@ -473,6 +482,7 @@ def _export(args) -> int:
                 config_from_args(DHTConfig, args),
                 args.out,
                 allow_disagreement=args.allow_disagreement,
+                tokenizer=args.tokenizer,
             )
         )
     )

@@ -18,6 +18,7 @@ from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.discovery.records import StageRecord
 from swarm.errors import StageUnavailable, SwarmError
 from swarm.model import generate, state_digest
+from swarm.model.generate import generate_ids
 from swarm.states import PeerState
 from swarm.transport.callers import caller_token
 from swarm.transport.client import PeerClient
@@ -149,7 +150,12 @@ async def export_run(
     *,
     timeout_s: float = 60.0,
     allow_disagreement: bool = False,
+    tokenizer: str | None = None,
 ) -> str:
+    if tokenizer is not None:  # refuse a wrong tokenizer before downloading anything
+        from swarm.data.tokenizer import HFTokenizer
+
+        HFTokenizer.load(tokenizer)
     dht = await asyncio.to_thread(start_dht, dht_config, client_mode=True)
     try:
         directory = RunDirectory(dht, run_id, run_owner=dht_config.run_owner)
@@ -163,15 +169,35 @@ async def export_run(
         )
     finally:
         dht.shutdown()
-    write_export_dir(out, run, states, steps)
-    return f"exported run '{run_id}' (stages at optimizer steps {steps}) to {out}"
+    write_export_dir(out, run, states, steps, tokenizer=tokenizer)
+    with_tokenizer = "" if tokenizer is None else f", with the tokenizer of {tokenizer}"
+    return f"exported run '{run_id}' (stages at optimizer steps {steps}) to {out}{with_tokenizer}"
 
 
 def generate_text(
     path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
 ) -> str:
+    from pathlib import Path
+
+    from swarm.data.tokenizer import TOKENIZER_JSON, HFTokenizer, check_vocab
+
     _, model = load_exported(path)
     model.eval()
+    if (Path(path) / TOKENIZER_JSON).is_file():  # the export carries the run's tokenizer
+        tok = HFTokenizer.load(path)
+        check_vocab(tok, model.config.vocab_size)
+        ids = tok.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens; give a longer --prompt")
+        new = generate_ids(
+            model,
+            ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        return tok.decode(ids + new)
     out = generate(
         model,
         prompt.encode(),

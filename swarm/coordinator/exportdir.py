@@ -5,6 +5,8 @@ Layout (what transformers' ``save_pretrained`` writes, plus the run's metadata):
     model.safetensors   the parameters
     config.json         the model's configuration
     swarm.json          {"format": 2, "family", "run": RunConfig.to_dict(), "steps": [step of each stage]}
+    tokenizer.json ...  the tokenizer the run was trained with, when ``swarm export --tokenizer DIR`` names one
+                        (``swarm generate`` then uses it; without it, text is bytes)
 
 For a Hugging Face family (GPT-2, Llama) the tensor names and ``config.json`` are transformers': the directory
 loads with ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``. The head was trained apart from the input
@@ -71,15 +73,27 @@ def model_config_json(run: RunConfig) -> dict:
 
 
 def write_export_dir(
-    out: str | Path, run: RunConfig, states: Sequence[dict[str, torch.Tensor]], steps: Sequence[int]
+    out: str | Path,
+    run: RunConfig,
+    states: Sequence[dict[str, torch.Tensor]],
+    steps: Sequence[int],
+    *,
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Write the export of ``run`` (one state dict per stage, trained to ``steps``) into directory ``out``
-    (created if needed; the three files are each replaced atomically). Returns the directory."""
+    (created if needed; the three files are each replaced atomically), with the files of the tokenizer
+    directory ``tokenizer`` when given (its vocabulary must be the model's). Returns the directory."""
     from safetensors.torch import save_file
+
+    from swarm.data.tokenizer import HFTokenizer, check_vocab
 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; an export is a directory (give a new path)")
+    tok = None
+    if tokenizer is not None:
+        tok = HFTokenizer.load(tokenizer)
+        check_vocab(tok, run.model.vocab_size)
     FullModel.from_stage_states(run.model, states)  # refuse to write something that does not load
     out.mkdir(parents=True, exist_ok=True)
     tensors = model_tensors(run, states)
@@ -96,6 +110,8 @@ def write_export_dir(
         tmp = out / (name + ".tmp")
         tmp.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, out / name)
+    if tok is not None:
+        tok.copy_to(out)
     return out
 
 

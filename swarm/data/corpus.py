@@ -1,4 +1,4 @@
-"""The byte-level corpus: two flat uint8 tensors (train, val) and cheap window sampling from them."""
+"""The corpus: two flat token tensors (train, val; uint8 bytes or int32 token ids) and cheap window sampling."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ SPLITS = ("train", "val")
 
 
 class ByteCorpus:
-    """Text of many files concatenated per split, one token per byte (ids 0..255).
+    """Text of many files (or documents) concatenated per split: one token per byte (ids 0..255, uint8), or
+    the ids a tokenizer gave (int32).
 
     Windows may span the boundary between two files; at this scale that is harmless and it keeps
     sampling a single gather.
@@ -31,9 +32,10 @@ class ByteCorpus:
         split_by_file: bool = True,
     ):
         for name, data in (("train", train), ("val", val)):
-            if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() == 0:
+            if data.dtype not in (torch.uint8, torch.int32) or data.dim() != 1 or data.numel() == 0:
                 raise ValueError(
-                    f"{name} split must be a non-empty 1-D uint8 tensor, got {data.dtype} {tuple(data.shape)}"
+                    f"{name} split must be a non-empty 1-D uint8 (bytes) or int32 (token ids) tensor, got "
+                    f"{data.dtype} {tuple(data.shape)}"
                 )
         self._data = {"train": train, "val": val}
         self.train_files = train_files  # files contributing to each split
@@ -88,6 +90,23 @@ class ByteCorpus:
             train_part, val_part, train_files=n_train + n_val, val_files=1, split_by_file=False
         )
 
+    def shard(self, index: int, count: int) -> ByteCorpus:
+        """The corpus whose training split is part ``index`` of ``count`` equal, contiguous parts of this one's
+        (views, no copy); validation stays whole, the same for every shard. CorpusError when a part is empty."""
+        train = self._data["train"]
+        lo, hi = index * train.numel() // count, (index + 1) * train.numel() // count
+        if hi <= lo:
+            raise CorpusError(
+                f"shard {index}/{count} of {train.numel()} training {self._unit()} is empty; use fewer shards"
+            )
+        return ByteCorpus(
+            train[lo:hi],
+            self._data["val"],
+            train_files=self.train_files,
+            val_files=self.val_files,
+            split_by_file=self.split_by_file,
+        )
+
     def split(self, name: str) -> Tensor:
         """The raw uint8 (N,) tensor of split `name` ("train" or "val"); do not modify it."""
         if name not in self._data:
@@ -127,10 +146,14 @@ class ByteCorpus:
     def describe(self) -> str:
         """One line for logs, e.g. '33.9 MB train (1755 files), 0.6 MB val (35 files)'."""
         how = "" if self.split_by_file else " (one file cut in two)"
+        unit = "MB" if self._unit() == "bytes" else "M tokens"
         return (
-            f"{self.train_bytes / 1e6:.1f} MB train ({self.train_files} files), "
-            f"{self.val_bytes / 1e6:.1f} MB val ({self.val_files} files){how}"
+            f"{self.train_bytes / 1e6:.1f} {unit} train ({self.train_files} files), "
+            f"{self.val_bytes / 1e6:.1f} {unit} val ({self.val_files} files){how}"
         )
+
+    def _unit(self) -> str:
+        return "bytes" if self._data["train"].dtype == torch.uint8 else "tokens"
 
     def _check_window(self, split: str, batch_size: int, seq_len: int) -> int:
         if batch_size < 1 or seq_len < 1:
@@ -138,7 +161,7 @@ class ByteCorpus:
         window = seq_len + 1
         if self._data[split].numel() < window:
             raise CorpusError(
-                f"the {split} split has {self._data[split].numel()} bytes, fewer than one window of "
+                f"the {split} split has {self._data[split].numel()} {self._unit()}, fewer than one window of "
                 f"seq_len + 1 = {window}; add text or raise max_bytes"
             )
         return window

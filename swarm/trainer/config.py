@@ -54,7 +54,9 @@ class TrainerConfig:
     steps: int = 100  # global batches to train (0 = until interrupted)
     eval_every_steps: int = 25  # validation every this many steps (0 = only at the end)
     eval_batches: int = 4  # validation batches (of microbatch_size sequences)
-    seed: int = 0  # data sampling seed
+    # data sampling (and routing) seed; unset = one derived from the trainer's identity (kept in its data state),
+    # so trainers started alike read different batches
+    seed: int | None = None
     # start global batch b once every stage has stepped on batch b - this - 1 (0: lockstep; -1: no limit).
     # Unset: lockstep (0) when every stage's replicas average (the peers' default), so each batch trains the
     # parameters of the one before it, as one process would; no limit when they don't (--no-average)

@@ -17,14 +17,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import torch
 from hivemind.utils import get_dht_time
 
 from swarm.config import RunConfig
-from swarm.data import ByteCorpus
 from swarm.discovery.dht import RunDirectory, start_dht
 from swarm.discovery.records import TrainerRecord
 from swarm.trainer.config import TrainerConfig
+from swarm.trainer.data import TrainerData
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.pipeline import MicrobatchResult, Pipeline
 from swarm.trainer.tensorboard import TensorBoardLog
@@ -122,20 +121,24 @@ class _Tally:
 
 class Trainer:
     def __init__(
-        self, config: TrainerConfig, pipeline: Pipeline, corpus: ByteCorpus, run: RunConfig
+        self,
+        config: TrainerConfig,
+        pipeline: Pipeline,
+        data: TrainerData,
+        run: RunConfig,
+        *,
+        trainer_id: str,
     ):
         self.config = config
         self.pipeline = pipeline
-        self.corpus = corpus
+        self.data = data
         self.run = run
         # its identity's peer id (it signs the trainer's records); microbatch ids add a per-start prefix, so a
         # restarted trainer's ids never meet its former ones at a peer (held or applied)
-        identity = pipeline.directory.identity
-        self.trainer_id = identity.peer_id if identity is not None else uuid.uuid4().hex[:16]
+        self.trainer_id = trainer_id
         self._microbatch_prefix = f"{self.trainer_id[:8]}.{uuid.uuid4().hex[:6]}"
         self.metrics_port: int | None = None  # where its Prometheus metrics are served, if they are
         self.tensorboard: TensorBoardLog | None = None  # with --tensorboard-dir
-        self._generator = torch.Generator().manual_seed(config.seed)
         self._next_microbatch = 0
         # microbatches per global batch
         self._per_step = math.ceil(run.target_batch_size / config.microbatch_size)
@@ -165,14 +168,16 @@ class Trainer:
                 stack.callback(dht.shutdown)
             directory = RunDirectory(dht, config.run_id, run_owner=config.dht.run_owner)
             run = await directory.wait_for_run(timeout_s=config.peers_wait_s)
-            corpus = await asyncio.to_thread(ByteCorpus.load, config.data)
+            identity = directory.identity
+            trainer_id = identity.peer_id if identity is not None else uuid.uuid4().hex[:16]
+            data = await asyncio.to_thread(TrainerData.open, config, run, trainer_id)
             pipeline = Pipeline(
-                directory, run, config=config.pipeline, routing=config.routing, seed=config.seed
+                directory, run, config=config.pipeline, routing=config.routing, seed=data.seed
             )
             stack.push_async_callback(pipeline.close)
             await pipeline.start()
             await pipeline.wait_for_peers(timeout_s=config.peers_wait_s)
-            trainer = cls(config, pipeline, corpus, run)
+            trainer = cls(config, pipeline, data, run, trainer_id=trainer_id)
             if config.tensorboard_dir is not None:
                 trainer.tensorboard = TensorBoardLog(
                     config.tensorboard_dir, run_id=config.run_id, trainer_id=trainer.trainer_id
@@ -259,6 +264,9 @@ class Trainer:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await batches.close()
+            await asyncio.to_thread(
+                self.data.save
+            )  # microbatches drawn but lost are not read again
         return await self._finish(tally, launched, first_steps, started)
 
     async def _stages_caught_up(
@@ -290,9 +298,7 @@ class Trainer:
     def _train_microbatch(self, index: int, first_steps: list[int]):
         """The coroutine of microbatch ``index``: fresh training samples, tagged with each stage's step."""
         cfg = self.config
-        tokens = self.corpus.sample(
-            "train", cfg.microbatch_size, self.run.model.seq_len, self._generator
-        )
+        tokens = self.data.feed.next_batch(cfg.microbatch_size, self.run.model.seq_len)
         batch_steps = [first + index // self._per_step for first in first_steps]
         return self.pipeline.train_microbatch(self._microbatch_id(), tokens, batch_steps)
 
@@ -305,6 +311,7 @@ class Trainer:
         self._metric(
             {"step": step, "loss": step_loss, "tokens_per_s": tokens_per_s, "time_s": elapsed}
         )
+        await asyncio.to_thread(self.data.save)
         if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step != cfg.steps:
             val_loss = await self.validate()
             self._metric({"step": step, "val_loss": val_loss, "time_s": time.monotonic() - started})
@@ -369,7 +376,7 @@ class Trainer:
 
     async def validate(self) -> float:
         """Mean validation loss over the fixed validation batches (the same on every machine)."""
-        batches = self.corpus.val_batches(
+        batches = self.data.feed.val_batches(
             self.config.microbatch_size, self.run.model.seq_len, self.config.eval_batches
         )
         sem = asyncio.Semaphore(self.config.in_flight)

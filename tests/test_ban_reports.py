@@ -12,6 +12,7 @@ import pytest
 from hivemind.utils import get_dht_time
 from livepeers import RUN
 
+from swarm.coordinator.status import format_status, read_status, status_document
 from swarm.discovery.banreports import (
     MAX_REPORT_BYTES,
     BanReport,
@@ -183,6 +184,13 @@ def test_the_run_owners_report_counts_alone(nodes):
         await publish_ban_report(owner, _report(HONEST, run_id), ttl_s=60)
         book = ReportBook(reader, quorum=5, ttl_s=60)
         await book.refresh(admitted=None)
-        return set(book.avoided)
+        return set(book.avoided), await read_status(reader)
 
-    assert asyncio.run(go()) == {HONEST}
+    avoided, found = asyncio.run(go())
+    assert avoided == {HONEST}
+    # `swarm status` shows it, as text and in the JSON document
+    (entry,) = status_document(run_id, *found)["reported"]
+    assert entry["peer_id"] == HONEST and entry["avoided"] and entry["kind"] == "mismatch"
+    assert entry["reporters"] == [first.swarm_identity.peer_id]
+    text = format_status(run_id, *found)
+    assert f"reported peer {HONEST} (stage 0) by 1 trainer(s), AVOIDED: mismatch at step 4" in text

@@ -6,11 +6,13 @@ suspect, checked on every call), a quorum of distinct reporters or the run's own
 from __future__ import annotations
 
 import asyncio
+import time
 
 import hivemind
 import pytest
+import torch
 from hivemind.utils import get_dht_time
-from livepeers import RUN
+from livepeers import RUN, T
 
 from swarm.coordinator.status import format_status, read_status, status_document
 from swarm.discovery.banreports import (
@@ -24,6 +26,8 @@ from swarm.discovery.banreports import (
 )
 from swarm.discovery.dht import DHTConfig, RunDirectory, start_dht
 from swarm.identity import Identity
+from swarm.trainer.config import PipelineConfig
+from swarm.trainer.pipeline import Pipeline
 from swarm.trainer.reports import ReportBook
 
 LIAR, HONEST = "a1" * 8, "b2" * 8
@@ -194,3 +198,62 @@ def test_the_run_owners_report_counts_alone(nodes):
     assert entry["reporters"] == [first.swarm_identity.peer_id]
     text = format_status(run_id, *found)
     assert f"reported peer {HONEST} (stage 0) by 1 trainer(s), AVOIDED: mismatch at step 4" in text
+
+
+@pytest.mark.integration
+def test_a_trainer_checks_a_suspect_on_every_call_and_avoids_a_peer_a_quorum_reported(
+    peers, loop_thread, boot
+):
+    """Real peers: one report makes a peer a suspect (still routed, every forward to it spot-checked, and an honest
+    one survives the checks); a second reporter makes the trainer route around it."""
+    run_id = "reports-route"
+    accused, other, last = peers(run_id, 0), peers(run_id, 0), peers(run_id, 1)
+    node = start_dht(DHTConfig(initial_peers=boot))  # the trainer's own node and key
+    tokens = [
+        torch.randint(0, 256, (2, T + 1), generator=torch.Generator().manual_seed(i))
+        for i in range(12)
+    ]
+
+    async def body():
+        config = PipelineConfig(spot_check_share=0.0, ban_report_quorum=2)
+        pipeline = Pipeline(RunDirectory(node, run_id), RUN, config=config, seed=0)
+        await pipeline.start()
+        try:
+            await publish_ban_report(other.directory, _report(accused.peer_id, run_id), ttl_s=60)
+            deadline = time.monotonic() + 30
+            # (both stage-0 replicas announced with their parameter digests: spot-checks compare by them)
+            while accused.peer_id not in pipeline.reports.suspects or not all(
+                pipeline.records[0].get(p.peer_id) and pipeline.records[0][p.peer_id].param_digest
+                for p in (accused, other)
+            ):
+                assert time.monotonic() < deadline
+                await pipeline._next_refresh(timeout_s=1.0)
+            assert accused.peer_id in pipeline.router.peers(0)
+            for t in tokens:
+                await pipeline.eval_microbatch(t)
+            await pipeline.spot_checks.settle()
+            counts = pipeline.spot_checks.counts
+            suspect = (counts.checked, counts.agreed, set(pipeline.banned_for_run))
+            await publish_ban_report(last.directory, _report(accused.peer_id, run_id), ttl_s=60)
+            while accused.peer_id not in pipeline.reports.avoided:
+                assert time.monotonic() < deadline
+                await pipeline._next_refresh(timeout_s=1.0)
+            before = accused.executor.microbatches_applied
+            for i, t in enumerate(tokens[:6]):
+                await pipeline.train_microbatch(f"mb{i}", t)
+            return (
+                suspect,
+                set(pipeline.router.peers(0)),
+                before,
+                accused.executor.microbatches_applied,
+            )
+        finally:
+            await pipeline.close()
+
+    try:
+        (checked, agreed, banned), routed, before, after = loop_thread.run(body(), timeout_s=300)
+    finally:
+        node.shutdown()
+    # with a spot-check share of 0, only the calls to the suspect were checked; it is honest: they agreed
+    assert checked >= 1 and agreed == checked and banned == set()
+    assert routed == {other.peer_id} and after == before  # avoided: no more work

@@ -18,6 +18,7 @@ the liars' trainer banned, and the signed ban reports ``swarm status`` shows aft
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import tempfile
@@ -102,7 +103,8 @@ def run(cfg: LiarsConfig, workdir: Path, *, liars: bool) -> Outcome:
             max_gradient_ratio=cfg.max_gradient_ratio,
         )
         summary = finished(trainer, timeout_s=1800)
-        status = swarm.status(run_id)
+        # (a loaded machine takes its time to start the status command's DHT node)
+        status = swarm.status(run_id, timeout_s=600) if liars else {"stages": []}
     by_endpoint = {
         r["endpoint"]: r["peer_id"] for stage in status["stages"] for r in stage["replicas"]
     }
@@ -117,7 +119,9 @@ def run(cfg: LiarsConfig, workdir: Path, *, liars: bool) -> Outcome:
         final_loss=summary.final_loss,
         tokens_per_s=summary.tokens_per_s,
         seconds=summary.seconds,
-        liars={"wrong outputs (s0-c)": ids["s0-c"], "huge gradients (s1-b)": ids["s1-b"]},
+        liars={"wrong outputs (s0-c)": ids["s0-c"], "huge gradients (s1-b)": ids["s1-b"]}
+        if liars
+        else {},
         banned=banned,
         reported=status.get("reported", []),
     )
@@ -127,11 +131,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=LiarsConfig.steps)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--honest-val-loss",
+        type=float,
+        default=None,
+        help="skip the honest run and compare with this final validation loss of an earlier one (same commit, "
+        "steps and seed; the result says so)",
+    )
     args = parser.parse_args()
     cfg = LiarsConfig(steps=args.steps, seed=args.seed)
-    info = RunInfo(command=f".venv/bin/python bench/liars.py --steps {cfg.steps} --seed {cfg.seed}")
+    command = f".venv/bin/python bench/liars.py --steps {cfg.steps} --seed {cfg.seed}"
+    info = RunInfo(command=command)
     workdir = Path(tempfile.mkdtemp(prefix="swarm-bench-liars-"))
-    honest = run(cfg, workdir, liars=False)
+    if args.honest_val_loss is None:
+        honest = run(cfg, workdir, liars=False)
+    else:
+        info.extra.append(
+            f"the honest run's validation loss ({args.honest_val_loss}) comes from an earlier run of the same "
+            f"command at the same commit (this one ran with --honest-val-loss); its other columns are not known"
+        )
+        honest = Outcome(
+            "honest (earlier run)",
+            args.honest_val_loss,
+            math.nan,
+            math.nan,
+            math.nan,
+            {},
+            set(),
+            [],
+        )
     lying = run(cfg, workdir, liars=True)
     info.finish()
     gap = abs(lying.val_loss - honest.val_loss) / honest.val_loss

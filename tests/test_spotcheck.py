@@ -10,6 +10,7 @@ import pytest
 import torch
 from livepeers import RUN, T
 
+from swarm.discovery.banreports import read_ban_reports
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.pipeline import Pipeline
 from swarm.trainer.spotcheck import relative_distance
@@ -70,6 +71,16 @@ def test_a_replica_that_lies_is_caught_by_two_others_and_banned(peers, loop_thre
     assert banned == {liar.peer_id} and counts.banned == [liar.peer_id]
     assert counts.mismatched >= 1 and counts.agreed >= 1  # honest pairs were compared, and agreed
     assert all(torch.isfinite(torch.tensor(losses)))
+    # the ban is reported in the DHT, signed by the trainer, with its evidence (swarm.discovery.banreports)
+    (signed,) = loop_thread.run(read_ban_reports(last.directory))
+    report = signed.report
+    assert (signed.reporter, report.peer_id, report.kind) == (
+        last.peer_id,
+        liar.peer_id,
+        "mismatch",
+    )
+    assert set(report.witnesses.split(",")) == {honest_a.peer_id, honest_b.peer_id}
+    assert report.result_digest != report.expected_digest and report.distance > 0.4
 
 
 def test_honest_replicas_agree_and_two_that_disagree_accuse_nobody(peers, loop_thread):

@@ -11,9 +11,13 @@ The JSON document (``swarm status --json``)::
                                "in_flight", "device", "averaging" (bool), "heartbeat_age_s" (seconds
                                since its record was written; null if the record does not say)}]}],
      "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
-                   "microbatches", "heartbeat_age_s"}]}
+                   "microbatches", "heartbeat_age_s"}],
+     "reported": [{"peer_id", "stage", "reporters" (peer ids of the trainers that reported it), "avoided" (a
+                   quorum of them, or the run's owner: trainers route no work there), "kind", "step", "reason"}]}
 
-``agree`` (see :mod:`swarm.coordinator.agreement`): false if serving replicas at one step announce different
+``reported`` lists the peers trainers published signed ban reports on (:mod:`swarm.discovery.banreports`),
+weighed with the trainers' default quorum (:data:`STATUS_QUORUM`). ``agree`` (see
+:mod:`swarm.coordinator.agreement`): false if serving replicas at one step announce different
 parameter digests, true if at least two are comparable and all agree, null if none are. With ``--watch S``
 the status is printed again every S seconds (``--json``: one document per line) until interrupted.
 """
@@ -29,8 +33,32 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from swarm.coordinator.agreement import agreement, describe_disagreement, step_groups
+from swarm.discovery.banreports import read_ban_reports, weigh_reports
 from swarm.discovery.dht import DHTConfig, RunDirectory, list_runs, start_dht
 from swarm.states import PeerState
+from swarm.trainer.config import PipelineConfig
+
+# the quorum status weighs ban reports by: the trainers' default
+STATUS_QUORUM = PipelineConfig().ban_report_quorum
+
+
+def reported_peers(verdicts) -> list[dict[str, Any]]:
+    """The ``reported`` part of the status document from :func:`weigh_reports`'s verdicts."""
+    out = []
+    for peer, verdict in sorted(verdicts.items()):
+        latest = max(verdict.reports, key=lambda r: r.reported_s)
+        out.append(
+            {
+                "peer_id": peer,
+                "stage": latest.stage,
+                "reporters": sorted(verdict.reporters),
+                "avoided": verdict.avoid,
+                "kind": latest.kind,
+                "step": latest.step,
+                "reason": latest.reason,
+            }
+        )
+    return out
 
 
 def _age(announced_s: float, now: float) -> float | None:
@@ -38,10 +66,11 @@ def _age(announced_s: float, now: float) -> float | None:
 
 
 def status_document(
-    run_id: str, run, stages, trainers=None, owner: str | None = None
+    run_id: str, run, stages, trainers=None, reported=None, owner: str | None = None
 ) -> dict[str, Any]:
     """The status of ``run`` as plain JSON-ready data (the schema in the module docstring); ``trainers``:
-    the run's trainer records by id; ``owner``: the fingerprint of the run config's signer."""
+    the run's trainer records by id; ``owner``: the fingerprint of the run config's signer; ``reported``:
+    :func:`reported_peers`."""
     out, now = [], get_dht_time()
     for index, records in enumerate(stages):
         groups = step_groups(records.values(), config_hash=run.fingerprint())
@@ -83,6 +112,7 @@ def status_document(
             }
             for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id)
         ],
+        "reported": list(reported or []),
     }
 
 
@@ -112,7 +142,9 @@ def _agreement_line(run, records) -> str:
     )
 
 
-def format_status(run_id: str, run, stages, trainers=None, owner: str | None = None) -> str:
+def format_status(
+    run_id: str, run, stages, trainers=None, reported=None, owner: str | None = None
+) -> str:
     now = get_dht_time()
     lines = [
         f"run '{run_id}': {run.model.num_stages} stages, {run.compression_scheme()}, "
@@ -138,6 +170,12 @@ def format_status(run_id: str, run, stages, trainers=None, owner: str | None = N
             f"trainer {t.trainer_id}: step {t.step} | loss {loss}{val} | {t.tokens_per_s:,.0f} tokens/s"
             f" | heartbeat {_age_text(t.announced_s, now)}"
         )
+    for r in reported or []:
+        lines.append(
+            f"reported peer {r['peer_id']} (stage {r['stage']}) by {len(r['reporters'])} trainer(s), "
+            f"{'AVOIDED' if r['avoided'] else 'suspect (checked on every call)'}: {r['kind']} at step "
+            f"{r['step']}: {r['reason']}"
+        )
     if stages:
         slowest = bottleneck(stages)
         lines.append(
@@ -152,15 +190,19 @@ def _age_text(announced_s: float, now: float) -> str:
 
 
 async def read_status(directory: RunDirectory):
-    """``(run, stages, trainers)`` of the directory's run as the DHT has them now, or None if it has no such
-    run (what :func:`status_document` and :func:`format_status` take)."""
+    """``(run, stages, trainers, reported)`` of the directory's run as the DHT has them now, or None if it has no
+    such run (what :func:`status_document` and :func:`format_status` take)."""
     run = await directory.get_run()
     if run is None:
         return None
-    stages, trainers = await asyncio.gather(
-        directory.all_stages(run.model.num_stages), directory.trainer_records()
+    stages, trainers, reports = await asyncio.gather(
+        directory.all_stages(run.model.num_stages),
+        directory.trainer_records(),
+        read_ban_reports(directory),
     )
-    return run, stages, trainers
+    trusted = {directory.owner} if directory.owner else set()
+    verdicts = weigh_reports(reports, quorum=STATUS_QUORUM, trusted=trusted)
+    return run, stages, trainers, reported_peers(verdicts)
 
 
 async def print_runs(dht_config: DHTConfig, *, as_json: bool = False) -> int:

@@ -109,7 +109,14 @@ class PeerConfig:
     FLAG_TITLE = "peer"
     FLAG_GROUPS = {
         name: _FAULTS
-        for name in ("slowdown", "fail_probability", "hang_after_calls", "lose_commit_probability")
+        for name in (
+            "slowdown",
+            "fail_probability",
+            "hang_after_calls",
+            "lose_commit_probability",
+            "lie_output_scale",
+            "lie_gradient_scale",
+        )
     } | {
         name: "advanced: limits"
         for name in ("max_microbatch_size", "calibration_batch", "drain_notice_s")
@@ -140,6 +147,10 @@ class PeerConfig:
     # fault injection: lose this share of the commits sent in calls: before applying them, after (the
     # confirmation lost), or as if they came after the hold (the gradients dropped); 0 = off
     lose_commit_probability: float = 0.0
+    # fault injection: a liar, multiplying its forward outputs by this (1 = honest; see swarm.peer.lies)
+    lie_output_scale: float = 1.0
+    # fault injection: a liar, multiplying the input gradients it returns by this (1 = honest)
+    lie_gradient_scale: float = 1.0
     # serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; unset = off)
     metrics_port: int | None = None
     # seconds between the log lines that sum up what the peer did (0 = none)
@@ -183,6 +194,13 @@ class PeerConfig:
         if not 0 <= self.lose_commit_probability <= 1:
             raise ValueError(
                 f"lose_commit_probability must be in [0, 1], got {self.lose_commit_probability}"
+            )
+        if not (
+            0 < self.lie_output_scale < float("inf") and 0 < self.lie_gradient_scale < float("inf")
+        ):
+            raise ValueError(
+                f"lie_output_scale and lie_gradient_scale are finite factors > 0 (1 = honest), got "
+                f"{self.lie_output_scale} and {self.lie_gradient_scale}"
             )
         if self.log_every_s < 0:
             raise ValueError(

@@ -27,6 +27,7 @@ from swarm.peer.announcer import RUN_TTL_FACTOR, Announcer, Serving
 from swarm.peer.checkpoint import CheckpointStore
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import StageExecutor
+from swarm.peer.lies import install_lies
 from swarm.peer.members import apply_caller_list, follow_caller_list, load_allow_callers
 from swarm.peer.metrics import PeerMetrics
 from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
@@ -246,6 +247,11 @@ class Peer:
             optimizer = LocalStageOptimizer(stage_module, run)
         executor = StageExecutor(
             stage_module, run, optimizer=optimizer, cache=config.cache, slowdown=config.slowdown
+        )
+        install_lies(
+            executor,
+            output_scale=config.lie_output_scale,
+            gradient_scale=config.lie_gradient_scale,
         )
 
         def restore_then_sync() -> bool:

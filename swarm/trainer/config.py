@@ -25,8 +25,17 @@ class PipelineConfig:
     # recent ones is refused before it counts, and its peer banned for the run (0 = no bound; off by default: a
     # diverging run's honest gradients grew 1,490x within 64 microbatches, and the bound would ban honest peers)
     max_gradient_ratio: float = 0.0
+    # distinct trainers whose signed ban reports make this one avoid a peer too (the run's owner counts alone);
+    # a peer reported by fewer is spot-checked on every forward call instead
+    ban_report_quorum: int = 2
+    ban_report_ttl_s: float = 3600.0  # seconds this trainer's ban reports live in the DHT
 
     def __post_init__(self):
+        if self.ban_report_quorum < 1 or self.ban_report_ttl_s <= 0:
+            raise ValueError(
+                f"need ban_report_quorum >= 1 and ban_report_ttl_s > 0; got {self.ban_report_quorum}, "
+                f"{self.ban_report_ttl_s}"
+            )
         if (
             not 0 <= self.spot_check_share <= 1
             or not self.spot_check_tolerance > 0

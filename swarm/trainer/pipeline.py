@@ -23,6 +23,7 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.config import RunConfig
+from swarm.discovery.banreports import BanReport
 from swarm.discovery.callerlist import read_caller_list
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
@@ -36,6 +37,7 @@ from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
 from swarm.trainer.holdings import Holdings
+from swarm.trainer.reports import ReportBook
 from swarm.trainer.spotcheck import CheckedCall, SpotChecker
 from swarm.trainer.stagesteps import StageSteps
 from swarm.transport.callers import caller_token
@@ -115,6 +117,10 @@ class Pipeline:
             tolerance=config.spot_check_tolerance,
             rng=random.Random(f"spot-checks {seed}"),
         )
+        # signed ban reports: published for this trainer's bans, read for others' (swarm.trainer.reports)
+        self.reports = ReportBook(
+            directory, quorum=config.ban_report_quorum, ttl_s=config.ban_report_ttl_s
+        )
         self.gradients = GradientWatch(self.num_stages, max_ratio=config.max_gradient_ratio)
         self.calls = StageCalls(
             directory.run_id,
@@ -136,6 +142,7 @@ class Pipeline:
 
     async def close(self) -> None:
         await self.spot_checks.close()
+        await self.reports.close()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
             await asyncio.gather(self._refresh_task, return_exceptions=True)
@@ -149,6 +156,12 @@ class Pipeline:
         # a run whose owner lists its callers: only listed peers get work (others cannot join its peers anyway)
         admitted = None if listed is None else listed.admitted(self.directory.owner)
         listed_ids = None if admitted is None else {entry[:PEER_ID_HEX] for entry in admitted}
+        try:
+            await self.reports.refresh(
+                admitted=None if listed_ids is None else frozenset(listed_ids)
+            )
+        except Exception as e:  # route on the last verdicts
+            logger.warning("reading the run's ban reports failed: %s", e)
         now = time.monotonic()
         for stage, found in enumerate(stages):
             compatible = {
@@ -173,6 +186,7 @@ class Pipeline:
             if r.state == PeerState.SERVING
             and (stage, pid) not in self._draining_replies
             and pid not in self.banned_for_run
+            and pid not in self.reports.avoided
         }
         self.router.update_peers(stage, serving, now)
 
@@ -372,7 +386,8 @@ class Pipeline:
     ) -> None:
         """Maybe have another replica of ``stage`` recompute this forward (its output, or at the last stage its
         loss) and compare: see :mod:`swarm.trainer.spotcheck`."""
-        if not self.spot_checks.sampled():
+        # a peer others reported (too few to avoid it) is checked on every call: see swarm.trainer.reports
+        if not self.spot_checks.sampled() and peer not in self.reports.suspects:
             return
         if stage == self.num_stages - 1:
             result = torch.tensor([reply.meta.loss])
@@ -434,7 +449,9 @@ class Pipeline:
                     self._draining_replies[(stage, peer)] = now
                     self._update_router(stage, now)
                 if isinstance(e, BadReply):
-                    self._ban_for_run(stage, peer, e, "its reply failed the checks")
+                    self._ban_for_run(
+                        stage, peer, e, "its reply failed the checks", report={"kind": "bad_reply"}
+                    )
                 # raises RetriesExhausted naming the stage when the budget is spent
                 request.failed(peer, e, now)
                 if kind is Failure.GIVE_UP:
@@ -454,14 +471,27 @@ class Pipeline:
                 self._update_router(stage, now)
             return reply, peer
 
-    def _ban_for_run(self, stage: int, peer: str, error: SwarmError, why: str) -> None:
-        """Never route to ``peer`` again in this run (logged once per peer)."""
+    def _ban_for_run(
+        self, stage: int, peer: str, error: SwarmError, why: str, *, report: dict | None = None
+    ) -> None:
+        """Never route to ``peer`` again in this run (logged once per peer). A proven fault comes with
+        ``report`` (BanReport fields: its kind and evidence), published for the other trainers."""
         if peer in self.banned_for_run:
             return
         self.banned_for_run.add(peer)
         logger.warning(
             "stage %d peer %s banned for the rest of the run: %s (%s)", stage, peer, why, error
         )
+        if report is not None and self.directory.identity is not None:
+            self.reports.report(
+                BanReport.make(
+                    peer_id=peer,
+                    run_id=self.run_id,
+                    stage=stage,
+                    reason=f"{why}: {error}",
+                    **report,
+                )
+            )
         self._update_router(stage, time.monotonic())
 
     def _unban(self, peer: str) -> None:

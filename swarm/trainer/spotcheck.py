@@ -27,6 +27,7 @@ import torch
 
 from swarm.errors import SwarmError
 from swarm.states import PeerState
+from swarm.trainer.reports import tensor_digest
 from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
@@ -157,11 +158,11 @@ class SpotChecker:
             return
         counts.mismatched += 1
         distance = relative_distance(result, second)
-        _, third = await self._next_opinion(call, candidates)
+        third_peer, third = await self._next_opinion(call, candidates)
         if third is not None and self._agree(second, third) and not self._agree(result, third):
-            liar, other = peer, checker
+            liar, other, lie, truth = peer, checker, result, second
         elif third is not None and self._agree(result, third) and not self._agree(second, third):
-            liar, other = checker, peer
+            liar, other, lie, truth = checker, peer, second, result
         else:
             logger.warning(
                 "spot-check at stage %d, step %d: peers %s and %s disagree (relative distance %.3g) and no third "
@@ -182,4 +183,14 @@ class SpotChecker:
                 f"parameters (tolerance {self.tolerance})"
             ),
             f"spot-check: {other} and a third replica agree, it does not",
+            report={
+                "kind": "mismatch",
+                "microbatch_id": "spot-check",
+                "step": step,
+                "param_digest": version[1],
+                "result_digest": tensor_digest(lie),
+                "expected_digest": tensor_digest(truth),
+                "distance": min(distance, 1e300),
+                "witnesses": f"{other},{third_peer}",
+            },
         )

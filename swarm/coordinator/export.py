@@ -168,10 +168,22 @@ async def export_run(
 
 
 def generate_text(
-    path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+    path: str,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    device: str = "cpu",
 ) -> str:
+    """The prompt and up to ``max_new_tokens`` sampled bytes after it, from the model exported at ``path``, run on
+    ``device`` (a ``--device`` name: auto, cpu, cuda[:N], mps); sampling draws on the CPU, so a seed gives the
+    same text on any device up to the device's arithmetic."""
+    from swarm.model.device import resolve_device
+
     _, model = load_exported(path)
-    model.eval()
+    model.to(resolve_device(device)).eval()
     out = generate(
         model,
         prompt.encode(),

@@ -159,6 +159,11 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
         "--top-k", type=int, default=None, help="sample among the k most likely bytes only"
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs: auto (a GPU when torch sees one), cpu, cuda, cuda:N or mps (default: cpu)",
+    )
 
 
 def _plot_flags(p: argparse.ArgumentParser) -> None:
@@ -205,7 +210,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
         "show or set (as the run's owner) which keys the run's peers admit",
         _callers_flags,
     ),
-    "generate": ("sample text from an exported model, on CPU", _generate_flags),
+    "generate": ("sample text from an exported model (--device: CPU or GPU)", _generate_flags),
     "plot": ("draw loss and throughput curves from trainers' metrics files", _plot_flags),
     "demo": (
         "start a local swarm (bootstrap, peers, trainer) and train a small model",
@@ -523,6 +528,7 @@ def _generate(args) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             seed=args.seed,
+            device=args.device,
         )
     )
     return 0

@@ -164,12 +164,12 @@ def record_wire(**overrides) -> dict:
 
 def local_executor(run, stage_index: int, **kwargs):
     """A StageExecutor of ``stage_index`` that steps alone, as one built outside a peer (``kwargs``: cache,
-    slowdown)."""
+    slowdown, compute; ``device``: where the stage is built, default the CPU)."""
     from swarm.model import build_stage
     from swarm.optim import LocalStageOptimizer
     from swarm.peer.executor import StageExecutor
 
-    stage_module = build_stage(run.model, stage_index)
+    stage_module = build_stage(run.model, stage_index, device=kwargs.pop("device", "cpu"))
     return StageExecutor(
         stage_module, run, optimizer=LocalStageOptimizer(stage_module, run), **kwargs
     )

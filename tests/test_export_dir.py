@@ -84,7 +84,7 @@ def test_builtin_gpt_exports_to_the_same_layout_and_generate_reads_it(tmp_path, 
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
     argv = ["generate", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens"]
-    assert cli.main([*argv, "8", "--seed", "1", "--top-k", "5"]) == 0
+    assert cli.main([*argv, "8", "--seed", "1", "--top-k", "5", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     expected = generate(
         model, b"def ", 8, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(1)

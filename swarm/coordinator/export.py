@@ -175,14 +175,26 @@ async def export_run(
 
 
 def generate_text(
-    path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+    path: str,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    device: str = "cpu",
 ) -> str:
+    """The prompt and up to ``max_new_tokens`` sampled tokens after it (bytes, or the export's tokenizer's when it
+    carries one), from the model exported at ``path``, run on ``device`` (a ``--device`` name: auto, cpu,
+    cuda[:N], mps); sampling draws on the CPU, so a seed gives the same text on any device up to the device's
+    arithmetic."""
     from pathlib import Path
 
     from swarm.data.tokenizer import TOKENIZER_JSON, HFTokenizer, check_vocab
+    from swarm.model.device import resolve_device
 
     _, model = load_exported(path)
-    model.eval()
+    model.to(resolve_device(device)).eval()
     if (Path(path) / TOKENIZER_JSON).is_file():  # the export carries the run's tokenizer
         tok = HFTokenizer.load(path)
         check_vocab(tok, model.config.vocab_size)

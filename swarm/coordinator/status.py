@@ -8,8 +8,10 @@ The JSON document (``swarm status --json``)::
      "stages": [{"stage": int, "throughput": float (samples/s of its serving replicas),
                  "agree": true | false | null,
                  "replicas": [{"peer_id", "endpoint", "state", "step", "param_digest", "throughput",
-                               "in_flight", "device", "averaging" (bool), "heartbeat_age_s" (seconds
-                               since its record was written; null if the record does not say)}]}],
+                               "in_flight", "device", "dtype" ("" = not said), "memory_bytes" (its
+                               stage's estimate), "device_memory_bytes" (the device's; 0 = not said),
+                               "averaging" (bool), "heartbeat_age_s" (seconds since its record was
+                               written; null if the record does not say)}]}],
      "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
                    "microbatches", "heartbeat_age_s"}],
      "reported": [{"peer_id", "stage", "reporters" (peer ids of the trainers that reported it), "avoided" (a
@@ -84,6 +86,9 @@ def status_document(
                 "throughput": r.throughput,
                 "in_flight": r.in_flight,
                 "device": r.device,
+                "dtype": r.dtype,
+                "memory_bytes": r.memory_bytes,
+                "device_memory_bytes": r.device_memory_bytes,
                 "averaging": r.averaging,
                 "heartbeat_age_s": _age(r.announced_s, now),
             }
@@ -161,7 +166,7 @@ def format_status(
             lines.append(
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
                 f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
-                f"  {r.device or '-'}  heartbeat {_age_text(r.announced_s, now)}"
+                f"  {_device_text(r)}  heartbeat {_age_text(r.announced_s, now)}"
             )
     for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id):
         val = "" if t.val_loss is None else f" | val {t.val_loss:.3f}"
@@ -182,6 +187,17 @@ def format_status(
             f"bottleneck: stage {slowest} ({serving_throughput(stages[slowest]):.1f} samples/s serving)"
         )
     return "\n".join(lines)
+
+
+def _device_text(r) -> str:
+    """e.g. "cuda:0 bf16 2.1/80.0 GiB": device, compute dtype, the stage's estimate / the device's memory."""
+    parts = [r.device or "-"]
+    if r.dtype:
+        parts.append(r.dtype)
+    if r.memory_bytes:
+        total = f"/{r.device_memory_bytes / (1 << 30):.1f}" if r.device_memory_bytes else ""
+        parts.append(f"{r.memory_bytes / (1 << 30):.1f}{total} GiB")
+    return " ".join(parts)
 
 
 def _age_text(announced_s: float, now: float) -> str:

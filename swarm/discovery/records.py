@@ -77,6 +77,10 @@ class StageRecord:
     # DHT time of this heartbeat (0 = not known: an older peer); status shows its age
     announced_s: float = 0.0
     device: str = ""  # where the stage computes, e.g. "cpu" ("" = not known: an older peer)
+    dtype: str = ""  # its compute dtype: fp32, bf16 or fp16 ("" = not known: an older peer)
+    # bytes its stage is estimated to take on the device, and all the device's memory (0 = not known)
+    memory_bytes: int = 0
+    device_memory_bytes: int = 0
     # it all-reduces gradients with its stage's other replicas and steps with them once per global batch
     # (False for --no-average, and for an older peer)
     averaging: bool = False
@@ -97,6 +101,8 @@ class StageRecord:
             or record.throughput < 0
             or record.in_flight < 0
             or record.step_pause_s < 0
+            or record.memory_bytes < 0
+            or record.device_memory_bytes < 0
         ):
             raise RecordError(f"stage record has out-of-range values: {value!r}")
         if ":" not in record.endpoint and record.state != PeerState.STARTING:

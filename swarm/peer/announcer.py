@@ -38,6 +38,9 @@ class Serving:
     step_pause_s: float  # how long its optimizer steps hold its compute
     param_digest: str = ""  # digest of its parameters at `step` ("" = not hashed yet)
     device: str = ""  # where its stage computes (torch device of its parameters)
+    dtype: str = ""  # its compute dtype (fp32, bf16, fp16)
+    memory_bytes: int = 0  # its estimate of the memory its stage takes on the device
+    device_memory_bytes: int = 0  # all the memory of that device (0 = not known)
     averaging: bool = False  # whether it all-reduces with its stage's other replicas (--average)
 
 
@@ -92,6 +95,9 @@ class Announcer:
                     step_pause_s=serving.step_pause_s,
                     param_digest=serving.param_digest,
                     device=serving.device,
+                    dtype=serving.dtype,
+                    memory_bytes=serving.memory_bytes,
+                    device_memory_bytes=serving.device_memory_bytes,
                     averaging=serving.averaging,
                     announced_s=now,
                     tls_cert=self._tls_cert(),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from swarm.averaging.config import AveragingConfig
 from swarm.balance import RebalanceConfig
 from swarm.discovery.config import DHTConfig
+from swarm.model.devicespec import check_device_spec, check_dtype_name
 from swarm.peer.members import check_allow_callers
 
 
@@ -130,6 +131,14 @@ class PeerConfig:
     port: int = 0  # gRPC port (0 = any free port)
     announce_host: str | None = None  # address others should dial, if not --host
     threads: int = 1  # torch intra-op threads for this peer's compute
+    # where the stage computes: auto (a GPU when torch sees one, else the CPU), cpu, cuda, cuda:N or mps
+    device: str = "auto"
+    # compute dtype: fp32, or bf16/fp16 under autocast (weights and optimizer state stay fp32; the wire
+    # carries the run's codec whatever it is; fp16 is loss-scaled and needs a GPU)
+    dtype: str = "fp32"
+    # bytes the stage may take on its device (default: what the device has free, or the RAM available on the
+    # CPU): the peer refuses to start when its memory estimate is larger
+    memory_limit_bytes: int | None = None
     heartbeat_s: float = 1.0  # seconds between DHT announcements
     ttl_s: float = 5.0  # announcement lifetime: a silent peer disappears from routing after this
     drain_timeout_s: float = 30.0  # on SIGTERM, exit within this many seconds
@@ -176,6 +185,10 @@ class PeerConfig:
 
     def __post_init__(self):
         check_allow_callers(self.allow_callers)
+        check_device_spec(self.device)
+        check_dtype_name(self.dtype)
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
+            raise ValueError(f"memory_limit_bytes must be >= 1, got {self.memory_limit_bytes}")
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
         if not 0 <= self.port <= 65535:

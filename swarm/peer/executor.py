@@ -19,6 +19,7 @@ import torch
 from swarm.config import RunConfig
 from swarm.errors import GradientOutlier, InvalidRequest, NotCached
 from swarm.model import Stage, state_digest
+from swarm.model.device import CPU, Compute, GradScale
 from swarm.optim import StageOptimizer
 from swarm.outliers import OutlierBound
 from swarm.peer.config import CacheConfig
@@ -51,6 +52,11 @@ def _busy(method):
     return timed
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the host (checkpoints and the wire take host tensors)."""
+    return t.detach().to("cpu", copy=True)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -68,10 +74,15 @@ class StageExecutor:
         optimizer: StageOptimizer,
         cache: CacheConfig = CacheConfig(),
         slowdown: float = 1.0,
+        compute: Compute = CPU,
     ):
         if not slowdown >= 1:
             raise ValueError(f"slowdown is a factor >= 1 (1 = normal speed), got {slowdown}")
         self.stage_module = stage_module
+        # where the stage computes and in which dtype (its parameters must already be on that device); every
+        # tensor in or out of the executor's methods is on the host in the wire's dtype
+        self.compute = compute
+        self._grad_scale = GradScale(compute.dtype == torch.float16)  # fp16 only
         # Fault injection: emulate a device this many times slower (see _timed_compute).
         self.slowdown = slowdown
         self.run = run
@@ -133,7 +144,7 @@ class StageExecutor:
         fastest of ``repeats`` runs after a warm-up, since a busy machine only ever adds time. With a
         ``slowdown``, the seed is what the emulated device will take (see :meth:`_emulated_s`)."""
         shape, dtype = self.stage_module.input_spec(batch_size)
-        x = (
+        x = self.compute.to_device(
             torch.randint(0, self.stage_module.config.vocab_size, shape)
             if dtype == torch.int64
             else torch.randn(shape, dtype=dtype)
@@ -142,10 +153,12 @@ class StageExecutor:
         runs = []  # (wall, cpu) of the forward and of forward + backward
         for _ in range(1 + repeats):  # the first run includes one-off allocation costs
             t0, c0 = time.perf_counter(), time.thread_time()
-            with torch.enable_grad():
+            with torch.enable_grad(), self.compute.autocast():
                 out = self.stage_module(x)
+            self.compute.synchronize()
             t1, c1 = time.perf_counter(), time.thread_time()
             out.float().square().mean().backward()
+            self.compute.synchronize()
             t2, c2 = time.perf_counter(), time.thread_time()
             runs.append(((t1 - t0, c1 - c0), (t2 - t0, c2 - c0)))
         for p, g in zip(self.stage_module.parameters(), saved):
@@ -179,6 +192,7 @@ class StageExecutor:
         included) is the capacity it really has. A block that raises is neither slowed nor measured."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         yield
+        self.compute.synchronize()
         if self.slowdown > 1:
             time.sleep(
                 (self.slowdown - 1)
@@ -194,16 +208,17 @@ class StageExecutor:
         allows (its size predicted from the last graph kept, then measured), else just the inputs (backward
         then recomputes)."""
         self._check_input(x)
+        x = self.compute.to_device(x)
         tokens = x.shape[0] * x.shape[1]
         predicted = self._graph_bytes_per_token * tokens
         with self._timed_compute("_fwd_s_per_sample", x.shape[0]):
             if not keep:
-                with torch.no_grad():
+                with torch.no_grad(), self.compute.autocast():
                     out = self.stage_module(x)
             elif self._graph_bytes + predicted <= self.cache_config.graph_cache_bytes:
                 leaf = self._leaf(x)
                 saved = [0]
-                with torch.enable_grad(), self._count_saved(saved):
+                with torch.enable_grad(), self.compute.autocast(), self._count_saved(saved):
                     out = self.stage_module(leaf)
                 self._graph_bytes_per_token = saved[0] / tokens
                 if self._graph_bytes + saved[0] <= self.cache_config.graph_cache_bytes:
@@ -212,16 +227,17 @@ class StageExecutor:
                     self._remember(microbatch_id, _Cached(x, None))
                 out = out.detach()
             else:
-                with torch.no_grad():
+                with torch.no_grad(), self.compute.autocast():
                     out = self.stage_module(x)
                 self._remember(microbatch_id, _Cached(x, None))
-        return out
+        return self.compute.to_host(out)
 
     @_busy
     def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> float:
         self._check_input(x)
         self._check_targets(x, targets)
-        with torch.no_grad():
+        x, targets = self.compute.to_device(x), self.compute.to_device(targets)
+        with torch.no_grad(), self.compute.autocast():
             return float(self.stage_module.loss(x, targets))
 
     # ---------------------------------------------------------------- backward
@@ -238,9 +254,10 @@ class StageExecutor:
         self._ledger.check_room(microbatch_id, self._gradient_bytes + _nbytes(x))
         self._check_input(x)
         self._check_targets(x, targets)
+        x, targets = self.compute.to_device(x), self.compute.to_device(targets)
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
             leaf = self._leaf(x)
-            with torch.enable_grad():
+            with torch.enable_grad(), self.compute.autocast():
                 loss = self.stage_module.loss(leaf, targets)
             if not torch.isfinite(loss):
                 raise InvalidRequest(
@@ -278,6 +295,7 @@ class StageExecutor:
             )
         if inputs is not None:
             self._check_input(inputs)
+            inputs = self.compute.to_device(inputs)
         x = cached.inputs if cached is not None else inputs
         expected = (*x.shape[:2], self.stage_module.output_width)
         if tuple(grad_output.shape) != expected or grad_output.dtype != torch.float32:
@@ -285,6 +303,7 @@ class StageExecutor:
                 f"grad_output must be float32 of shape {list(expected)} for this microbatch, "
                 f"got {grad_output.dtype} {list(grad_output.shape)}"
             )
+        grad_output = self.compute.to_device(grad_output)
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
             if cached is not None and cached.graph is not None:
                 leaf, out = cached.graph
@@ -293,7 +312,7 @@ class StageExecutor:
                 )  # autograd frees it below; a retry after a failure recomputes
             else:  # recompute from the inputs
                 leaf = self._leaf(x)
-                with torch.enable_grad():
+                with torch.enable_grad(), self.compute.autocast():
                     out = self.stage_module(leaf)
             grads, grad_input = self._gradients(out, grad_output, leaf)
             self._forget(microbatch_id)
@@ -315,11 +334,18 @@ class StageExecutor:
             )
 
     def _gradients(self, out: torch.Tensor, grad_output: torch.Tensor | None, leaf: torch.Tensor):
-        """Parameter gradients (not yet applied) and the input gradient."""
+        """Parameter gradients (not yet applied, on the device, float32 like the parameters) and the input
+        gradient (on the host, float32: the reply's). Loss-scaled with fp16 compute (see GradScale)."""
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
         wrt = params + ([leaf] if leaf.requires_grad else [])
-        grads = torch.autograd.grad(out, wrt, grad_output, allow_unused=True)
-        return list(grads[: len(params)]), (grads[-1] if leaf.requires_grad else None)
+        try:
+            grads = self._grad_scale.grad(out, wrt, grad_output)
+        except FloatingPointError as e:
+            raise InvalidRequest(
+                f"stage {self.stage_index}: {e}; nothing was accumulated"
+            ) from None
+        grad_input = self.compute.to_host(grads[-1]) if leaf.requires_grad else None
+        return list(grads[: len(params)]), grad_input
 
     # ---------------------------------------------------------------- two-phase apply
 
@@ -435,7 +461,7 @@ class StageExecutor:
 
     def state_dict(self) -> dict:
         """Parameters and optimizer state (with its step), for checkpoints."""
-        params = {k: v.detach().clone() for k, v in self.stage_module.state_dict().items()}
+        params = {k: _host_copy(v) for k, v in self.stage_module.state_dict().items()}
         return {
             "stage": self.stage_index,
             "params": params,
@@ -516,10 +542,10 @@ class StageExecutor:
     def snapshot(self, *, include_grads: bool) -> dict[str, torch.Tensor]:
         """Copies of the parameters ("param/<name>") and optionally of the accumulated gradients
         ("grad/<name>", sums over samples, not yet averaged), taken between two calls, so consistent."""
-        out = {f"param/{n}": p.detach().clone() for n, p in self.stage_module.named_parameters()}
+        out = {f"param/{n}": _host_copy(p) for n, p in self.stage_module.named_parameters()}
         if include_grads:
             for (n, _), g in zip(self.stage_module.named_parameters(), self.optimizer.grad_sums()):
-                out[f"grad/{n}"] = g
+                out[f"grad/{n}"] = g.cpu()
         return out
 
     @property

@@ -21,6 +21,7 @@ from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
 from swarm.identity import Identity
 from swarm.model import build_stage
+from swarm.model.device import Compute
 from swarm.optim import LocalStageOptimizer
 from swarm.peer.admission import Admission
 from swarm.peer.announcer import RUN_TTL_FACTOR, Announcer, Serving
@@ -29,6 +30,7 @@ from swarm.peer.config import PeerConfig
 from swarm.peer.executor import StageExecutor
 from swarm.peer.lies import install_lies
 from swarm.peer.members import apply_caller_list, follow_caller_list, load_allow_callers
+from swarm.peer.memory import check_fits, device_total_bytes, estimate_stage_memory, gib
 from swarm.peer.metrics import PeerMetrics
 from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
 from swarm.peer.service import ServiceContext, StageService
@@ -65,6 +67,9 @@ class Peer:
         self.caller_check: CallerCheck | None = None  # admits its callers (set with the server)
         self.run: RunConfig | None = None
         self.executor: StageExecutor | None = None  # replaced by a move
+        self.compute: Compute | None = None  # device and dtype (set with the compute thread)
+        self.memory_bytes = 0  # the estimate for the stage served (see swarm.peer.memory)
+        self._device_memory_bytes = 0  # all the memory of its device (0 = not known)
         self.dht = None
         self.directory: RunDirectory | None = None
         self.rebalancer: Rebalancer | None = None
@@ -192,6 +197,14 @@ class Peer:
         self._worker = PriorityWorker(f"peer{self.peer_id[:6]}-compute")
         self._stack.callback(self._worker.shutdown)
         torch.set_num_threads(self.config.threads)
+        self.compute = Compute.from_flags(self.config.device, self.config.dtype)
+        self._device_memory_bytes = device_total_bytes(self.compute.device)
+        logger.info(
+            "peer %s computes on %s in %s",
+            self.peer_id,
+            self.compute.device,
+            self.compute.dtype_name,
+        )
 
     async def _start_replica(self) -> None:
         """Build this peer's replica of its stage (resumed from --checkpoint-dir, caught up with the stage's
@@ -212,7 +225,27 @@ class Peer:
         stage's hivemind optimizer if they are ahead, without it (on a move only, and only with no
         checkpoint) the parameters of the stage's most advanced peer."""
         run, config = self.run, self.config
-        stage_module = build_stage(run.model, stage_index, pretrained=config.pretrained)
+        memory = estimate_stage_memory(
+            run.model,
+            stage_index,
+            config.cache,
+            compute_dtype=self.compute.dtype,
+            averaging=config.averaging.average,
+        )
+        if moving:  # the stage it leaves still holds its memory: only say so
+            if config.memory_limit_bytes is not None and memory.total > config.memory_limit_bytes:
+                logger.warning(
+                    "stage %d needs about %s, over --memory-limit-bytes %s",
+                    stage_index,
+                    memory.describe(),
+                    gib(config.memory_limit_bytes),
+                )
+        else:
+            check_fits(memory, stage_index, self.compute.device, config.memory_limit_bytes)
+        self.memory_bytes = memory.total
+        stage_module = build_stage(
+            run.model, stage_index, device=self.compute.device, pretrained=config.pretrained
+        )
         restored = None
         if self._checkpoints is not None:
             restored = await asyncio.to_thread(self._checkpoints.load, stage_index, run=run)
@@ -246,7 +279,12 @@ class Peer:
         else:
             optimizer = LocalStageOptimizer(stage_module, run)
         executor = StageExecutor(
-            stage_module, run, optimizer=optimizer, cache=config.cache, slowdown=config.slowdown
+            stage_module,
+            run,
+            optimizer=optimizer,
+            cache=config.cache,
+            slowdown=config.slowdown,
+            compute=self.compute,
         )
         install_lies(
             executor,
@@ -442,7 +480,10 @@ class Peer:
             step=step,
             step_pause_s=ex.optimizer.step_pause_s,
             param_digest=digest,
-            device=str(next(ex.stage_module.parameters()).device),
+            device=str(self.compute.device),
+            dtype=self.compute.dtype_name,
+            memory_bytes=self.memory_bytes,
+            device_memory_bytes=self._device_memory_bytes,
             averaging=self.config.averaging.average,
         )
 

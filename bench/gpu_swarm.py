@@ -35,15 +35,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
-from swarm_throughput import TRAINER_PROGRESS, window_tokens_per_s  # noqa: E402
+from swarm_throughput import (  # noqa: E402
+    IN_FLIGHT,
+    MICROBATCH,
+    start_timed_trainer,
+    window_tokens_per_s,
+)
 
 from swarm.coordinator.localswarm import LocalSwarm, wait_ready  # noqa: E402
 from swarm.data import ByteCorpus, DataConfig  # noqa: E402
 from swarm.model import ALL_PRESETS, build_full_model  # noqa: E402
 from swarm.model.device import Compute  # noqa: E402
 
-MICROBATCH = 8  # sequences per microbatch (BENCHMARKS.md)
-IN_FLIGHT = 4  # microbatches in the pipeline at once
 TARGET_BATCH = 32  # samples per optimizer step
 LR = 3e-4  # BENCHMARKS.md
 DEFAULT_CONFIGS = "w2:2,gpt2-small:2,gpt2-small:4"
@@ -121,17 +124,7 @@ def measure_swarm(
         for proc in procs:
             wait_ready(proc)
         metrics = workdir / f"metrics-{run_id}.jsonl"
-        trainer = swarm.trainer(
-            "trainer",
-            run_id=run_id,
-            steps=0,
-            microbatch_size=MICROBATCH,
-            in_flight=IN_FLIGHT,
-            eval_every_steps=0,
-            eval_batches=1,
-            metrics_path=metrics,
-        )
-        trainer.wait_for(TRAINER_PROGRESS, timeout_s=300)
+        trainer = start_timed_trainer(swarm, "trainer", run_id, metrics, timeout_s=300)
         time.sleep(warmup_s)  # a benchmark's fixed measuring period, not a wait for an event
         sampler = GpuSampler().start()
         time.sleep(seconds)

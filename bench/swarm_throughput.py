@@ -134,6 +134,23 @@ def cpu_by_role(group: ProcessGroup) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------- swarm side
 
 
+def start_timed_trainer(swarm, name: str, run_id: str, metrics: Path, *, timeout_s: float):
+    """A trainer that runs until stopped (a benchmark measures it over a time window from its metrics file), the
+    standard microbatch and depth, no validation; returned once it reports its first step."""
+    trainer = swarm.trainer(
+        name,
+        run_id=run_id,
+        steps=0,
+        microbatch_size=MICROBATCH,
+        in_flight=IN_FLIGHT,
+        eval_every_steps=0,
+        eval_batches=1,
+        metrics_path=metrics,
+    )
+    trainer.wait_for(TRAINER_PROGRESS, timeout_s=timeout_s)
+    return trainer
+
+
 def window_tokens_per_s(metrics_path: Path, warmup_s: float) -> tuple[float, float, int]:
     """(tokens/s, window seconds, steps) between the first step record at or after ``warmup_s`` of training
     and the last one. The trainer writes cumulative tokens/s and elapsed time per step."""
@@ -178,17 +195,7 @@ def measure_swarm(
                 f"  {preset}: {num_stages} stages x {count} peers up; training for {warmup_s + seconds:.0f}s",
                 flush=True,
             )
-            trainer = swarm.trainer(
-                name,
-                run_id=run_id,
-                steps=0,
-                microbatch_size=MICROBATCH,
-                in_flight=IN_FLIGHT,
-                eval_every_steps=0,
-                eval_batches=1,
-                metrics_path=metrics,
-            )
-            trainer.wait_for(TRAINER_PROGRESS, timeout_s=180)
+            trainer = start_timed_trainer(swarm, name, run_id, metrics, timeout_s=180)
             # A benchmark's measuring period, not a wait for an event: training runs for a fixed time.
             time.sleep(warmup_s)
             cpu_before, wall_before = cpu_by_role(group), time.monotonic()

@@ -5,6 +5,7 @@ memory it is given refuses to start, saying what to change, and leaves nothing r
 from __future__ import annotations
 
 import pytest
+from conftest import record_wire
 from livepeers import MODEL, step_last, wait_for_records
 
 from swarm.coordinator.status import format_status, status_document
@@ -43,19 +44,8 @@ def test_bf16_peer_announces_device_dtype_and_memory_and_trains(loop_thread, pee
 
 
 def test_older_records_without_the_fields_still_parse():
-    wire = StageRecord(
-        peer_id="p",
-        endpoint="h:1",
-        stage=0,
-        state="serving",
-        throughput=1.0,
-        in_flight=0,
-        step=0,
-        config_hash="c",
-        device="cuda:0",
-        dtype="fp16",
-        memory_bytes=5,
-        device_memory_bytes=9,
+    wire = StageRecord.from_wire(
+        record_wire(device="cuda:0", dtype="fp16", memory_bytes=5, device_memory_bytes=9)
     ).to_wire()
     assert StageRecord.from_wire(wire).dtype == "fp16"
     for key in ("dtype", "memory_bytes", "device_memory_bytes"):

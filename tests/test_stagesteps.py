@@ -8,6 +8,7 @@ import dataclasses
 import socket
 
 import pytest
+from conftest import record_wire
 
 from swarm.discovery.records import StageRecord
 from swarm.states import PeerState
@@ -17,16 +18,8 @@ from swarm.transport.client import ClientPool
 
 
 def _record(peer_id: str, stage: int, *, step: int, averaging: bool, state=PeerState.SERVING):
-    return StageRecord(
-        peer_id=peer_id,
-        endpoint="127.0.0.1:1",
-        stage=stage,
-        state=state,
-        throughput=1.0,
-        in_flight=0,
-        step=step,
-        config_hash="x",
-        averaging=averaging,
+    return StageRecord.from_wire(
+        record_wire(peer_id=peer_id, stage=stage, step=step, averaging=averaging, state=state.value)
     )
 
 

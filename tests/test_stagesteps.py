@@ -3,18 +3,20 @@ call for, and which stages a limit on batches ahead cannot count."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import socket
 
 import pytest
 from conftest import record_wire
+from livepeers import step_last
 
 from swarm.discovery.records import StageRecord
 from swarm.states import PeerState
 from swarm.trainer.holdings import Holdings
 from swarm.trainer.stagesteps import StageSteps
 from swarm.transport.client import ClientPool
+
+RUN_ID = "holdings"
 
 
 def _record(peer_id: str, stage: int, *, step: int, averaging: bool, state=PeerState.SERVING):
@@ -79,53 +81,70 @@ def _closed_port() -> int:
 
 
 @pytest.mark.integration
-def test_a_replica_gone_before_its_stage_stepped_has_its_gradients_computed_again():
-    """Closing a batch, the trainer finds a replica's address refusing connections (the process is gone): what that
-    replica counted toward batches it had not stepped on is computed again elsewhere, once; what it had stepped on,
-    and what live replicas hold, is left alone."""
-    gone = _record("gone", 0, step=2, averaging=True)
-    gone = dataclasses.replace(gone, endpoint=f"127.0.0.1:{_closed_port()}")
-    holdings = Holdings(num_stages=1)
+def test_a_replica_gone_before_its_stage_stepped_has_its_gradients_computed_again(
+    peers, loop_thread
+):
+    """Closing a batch, the trainer finds a replica's address refusing connections (the process is gone) while a
+    live replica (a real peer, which has taken 2 steps) answers: what the gone replica counted toward batches no
+    live replica has stepped on is computed again elsewhere, once; what it had stepped on, what it counted toward
+    a batch the live replica stepped on (it may have taken part in that step), what a live replica holds, and
+    what a draining replica held (it hands that in itself) are left alone."""
+    live_peer = peers(RUN_ID, 1)
+    loop_thread.run(step_last(live_peer, 2))
+    live = dataclasses.replace(
+        _record(live_peer.peer_id, 1, step=0, averaging=True),  # its Info says step 2
+        endpoint=live_peer.address.endpoint,
+        tls_cert=live_peer.address.tls_cert,
+    )
+    gone = dataclasses.replace(
+        _record("gone", 1, step=1, averaging=True), endpoint=f"127.0.0.1:{_closed_port()}"
+    )
+    drained = dataclasses.replace(
+        _record("drained", 1, step=0, averaging=True, state=PeerState.DRAINING),
+        endpoint=f"127.0.0.1:{_closed_port()}",
+    )
+    holdings = Holdings(num_stages=2)
     holdings.enabled = True
     redone: list[str] = []
 
     def redo(microbatch_id: str):
         async def run() -> str:
             redone.append(microbatch_id)
-            return "elsewhere"
+            return live_peer.peer_id
 
         return run
 
     holdings.add(
-        0, 1, "gone", "stepped-on", redo("stepped-on")
-    )  # its replica is at step 2: averaged
-    holdings.add(0, 2, "gone", "mb-a", redo("mb-a"))
-    holdings.add(0, 2, "gone", "mb-b", redo("mb-b"))
-    holdings.add(
-        0, 2, "live", "mb-c", redo("mb-c")
-    )  # another replica's: not in the records, not gone
+        1, 0, "gone", "stepped-on", redo("stepped-on")
+    )  # its replica is at step 1: averaged
+    holdings.add(1, 1, "gone", "maybe-in", redo("maybe-in"))  # the live replica stepped on batch 1
+    holdings.add(1, 2, "gone", "mb-a", redo("mb-a"))
+    holdings.add(1, 2, "gone", "mb-b", redo("mb-b"))
+    holdings.add(1, 2, live_peer.peer_id, "mb-c", redo("mb-c"))
+    holdings.add(1, 2, "drained", "mb-d", redo("mb-d"))
 
     async def close() -> None:
         async def refresh() -> None:
             pass
 
         clients = ClientPool()
+        records = [{}, {r.peer_id: r for r in (live, gone, drained)}]
         steps = StageSteps(
-            [{"gone": gone}], clients, "r", refresh=refresh, refresh_s=1.0, holdings=holdings
+            records, clients, RUN_ID, refresh=refresh, refresh_s=1.0, holdings=holdings
         )
         try:
-            await steps.close_batch([2])
-            await steps.close_batch([2])  # a second close finds nothing more to do
+            await steps.close_batch([None, 2])
+            await steps.close_batch([None, 2])  # a second close finds nothing more to do
         finally:
             await clients.close()
 
-    asyncio.run(close())
+    loop_thread.run(close())
     assert redone == ["mb-a", "mb-b"]
     assert holdings.redone == 2
-    assert [h.peer for h in holdings.held_by(0, {"elsewhere", "live"})] == [
-        "elsewhere",
-        "elsewhere",
-        "live",
+    assert [h.microbatch_id for h in holdings.held_by(1, {live_peer.peer_id})] == [
+        "mb-a",
+        "mb-b",
+        "mb-c",
     ]
 
 

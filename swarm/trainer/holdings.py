@@ -64,16 +64,25 @@ class Holdings:
             and h.batch_step >= latest - STALE_STEPS
         ]
 
+    def release(self, stage: int, peer: str) -> None:
+        """``peer`` drains: it hands in what it holds itself (never computed again here)."""
+        if any(h.peer == peer for h in self._held[stage]):
+            self._held[stage] = [h for h in self._held[stage] if h.peer != peer]
+
     def held_by(self, stage: int, peers: set[str]) -> list[Held]:
         return [h for h in self._held[stage] if h.peer in peers]
 
     def count(self) -> int:
         return sum(len(held) for held in self._held)
 
-    async def redo(self, stage: int, gone: set[str]) -> None:
-        """Compute again, at live replicas, what the replicas ``gone`` of ``stage`` held of batches the stage has not
-        stepped on. One at a time (a handful per batch; each is one backward call)."""
+    async def redo(self, stage: int, gone: set[str], *, from_step: int) -> None:
+        """Compute again, at live replicas, what the replicas ``gone`` of ``stage`` held of batches ``from_step`` and
+        later: batches no live replica of the stage has stepped on (once one has, the gone replica may have taken
+        part in that step, and computing its part again could count it twice). One at a time (a handful per
+        batch; each is one backward call)."""
         for held in self.held_by(stage, gone):
+            if held.batch_step < from_step:
+                continue
             left, held.peer = (
                 held.peer,
                 "",

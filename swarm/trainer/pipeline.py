@@ -175,7 +175,15 @@ class Pipeline:
 
     def _update_router(self, stage: int, now: float) -> None:
         """Route new work only to serving peers. A peer that said "draining" in a reply is left out for a
-        while even if its DHT record still says serving (the record may be a heartbeat behind)."""
+        while even if its DHT record still says serving (the record may be a heartbeat behind). A draining
+        replica hands in the gradients it holds itself (its stage's all-reduce takes them before it leaves): the
+        trainer never computes them again."""
+        for k, peer in self._draining_replies:
+            if k == stage:
+                self.holdings.release(stage, peer)
+        for peer, record in self.records[stage].items():
+            if record.state == PeerState.DRAINING:
+                self.holdings.release(stage, peer)
         self._draining_replies = {
             k: t for k, t in self._draining_replies.items() if now - t < DRAINING_MEMORY_S
         }

@@ -180,13 +180,17 @@ class StageSteps:
             if record.state in (PeerState.SERVING, PeerState.DRAINING)
         ]
 
-        async def alive(stage: int, record: StageRecord) -> bool | None:
+        async def alive(stage: int, record: StageRecord) -> bool | str | None:
             """True: it answered. False: it is gone (the call failed before its deadline: refused, reset,
             unreachable). None: no answer in time: busy or frozen, nobody can tell which from here."""
             try:
-                await self.clients.get(PeerAddress.of(record)).info(
+                info = await self.clients.get(PeerAddress.of(record)).info(
                     self.run_id, timeout_s=CLOSE_BATCH_TIMEOUT_S
                 )
+                if info.peer_id == record.peer_id:
+                    self._polled_steps[record.peer_id] = max(
+                        self._polled_steps.get(record.peer_id, 0), info.step
+                    )
                 return True
             except SwarmError as e:
                 status = getattr(e, "status", None)
@@ -198,7 +202,9 @@ class StageSteps:
         answered = await asyncio.gather(*(alive(*target) for target in targets))
         if self.holdings is not None and self.holdings.enabled:
             await self._redo_for_gone(
-                batch_steps, [target for target, ok in zip(targets, answered) if ok == "refused"]
+                batch_steps,
+                [target for target, ok in zip(targets, answered) if ok == "refused"],
+                [target for target, ok in zip(targets, answered) if ok is True],
             )
         live = [0] * len(self.records)
         for (stage, _), ok in zip(targets, answered):
@@ -228,20 +234,26 @@ class StageSteps:
         return max(record.step if record is not None else 0, self._polled_steps.get(peer, 0))
 
     async def _redo_for_gone(
-        self, batch_steps: list[int | None], gone: list[tuple[int, StageRecord]]
+        self,
+        batch_steps: list[int | None],
+        gone: list[tuple[int, StageRecord]],
+        live: list[tuple[int, StageRecord]],
     ) -> None:
-        """Before a batch closes: the gradients that replicas now gone (their address refuses connections) counted
-        toward batches their stage has not stepped on left with them; compute them again at live replicas, so the
-        stage's step still averages the whole batch (see swarm.trainer.holdings). Forget those of batches every
-        replica that held them has stepped on."""
+        """Before a batch closes: the gradients that replicas now gone (their address refuses connections, and they
+        were not draining: a draining replica hands its in) counted toward batches no live replica of their stage
+        (``live``, whose steps their Info just gave) has stepped on left with them; compute them again at live
+        replicas, so the stage's step still averages the whole batch (see swarm.trainer.holdings). Forget those of
+        batches every replica that held them has stepped on."""
         holdings = self.holdings
         for stage in range(len(self.records)):
             holdings.prune(stage, lambda peer, stage=stage: self._peer_step(stage, peer))
         for stage in sorted({stage for stage, _ in gone}):
-            if batch_steps[stage] is None:
+            live_steps = [self._peer_step(stage, r.peer_id) for s, r in live if s == stage]
+            if batch_steps[stage] is None or not live_steps:
                 continue
+            left = {r.peer_id for s, r in gone if s == stage and r.state != PeerState.DRAINING}
             try:
-                await holdings.redo(stage, {r.peer_id for s, r in gone if s == stage})
+                await holdings.redo(stage, left, from_step=max(live_steps))
             except SwarmError as e:
                 logger.warning(
                     "stage %d: computing again the gradients of a replica that left failed (%s); its stage "

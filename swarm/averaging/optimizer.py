@@ -477,8 +477,15 @@ class HivemindStageOptimizer:
     def _alone(self) -> bool:
         """No other replica of the stage is left to load a state from, as far as the stage's progress records say
         (a replica's record expires ``--progress-ttl-s`` after it stops reporting). This replica's own record may
-        have expired too (it was frozen): one record and no step ahead of this replica's is alone."""
+        have expired too (it was frozen): one record and no step ahead of this replica's is alone. Not alone,
+        whatever the records say, when the trainer last counted other live replicas of the stage (``close_batch``)
+        for this step or the one before: on a loaded DHT the records lag, and a replica that stepped without its
+        peers then kept its own state and ended the run apart from them (measured in bench/soak.py). If those
+        replicas are gone after all, the download fails and the retries bound the wait."""
         tracker = self.opt.tracker
+        counted = max((n for k, n in self._replicas.items() if k >= self.step - 1), default=0)
+        if counted >= 2:
+            return False
         peers = tracker.global_progress.num_peers
         return peers == 0 or (peers == 1 and tracker.global_epoch <= self.step)
 

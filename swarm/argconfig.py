@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import linecache
 import re
 import typing
 from typing import Any
@@ -22,10 +23,31 @@ from typing import Any
 _SCALARS = {"int": int, "float": float, "str": str}
 
 
+def _class_lines(cls: type) -> list[str]:
+    """The source lines of top-level class ``cls``, read from its module's file. Not ``inspect.getsource``: it
+    parses the whole module with ``ast``, which on CPython 3.11.7 now and then fails with "AST constructor
+    recursion depth mismatch" (a CPython bug, seen in CI building the CLI's parser). Raises OSError when the source
+    is not there."""
+    path = inspect.getsourcefile(cls)
+    if path is None:
+        raise OSError(f"no source file for {cls.__qualname__}")
+    lines = linecache.getlines(path)
+    header = re.compile(rf"class {re.escape(cls.__name__)}\b")
+    start = next((i for i, line in enumerate(lines) if header.match(line)), None)
+    if start is None:
+        raise OSError(f"class {cls.__qualname__} is not at the top level of {path}")
+    body = [lines[start].rstrip("\n")]
+    for line in lines[start + 1 :]:
+        if line.strip() and not line[0].isspace():
+            break
+        body.append(line.rstrip("\n"))
+    return body
+
+
 def _field_comments(cls: type) -> dict[str, str]:
     comments: dict[str, str] = {}
     try:
-        lines = inspect.getsource(cls).splitlines()
+        lines = _class_lines(cls)
     except (OSError, TypeError):
         return comments
     above: list[str] = []

@@ -91,7 +91,7 @@ def test_a_killed_peers_record_expires_within_its_ttl_and_is_no_longer_routed(pe
 
 STATUS_LINE = re.compile(
     r"^  (\S+)\s+(\S+)\s+(\w+)\s+([\d.]+) samples/s\s+in flight (\d+)\s+step (\d+)\s+"
-    r"digest ([0-9a-f]{16}|-)\s+(cpu)\s+heartbeat (\d+)s ago$"
+    r"digest ([0-9a-f]{16}|-)\s+(cpu fp32 [\d.]+/[\d.]+ GiB)\s+heartbeat (\d+)s ago$"
 )
 
 
@@ -282,13 +282,18 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
         "throughput": replicas[a.peer_id]["throughput"],
         "in_flight": 0,
         "device": "cpu",  # where its stage computes
+        "dtype": "fp32",  # what in (no autocast)
+        # its stage's memory estimate, and the RAM the machine had available then
+        "memory_bytes": a.memory_bytes,
+        "device_memory_bytes": replicas[a.peer_id]["device_memory_bytes"],
         "averaging": False,  # these replicas step alone (the peers fixture's --no-average)
     }
+    assert replicas[a.peer_id]["device_memory_bytes"] > a.memory_bytes > 0
     assert (replicas[b.peer_id]["step"], replicas[b.peer_id]["param_digest"]) == (2, digest)
     lines = text.splitlines()
     assert lines[1].endswith("replicas: no two at one step to compare")
     assert lines[2].endswith("replicas agree (step 2)")
-    assert sum(f"step 2      digest {digest}  cpu  heartbeat " in line for line in lines) == 2
+    assert sum(f"step 2      digest {digest}  cpu fp32 " in line for line in lines) == 2
 
     async def other_batches():
         await step_last(a, 1, seed=50)

@@ -29,7 +29,6 @@ STALE_STEPS = 2
 
 @dataclass
 class Held:
-    stage: int
     batch_step: int
     peer: str  # the replica that counted it
     microbatch_id: str
@@ -38,18 +37,16 @@ class Held:
 
 class Holdings:
     def __init__(self, num_stages: int):
-        self.enabled = (
-            False  # set by the trainer when it bounds how far it runs ahead of the stages
-        )
+        # set by the trainer when it bounds how far it runs ahead of the stages
+        self.enabled = False
         self._held: list[list[Held]] = [[] for _ in range(num_stages)]
-        self.redone = (
-            0  # gradients computed again because the replica holding them left before its step
-        )
+        # gradients computed again because the replica holding them left before its step
+        self.redone = 0
 
     def add(self, stage: int, batch_step: int | None, peer: str, microbatch_id: str, redo: Redo):
         """``peer`` counted this microbatch's gradient of ``stage`` toward step ``batch_step``."""
         if self.enabled and batch_step is not None:
-            self._held[stage].append(Held(stage, batch_step, peer, microbatch_id, redo))
+            self._held[stage].append(Held(batch_step, peer, microbatch_id, redo))
 
     def prune(self, stage: int, peer_step: Callable[[str], int]) -> None:
         """Forget what is averaged: the gradients of batches their replica has stepped on (``peer_step(peer)``: the
@@ -66,8 +63,7 @@ class Holdings:
 
     def release(self, stage: int, peer: str) -> None:
         """``peer`` drains: it hands in what it holds itself (never computed again here)."""
-        if any(h.peer == peer for h in self._held[stage]):
-            self._held[stage] = [h for h in self._held[stage] if h.peer != peer]
+        self._held[stage] = [h for h in self._held[stage] if h.peer != peer]
 
     def held_by(self, stage: int, peers: set[str]) -> list[Held]:
         return [h for h in self._held[stage] if h.peer in peers]
@@ -83,10 +79,8 @@ class Holdings:
         for held in self.held_by(stage, gone):
             if held.batch_step < from_step:
                 continue
-            left, held.peer = (
-                held.peer,
-                "",
-            )  # taken: a close running at the same time leaves it alone
+            # taken: a close running at the same time leaves it alone
+            left, held.peer = held.peer, ""
             logger.warning(
                 "stage %d replica %s left before its stage stepped on batch %d: computing the gradient of "
                 "microbatch %s again",

@@ -157,10 +157,7 @@ class StageSteps:
                     self._gone.add(record.peer_id)
                 return
             self._gone.discard(record.peer_id)
-            if info.peer_id == record.peer_id:
-                self._polled_steps[record.peer_id] = max(
-                    self._polled_steps.get(record.peer_id, 0), info.step
-                )
+            self._saw_step(record, info)
 
         serving = [r for r in self.records[stage].values() if r.state == PeerState.SERVING]
         await asyncio.gather(*(poll(r) for r in serving))
@@ -187,10 +184,7 @@ class StageSteps:
                 info = await self.clients.get(PeerAddress.of(record)).info(
                     self.run_id, timeout_s=CLOSE_BATCH_TIMEOUT_S
                 )
-                if info.peer_id == record.peer_id:
-                    self._polled_steps[record.peer_id] = max(
-                        self._polled_steps.get(record.peer_id, 0), info.step
-                    )
+                self._saw_step(record, info)
                 return True
             except SwarmError as e:
                 status = getattr(e, "status", None)
@@ -227,6 +221,13 @@ class StageSteps:
         await asyncio.gather(
             *(close(*target) for target, ok in zip(targets, answered) if ok is True)
         )
+
+    def _saw_step(self, record: StageRecord, info) -> None:
+        """The replica of ``record`` answered ``Info`` (from the address it announces) with its step."""
+        if info.peer_id == record.peer_id:
+            self._polled_steps[record.peer_id] = max(
+                self._polled_steps.get(record.peer_id, 0), info.step
+            )
 
     def _peer_step(self, stage: int, peer: str) -> int:
         """The optimizer step this trainer last saw ``peer`` of ``stage`` at (its record, its Info)."""

@@ -18,10 +18,12 @@ import grpc
 
 class SwarmError(Exception):
     """Base class. ``code`` is the gRPC status a peer answers with; ``retry_elsewhere`` tells a trainer
-    whether another peer of the same stage may succeed where this one failed."""
+    whether another peer of the same stage may succeed where this one failed; ``peer``: the peer that sent it,
+    where the caller that gave up on the call says (swarm.trainer.pipeline)."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     retry_elsewhere: bool = True
+    peer: str | None = None
 
 
 class InvalidRequest(SwarmError):

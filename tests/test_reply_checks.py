@@ -162,3 +162,68 @@ def test_closing_a_batch_counts_a_replica_that_is_gone_but_not_one_that_is_only_
         stagesteps_module.CLOSE_BATCH_TIMEOUT_S = old_timeout
         gone.close()
         silent.close()
+
+
+@pytest.mark.parametrize("first_replicas", [1, 2])
+def test_a_gradient_a_stage_refuses_costs_that_microbatch_there_never_the_run(
+    peers, loop_thread, first_replicas
+):
+    """Peers bound the gradients they are made to compute (``max_gradient_ratio``) even when the trainer does
+    not. A last-stage peer that starts sending input gradients a million times too large gets them refused by
+    stage 0 (GradientOutlier). The stages after the refusing one have already counted the microbatch, so it is not
+    computed again from the start: a second replica of the refusing stage decides. Refused there too, the sender is
+    banned for the run; with no second replica it is not (nobody can tell who is wrong), and each refused
+    microbatch counts at the last stage only. Either way training goes on and stage 0 never applies a refused
+    gradient."""
+    from swarm.outliers import MIN
+    from swarm.peer.config import CacheConfig
+
+    run_id = f"rc-refused-{first_replicas}"
+    firsts = [
+        peers(run_id, 0, cache=CacheConfig(max_gradient_ratio=1000.0))
+        for _ in range(first_replicas)
+    ]
+    liar, honest = peers(run_id, 1), peers(run_id, 1)
+    truthful, lying = liar.executor.forward_loss_backward, [False]
+
+    def huge_once_lying(mb, x, targets, num_samples):
+        loss, grad_input = truthful(mb, x, targets, num_samples)
+        return loss, 1e6 * grad_input if lying[0] else grad_input
+
+    liar.executor.forward_loss_backward = huge_once_lying
+    warmup, lied = (
+        5 * MIN * first_replicas,
+        30,
+    )  # every stage-0 replica has its reference before the lies
+
+    async def body():
+        async with _pipeline(firsts[0].directory, both_at=1) as pipeline:
+            await pipeline.wait_for_peers(timeout_s=30)
+            while len(pipeline.router.peers(0)) < first_replicas:
+                await pipeline._next_refresh(timeout_s=1.0)
+            for i in range(warmup + lied):
+                if i == warmup:
+                    lying[0] = True
+                    truthful_count = liar.executor.microbatches_applied
+                tokens = torch.randint(
+                    0, 256, (B, T + 1), generator=torch.Generator().manual_seed(i)
+                )
+                result = await pipeline.train_microbatch(f"mb{i}", tokens)
+                assert torch.isfinite(torch.tensor(result.loss))
+            served_lying = liar.executor.microbatches_applied - truthful_count
+            return pipeline, set(pipeline.banned_for_run), served_lying
+
+    pipeline, banned, served_lying = loop_thread.run(body(), timeout_s=300)
+    total = warmup + lied
+    assert min(f.executor.microbatches_applied for f in firsts) >= MIN  # each had a reference
+    assert liar.executor.microbatches_applied + honest.executor.microbatches_applied == total
+    assert served_lying >= 1
+    if first_replicas == 2:
+        # refused twice, banned at once: its first lie is the only microbatch lost at stage 0
+        assert banned == {liar.peer_id}
+        assert pipeline.refused_gradients == pipeline.lost_gradients == served_lying == 1
+    else:
+        assert banned == set()
+        assert pipeline.refused_gradients == pipeline.lost_gradients == served_lying
+    applied_first = sum(f.executor.microbatches_applied for f in firsts)
+    assert applied_first == total - pipeline.lost_gradients

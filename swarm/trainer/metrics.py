@@ -69,6 +69,16 @@ class _TrainerCollector:
                 "Stage gradients computed again because a peer did not count them",
             ),
             (
+                pipeline.refused_gradients,
+                "swarm_trainer_refused_gradients",
+                "Gradients a stage refused as far larger than its recent ones",
+            ),
+            (
+                pipeline.lost_gradients,
+                "swarm_trainer_lost_gradients",
+                "Microbatches that did not count at a stage that refused their gradient, nor at the ones before",
+            ),
+            (
                 len(pipeline.banned_for_run),
                 "swarm_trainer_peers_banned_for_bad_replies",
                 "Peers banned for the rest of the run for a reply that failed the checks",

@@ -27,7 +27,7 @@ from swarm.discovery.banreports import BanReport
 from swarm.discovery.callerlist import read_caller_list
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
-from swarm.errors import BadReply, InvalidRequest, StageUnavailable, SwarmError
+from swarm.errors import BadReply, GradientOutlier, InvalidRequest, StageUnavailable, SwarmError
 from swarm.identity import PEER_ID_HEX
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
 from swarm.routing.retry import failure_kind
@@ -108,6 +108,10 @@ class Pipeline:
         # swarm.trainer.commits), and gradients computed again because a peer did not count them
         self.unconfirmed_commits = 0
         self.recomputed_gradients = 0
+        # gradients a stage refused as outliers (swarm.outliers), and microbatches that therefore did not count at
+        # that stage and the ones before it (see _gradient_refused)
+        self.refused_gradients = 0
+        self.lost_gradients = 0
         # peers banned for the rest of the run for a bad reply (wrong shape or dtype, non-finite values, output
         # the next stage refused): routing never picks them again
         self.banned_for_run: set[str] = set()
@@ -295,17 +299,23 @@ class Pipeline:
                 stage, microbatch_id, grad, stage_inputs[stage], forward_peers[stage], tags[stage]
             )
             cost = samples * BACKWARD_COST
-            reply, peer = await self._call(stage, cost, attempt, preferred=forward_peers[stage])
             # Computed again, it is a backward with the inputs (no peer keeps them after a backward): the peer
             # recomputes the forward too.
-            recompute = functools.partial(
-                self._call,
-                stage,
-                samples * (FORWARD_COST + BACKWARD_COST),
-                self.calls.backward_with_inputs(
-                    stage, microbatch_id, grad, stage_inputs[stage], tags[stage]
-                ),
+            with_inputs = self.calls.backward_with_inputs(
+                stage, microbatch_id, grad, stage_inputs[stage], tags[stage]
             )
+            recompute = functools.partial(
+                self._call, stage, samples * (FORWARD_COST + BACKWARD_COST), with_inputs
+            )
+            try:
+                reply, peer = await self._call(stage, cost, attempt, preferred=forward_peers[stage])
+            except GradientOutlier as e:
+                second = await self._gradient_refused(
+                    stage, microbatch_id, e, held[-1][2], samples, with_inputs
+                )
+                if second is None:
+                    break  # this microbatch counts at the stages after this one only
+                reply, peer = second
             held.append((stage, reply, peer, recompute))
             grad = reply.tensors.get("grad_input")
         settled = await asyncio.gather(
@@ -369,6 +379,60 @@ class Pipeline:
             reply, peer = await recompute()
             computations += 1
         return peer
+
+    async def _gradient_refused(
+        self,
+        stage: int,
+        microbatch_id: str,
+        refusal: GradientOutlier,
+        sender: str,
+        samples: int,
+        with_inputs: Callable[[PeerAddress, float], Awaitable[Reply]],
+    ) -> tuple[Reply, str] | None:
+        """A replica of ``stage`` refused the gradient that ``sender`` (a peer of the next stage) sent back, as far
+        larger than the stage's recent ones. Nothing was counted there; the stages after it have counted theirs,
+        so the microbatch cannot be computed again from the start. A second replica decides: if it accepts the
+        gradient, its reply and peer are returned (the first replica's history was the odd one). If it refuses
+        too, the sender is banned for the run (no report: the input the gradient came with could be the bad
+        part). Refused twice, or with no other replica to ask, the microbatch does not count at this stage and
+        the ones before it (None), and the trainer says so; training goes on."""
+        self.refused_gradients += 1
+        try:
+            other = self.router.choose(
+                stage, time.monotonic(), self.rng, exclude={refusal.peer} - {None}
+            )
+        except NoPeersAvailable:
+            other = None
+        if other is not None:
+            work = samples * (FORWARD_COST + BACKWARD_COST)
+            timeout_s = self.router.deadline_s(stage, other, work) + 2 * (
+                self.records[stage][other].step_pause_s
+            )
+            try:
+                reply = await with_inputs(PeerAddress.of(self.records[stage][other]), timeout_s)
+                self.steps.replied(stage, reply.meta.step)
+                return reply, other
+            except GradientOutlier as e:
+                self._ban_for_run(
+                    stage + 1,
+                    sender,
+                    e,
+                    f"two replicas of stage {stage} refused the gradient it sent",
+                )
+            except SwarmError as e:
+                logger.info(
+                    "stage %d peer %s: no second opinion on a refused gradient: %s", stage, other, e
+                )
+        self.lost_gradients += 1
+        logger.warning(
+            "microbatch %s counts at stages %d+ only: stage %d refused the gradient peer %s sent (%s)",
+            microbatch_id,
+            stage + 1,
+            stage,
+            sender,
+            refusal,
+        )
+        return None
 
     async def eval_microbatch(self, tokens: torch.Tensor) -> float:
         """Validation loss of one batch: forward only, nothing kept or accumulated by the peers."""
@@ -463,6 +527,7 @@ class Pipeline:
                 # raises RetriesExhausted naming the stage when the budget is spent
                 request.failed(peer, e, now)
                 if kind is Failure.GIVE_UP:
+                    e.peer = peer
                     raise
                 continue
             except BaseException:

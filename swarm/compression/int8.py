@@ -113,7 +113,11 @@ def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Ten
     bits = absmax.view(torch.int32)  # a bfloat16 is the upper half of a float32
     # round up to the next bfloat16 (see bfloat16_at_least), kept as the float32 of the same value
     scale = bits.add_(0xFFFF).bitwise_and_(_UPPER_HALF).view(torch.float32)  # (nb,)
-    rows[:, :_SCALE_BYTES] = scale.view(torch.uint8).view(-1, 4)[:, 2:]  # the bfloat16 bits
+    column = _scale_column(rows)
+    if column is not None:  # the bfloat16 bits, through one strided int16 write
+        column.copy_(bits.bitwise_right_shift(16))
+    else:
+        rows[:, :_SCALE_BYTES] = scale.view(torch.uint8).view(-1, 4)[:, 2:]
     wide_scale = scale.to(blocks.dtype)  # (nb,)
     if smallest < _TINY_SCALE:
         # 127 / scale overflows for scales below ~2**-120, so such blocks are first lifted by the exact factor
@@ -162,13 +166,24 @@ def bfloat16_at_least(values: torch.Tensor) -> torch.Tensor:
     return upper.to(torch.int16).view(torch.bfloat16)
 
 
+def _scale_column(rows: torch.Tensor) -> torch.Tensor | None:
+    """The block scales of payload ``rows`` (nb, 2 + b) uint8 as an (nb,) int16 view (each row starts with its
+    little-endian bfloat16 bits); None where the rows cannot be viewed as int16 (a tail row of odd length)."""
+    if rows.shape[1] % 2 or rows.stride(0) % 2 or rows.storage_offset() % 2:
+        return None
+    return rows.view(torch.int16)[:, 0]
+
+
 def _dequantize_into(rows: torch.Tensor, blocks: torch.Tensor) -> bool:
     """Decode payload ``rows`` (nb, 2 + b) uint8 into ``blocks`` (nb, b), in place. Returns whether every value is
     sure to be finite (the scales are; decode_into checks the values otherwise)."""
-    # a private, densely packed copy of the scales (a view of a single row keeps its odd row stride, which a
-    # view as bfloat16 rejects): (nb, 2) uint8 -> (nb, 1) bfloat16 -> float32
-    packed = torch.empty(rows.shape[0], _SCALE_BYTES, dtype=torch.uint8)
-    scale = packed.copy_(rows[:, :_SCALE_BYTES]).view(torch.bfloat16).to(torch.float32)  # (nb, 1)
+    column = _scale_column(rows)
+    if column is None:  # a private, densely packed copy of the tail row's scale bytes
+        packed = torch.empty(rows.shape[0], _SCALE_BYTES, dtype=torch.uint8)
+        column = packed.copy_(rows[:, :_SCALE_BYTES]).view(torch.int16)[:, 0]
+    # a bfloat16 is the upper half of a float32: widen the 16 bits to int32 and shift them there (the int16's sign
+    # extension is shifted out)
+    scale = column.to(torch.int32).bitwise_left_shift_(16).view(torch.float32)[:, None]  # (nb, 1)
     smallest, largest = torch.aminmax(scale)  # NaN propagates to both
     smallest, largest = float(smallest), float(largest)
     # an absmax is never negative; NaN scales are caught by the finite check later

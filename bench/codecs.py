@@ -258,6 +258,27 @@ def versus_int8(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def int8_versus_hivemind(rows: list[Row]) -> str:
+    """swarm int8's encode + decode speed over hivemind's 8-bit codecs' (those that decode, with the bench's own
+    reader where hivemind's fails), and their relative errors, per tensor (the issue's bound: >= 3x)."""
+    lines = []
+    for tensor in dict.fromkeys(r.tensor for r in rows):
+        ours = next((r for r in rows if r.tensor == tensor and r.codec == "swarm int8"), None)
+        if ours is None or ours.round_trip_mb_s is None:
+            continue
+        for theirs in rows:
+            if (
+                theirs.tensor == tensor
+                and "8Bit" in theirs.codec
+                and theirs.round_trip_mb_s is not None
+            ):
+                lines.append(
+                    f"- {tensor}: swarm int8 enc+dec {ours.round_trip_mb_s / theirs.round_trip_mb_s:.2f}x "
+                    f"{theirs.codec} (relative error {ours.relative_error:.2e} vs {theirs.relative_error:.2e})"
+                )
+    return "\n".join(lines)
+
+
 def failures_section(rows: list[Row]) -> str:
     """One line per codec that failed on some tensor, with what it raised, so failures are read, not skimmed."""
     failures = dict.fromkeys(f"- {row.codec}: {row.note}" for row in rows if row.note)
@@ -345,6 +366,8 @@ def main() -> None:
             "int4 and int2 = 4 and 2 bits per value, 32-element blocks, one bfloat16 scale each whose sign bit picks "
             "the block's grid; int4sr and int2sr the same with stochastic rounding (swarm/compression/lowbit.py).",
             table,
+            "swarm int8 against hivemind's 8-bit codecs, same run:",
+            int8_versus_hivemind(rows),
             "Codecs below 8 bits against int8, measured side by side in this run:",
             versus_int8(rows),
             failures_section(rows),

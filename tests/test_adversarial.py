@@ -19,12 +19,12 @@ from swarm.identity import Identity
 from swarm.model import MODEL_PRESETS
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
-from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport import callers
 from swarm.transport.callers import CallerToken
 from swarm.transport.client import PeerClient
 from swarm.transport.security import PeerAddress, make_certificate, open_channel
 from swarm.transport.tensors import tensor_frames
+from swarm.transport.wire import stage_stub
 
 pytestmark = pytest.mark.swarm
 
@@ -124,7 +124,7 @@ async def raw(
             await hold.wait()
 
     async with open_channel(address) as channel:
-        stub = pb_grpc.StagePeerStub(channel)
+        stub = stage_stub(channel)
         call = getattr(stub, method)
         try:
             if method in ("Forward", "Backward"):

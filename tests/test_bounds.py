@@ -20,12 +20,12 @@ from swarm.peer.config import LimitsConfig, PeerConfig
 from swarm.peer.lifecycle import Peer
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
-from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport import server
 from swarm.transport.callers import default_token
 from swarm.transport.client import PeerClient
 from swarm.transport.security import PeerAddress, open_channel
 from swarm.transport.tensors import tensor_frames
+from swarm.transport.wire import stage_stub
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +101,7 @@ async def call(
     """Send ``frames`` (then, with ``then_wait``, keep the stream open and silent until it is set); return the
     call's (status code, details)."""
     async with open_channel(address) as channel:
-        stub = pb_grpc.StagePeerStub(channel)
+        stub = stage_stub(channel)
 
         async def gen():
             for f in frames:
@@ -204,7 +204,7 @@ def test_an_idle_stream_and_a_trickling_one_are_cut_with_a_clear_status(peers, l
                     )  # the attack: slow, never silent for long
 
             try:
-                async for _ in pb_grpc.StagePeerStub(channel).Forward(
+                async for _ in stage_stub(channel).Forward(
                     gen(), timeout=60, metadata=auth(quick.address)
                 ):
                     pass

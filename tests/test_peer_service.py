@@ -20,12 +20,12 @@ from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
-from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.states import PeerState
 from swarm.transport.callers import default_token
 from swarm.transport.client import PeerClient
 from swarm.transport.security import PeerAddress, open_channel
 from swarm.transport.tensors import FrameReader, tensor_frames
+from swarm.transport.wire import stage_stub
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ async def raw_call(address: PeerAddress, frames: list[pb.Frame], method="Forward
     """Send exactly these frames (possibly malformed), with this process's caller token unless ``auth_`` is
     False, and return (status code, details)."""
     async with open_channel(address) as channel:
-        stub = pb_grpc.StagePeerStub(channel)
+        stub = stage_stub(channel)
 
         async def gen():
             for f in frames:
@@ -402,9 +402,7 @@ async def reply_then_break(peer: Peer, microbatch_id: str, x: torch.Tensor):
         await lost.wait()  # the commit frame never comes
 
     async with open_channel(peer.address) as channel:
-        call = pb_grpc.StagePeerStub(channel).Forward(
-            gen(), timeout=30, metadata=auth(peer.address)
-        )
+        call = stage_stub(channel).Forward(gen(), timeout=30, metadata=auth(peer.address))
         reader = FrameReader(call)
         got = await reader.reply()
         assert set(await reader.tensors(got.num_tensors)) == {"grad_input"}

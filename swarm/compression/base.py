@@ -49,10 +49,17 @@ class Codec(abc.ABC):
         dtype that cannot cross the wire, ``NonFiniteTensorError`` for NaN/Inf values and ``CodecOverflowError``
         for finite values outside the wire format's range.
         """
+        encoded = self.encode_view(flat)
+        return encoded if isinstance(encoded, bytes) else encoded.tobytes()
+
+    def encode_view(self, flat: torch.Tensor) -> bytes | memoryview:
+        """``encode``'s bytes, or a memoryview of them that may share memory with ``flat`` (codec ``none``): read it
+        before ``flat`` changes. Saves ``encode``'s final copy for a caller that copies the bytes anyway (the
+        transport builds its frame from them). Raises like ``encode``."""
         _check_flat(flat)
         flat = flat.detach()
         if not flat.dtype.is_floating_point:
-            return raw_bytes(flat)
+            return raw_view(flat)
         return self._encode_float(flat)
 
     def decode(self, payload: Payload, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +102,8 @@ class Codec(abc.ABC):
         if not dtype.is_floating_point:
             copy_raw_into(view, out)
             return
-        self._decode_float_into(view, out)
+        if self._decode_float_into(view, out):
+            return  # the codec proved every value finite while decoding
         require_finite(
             out,
             f"decoded {self.name} payload",
@@ -117,12 +125,14 @@ class Codec(abc.ABC):
         return self.segment_alignment if dtype.is_floating_point else 1
 
     @abc.abstractmethod
-    def _encode_float(self, flat: torch.Tensor) -> bytes:
-        """Encode a validated 1-D contiguous floating tensor; must raise on NaN/Inf (see module docstring)."""
+    def _encode_float(self, flat: torch.Tensor) -> bytes | memoryview:
+        """Encode a validated 1-D contiguous floating tensor; must raise on NaN/Inf (see module docstring). May
+        return a memoryview (see ``encode_view``)."""
 
     @abc.abstractmethod
-    def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
-        """Decode a payload of the right length into ``out`` (1-D contiguous floating, numel > 0)."""
+    def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> bool | None:
+        """Decode a payload of the right length into ``out`` (1-D contiguous floating, numel > 0). Return True only
+        if every decoded value is sure to be finite (``decode_into`` then skips its own check)."""
 
     @abc.abstractmethod
     def _encoded_float_size(self, numel: int, dtype: torch.dtype) -> int:
@@ -148,10 +158,10 @@ def _check_flat(flat: torch.Tensor) -> None:
     wire_dtype_name(flat.dtype)
 
 
-def raw_bytes(flat: torch.Tensor) -> bytes:
-    """The little-endian bytes of a 1-D contiguous CPU tensor (one copy)."""
+def raw_view(flat: torch.Tensor) -> memoryview:
+    """The little-endian bytes of a 1-D contiguous CPU tensor, as a view of its memory (no copy)."""
     # view(uint8) first: numpy has no bfloat16, and bytes are all we want anyway
-    return flat.view(torch.uint8).numpy().tobytes()
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def copy_raw_into(payload: bytes | memoryview, out: torch.Tensor) -> None:

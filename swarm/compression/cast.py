@@ -16,7 +16,7 @@ from swarm.compression.base import (
     Codec,
     all_finite,
     copy_raw_into,
-    raw_bytes,
+    raw_view,
     require_finite,
     tensor_from_raw,
 )
@@ -33,9 +33,9 @@ class NoneCodec(Codec):
     name: ClassVar[str] = "none"
     segment_alignment: ClassVar[int] = 1
 
-    def _encode_float(self, flat: torch.Tensor) -> bytes:
+    def _encode_float(self, flat: torch.Tensor) -> memoryview:
         require_finite(flat, "tensor to encode", _ENCODE_HINT)
-        return raw_bytes(flat)
+        return raw_view(flat)
 
     def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
         copy_raw_into(payload, out)
@@ -50,10 +50,10 @@ class _HalfCastCodec(Codec):
     wire_dtype: ClassVar[torch.dtype]
     segment_alignment: ClassVar[int] = 1
 
-    def _encode_float(self, flat: torch.Tensor) -> bytes:
+    def _encode_float(self, flat: torch.Tensor) -> memoryview:
         if flat.dtype.itemsize <= 2:
             require_finite(flat, "tensor to encode", _ENCODE_HINT)
-            return raw_bytes(flat)
+            return raw_view(flat)
         half = flat.to(self.wire_dtype)  # (N,)
         # checking the 2-byte result catches NaN/Inf inputs and overflow in one cheap pass; tell them apart
         # only on the failure path
@@ -64,7 +64,7 @@ class _HalfCastCodec(Codec):
                 f"tensor to encode has values up to {float(flat.abs().max()):.4g}, beyond the {self.name} "
                 f"limit {limit:.4g}: use the bf16 or int8 codec, or scale the tensor down"
             )
-        return raw_bytes(half)
+        return raw_view(half)
 
     def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
         if out.dtype.itemsize <= 2:

@@ -84,12 +84,12 @@ class BlockwiseLowBitCodec(Codec):
             size += _SCALE_BYTES + self._packed_bytes(tail)
         return size
 
-    def _encode_float(self, flat: torch.Tensor) -> bytes:
+    def _encode_float(self, flat: torch.Tensor) -> memoryview:
         work = flat if flat.dtype == torch.float64 else flat.float()  # (N,)
         out = torch.empty(self._encoded_float_size(flat.numel(), flat.dtype), dtype=torch.uint8)
         for blocks, rows in self._block_views(work, out):
             self._quantize_into(blocks, rows, flat)
-        return out.numpy().tobytes()
+        return memoryview(out.numpy())
 
     def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
         data = tensor_from_raw(

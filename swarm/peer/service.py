@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from swarm.compression import CODEC_NAMES
+from swarm.compression.base import all_finite
 from swarm.errors import InvalidRequest, StreamTimeout, SwarmError, TransportError, WrongPeer
 from swarm.peer.admission import Admission
 from swarm.peer.config import LimitsConfig
@@ -133,14 +134,14 @@ class StageService(pb_grpc.StagePeerServicer):
                         keep=not meta.eval_only,
                         work=dict(work, forward=True, backward=False),
                     )
-                    if not torch.isfinite(output).all():
+                    if not all_finite(output):
                         # this replica's fault, not the request's: the caller retries elsewhere
                         raise SwarmError(
                             f"stage {stage.index} computed non-finite activations for microbatch "
                             f"{meta.microbatch_id} on this peer; try another peer of the stage"
                         )
-                    yield self._reply(num_tensors=1, version=version)
-                    async for frame in tensor_frames("output", output, codec):
+                    reply = self._reply(num_tensors=1, version=version)
+                    async for frame in tensor_frames("output", output, codec, lead=[reply]):
                         yield frame
 
     @stream_handler
@@ -228,16 +229,19 @@ class StageService(pb_grpc.StagePeerServicer):
         dropping them early only saves memory, so it is done only when the caller surely has nothing."""
         replying = False
         try:
-            yield self._reply(
+            reply = self._reply(
                 loss=loss,
                 num_tensors=int(grad_input is not None),
                 hold_s=self.executor.cache_config.commit_hold_s,
                 version=version,
             )
-            replying = True
-            if grad_input is not None:
-                async for frame in tensor_frames("grad_input", grad_input, codec):
+            if grad_input is None:
+                yield reply
+            else:  # the reply frame travels with the tensor's first chunk
+                async for frame in tensor_frames("grad_input", grad_input, codec, lead=[reply]):
                     yield frame
+                    replying = True
+            replying = True
             # The commit comes once the caller has read the reply; after the hold it could not count anyway.
             frames.expect_within(self.executor.cache_config.commit_hold_s)
             commit = await reader.commit()
@@ -309,7 +313,7 @@ class StageService(pb_grpc.StagePeerServicer):
             try:
                 async with asyncio.timeout(total_s):
                     step, samples, tensors = await self.ctx.compute_urgent(take)
-                    yield pb.Frame(
+                    reply = pb.Frame(
                         reply=pb.ReplyMeta(
                             step=step,
                             state=self.ctx.state(),
@@ -318,9 +322,13 @@ class StageService(pb_grpc.StagePeerServicer):
                         )
                     )
                     codec = codec_or_invalid("none")  # state travels exactly
+                    lead = [reply]  # travels with the first tensor's first chunk
                     for name, tensor in tensors.items():
-                        async for frame in tensor_frames(name, tensor, codec):
+                        async for frame in tensor_frames(name, tensor, codec, lead=lead):
                             yield frame
+                        lead = []
+                    if lead:
+                        yield reply
             except TimeoutError:
                 raise StreamTimeout(
                     f"the state was not read within --read-total-s={total_s:g}s; the call is cut"

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from swarm.compression import Codec
+from swarm.compression.base import all_finite
 from swarm.errors import (
     ERROR_METADATA_KEY,
     BadReply,
@@ -23,11 +24,11 @@ from swarm.errors import (
 )
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
-from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.callers import CallerToken, default_token
 from swarm.transport.channel import WORK_TIMEOUT_KEY
 from swarm.transport.security import PeerAddress, open_channel
 from swarm.transport.tensors import FrameReader, StreamLimits, tensor_frames
+from swarm.transport.wire import Batch, Chunk, stage_stub
 
 # What a caller expects of a reply: tensor name -> (shape, dtype). A reply carrying anything else is a BadReply.
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -74,7 +75,7 @@ class PeerClient:
         self._segment_bytes = segment_bytes
         self._limits = limits
         self._channel = open_channel(self.address)
-        self._stub = pb_grpc.StagePeerStub(self._channel)
+        self._stub = stage_stub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
@@ -161,13 +162,16 @@ class PeerClient:
         meta.num_tensors = len(tensors)
         reply_read = asyncio.Event()
 
-        async def frames() -> AsyncIterator[pb.Frame]:
-            yield pb.Frame(request=meta)
+        async def frames() -> AsyncIterator[pb.Frame | Chunk | Batch]:
+            lead = [pb.Frame(request=meta)]  # travels with the first tensor's first chunk
             for name, tensor in tensors:
                 async for frame in tensor_frames(
-                    name, tensor, codec, segment_bytes=self._segment_bytes
+                    name, tensor, codec, segment_bytes=self._segment_bytes, lead=lead
                 ):
                     yield frame
+                lead = []
+            if lead:
+                yield lead[0]
             if commit:
                 # Tell the peer we have its reply: only now does it count the microbatch's gradients.
                 await reply_read.wait()
@@ -312,7 +316,8 @@ def _check_values(meta: pb.ReplyMeta, tensors: dict[str, torch.Tensor]) -> None:
     if meta.has_loss and not math.isfinite(meta.loss):
         raise InvalidRequest(f"the loss is {meta.loss}")
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        # the codecs' decode already refuses NaN/Inf; this keeps the guarantee for any reader
+        if tensor.is_floating_point() and not all_finite(tensor):
             raise InvalidRequest(f"tensor '{name}' holds non-finite values")
 
 

@@ -15,6 +15,7 @@ from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.transport.channel import GRPC_OPTIONS
 from swarm.transport.tensors import MalformedFrame
+from swarm.transport.wire import add_stage_servicer
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ async def start_server(
     ``credentials`` (see :mod:`swarm.transport.security`) it serves TLS only; ``interceptors`` see every call
     before its handler (e.g. :class:`swarm.transport.callers.CallerCheck`)."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
-    pb_grpc.add_StagePeerServicer_to_server(servicer, server)
+    add_stage_servicer(servicer, server)
     address = f"{host}:{port}"
     if credentials is None:
         bound = server.add_insecure_port(address)
@@ -116,8 +117,10 @@ class DeadlineFrames:
                 else f"in all within --read-total-s={self._total_s:g}s"
             )
         try:
-            return await asyncio.wait_for(self._frames.__anext__(), max(timeout_s, 0.0))
-        except asyncio.TimeoutError:
+            # a timeout scope, not wait_for: no task per frame
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                return await self._frames.__anext__()
+        except TimeoutError:
             raise StreamTimeout(
                 f"the request's frames did not arrive {why}; the call is cut (send a request without "
                 f"pauses, on a link fast enough for it)"

@@ -1,16 +1,23 @@
 """Chunked tensor streams: a tensor travels as one header frame and then one chunk frame per segment.
 
 Each segment of the tensor's flat data is encoded on its own (segment sizes are multiples of the codec's
-alignment, so the result equals encoding the whole tensor). The sender encodes segment i+1 in a worker
-thread while segment i is on the wire, and the receiver decodes segment i while segment i+1 arrives, so
-encode, transfer and decode overlap for large tensors and the event loop never does the CPU work.
+alignment, so the result equals encoding the whole tensor), straight into its chunk frame's wire bytes
+(:class:`swarm.transport.wire.Chunk`), and decoded from a view of the bytes gRPC delivered. Senders pack the
+frames that open a call or reply, and a tensor's header, with the first chunk after them into one message
+(:class:`swarm.transport.wire.Batch`); :class:`FrameReader` reads a batch's frames as if each had come alone.
+
+For a tensor of several segments, the sender encodes segment i+1 in a worker thread while segment i is on the
+wire, and the receiver decodes segment i while segment i+1 arrives, so encode, transfer and decode overlap. A
+tensor of one segment has nothing to overlap with: its codec work runs on the event loop, which is cheaper than
+two thread hops (bench/results/hop_overhead.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +26,7 @@ from google.protobuf.message import DecodeError
 from swarm.compression import Codec, CodecError, dtype_from_name, get_codec, wire_dtype_name
 from swarm.errors import InvalidRequest
 from swarm.proto import swarm_pb2 as pb
+from swarm.transport.wire import MAX_BATCH_FRAMES, Batch, Chunk, pack
 
 # Segments below this many raw bytes are encoded/decoded inline: a thread hop costs more than the work.
 _INLINE_BYTES = 256 * 1024
@@ -47,19 +55,34 @@ def segment_numel_for(codec: Codec, dtype: torch.dtype, segment_bytes: int) -> i
     return max(align, (segment_bytes // element_size) // align * align)
 
 
-async def _maybe_offload(nbytes: int, fn: Callable, *args):
-    if nbytes < _INLINE_BYTES:
-        return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+def _offloads(segment_bytes: int, total_bytes: int) -> bool:
+    """Whether a tensor's codec work goes to worker threads: only when it has several segments (so the work
+    overlaps the transfer) and they are large enough to pay for the thread hops."""
+    return total_bytes > segment_bytes >= _INLINE_BYTES
+
+
+def _offload(fn: Callable, *args) -> asyncio.Future:
+    return asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def _encode_chunk(codec: Codec, segment: torch.Tensor, lead: list[pb.Frame]) -> Chunk | Batch:
+    return pack(lead, codec.encode_view(segment))
 
 
 async def tensor_frames(
-    name: str, tensor: torch.Tensor, codec: Codec, *, segment_bytes: int = 1 << 20
-) -> AsyncIterator[pb.Frame]:
-    """Yield the header and chunk frames of ``tensor``; the next segment encodes while one is sent."""
+    name: str,
+    tensor: torch.Tensor,
+    codec: Codec,
+    *,
+    segment_bytes: int = 1 << 20,
+    lead: Sequence[pb.Frame] | None = None,
+) -> AsyncIterator[pb.Frame | Chunk | Batch]:
+    """Yield the header and chunk frames of ``tensor``; the next segment encodes while one is sent. With ``lead``
+    (frames to send first, possibly none), they, the header and the first chunk travel as one :class:`Batch`
+    message; without, the header travels alone."""
     flat = tensor.detach().to("cpu").contiguous().view(-1)
     seg = segment_numel_for(codec, flat.dtype, segment_bytes)
-    yield pb.Frame(
+    header = pb.Frame(
         tensor=pb.TensorHeader(
             name=name,
             dtype=wire_dtype_name(flat.dtype),
@@ -68,18 +91,26 @@ async def tensor_frames(
             segment_numel=seg,
         )
     )
+    first = [header] if lead is None else [*lead, header]
+    if lead is None or flat.numel() == 0:
+        yield pack(first)
+        first = []
     starts = range(0, flat.numel(), seg)
-    seg_bytes = seg * flat.element_size()
+    offload = _offloads(seg * flat.element_size(), flat.numel() * flat.element_size())
+    if not offload:
+        for start in starts:
+            yield _encode_chunk(codec, flat[start : start + seg], first)
+            first = []
+        return
     pending = None
     for start in starts:
-        task = asyncio.ensure_future(
-            _maybe_offload(seg_bytes, codec.encode, flat[start : start + seg])
-        )
+        task = _offload(_encode_chunk, codec, flat[start : start + seg], first)
+        first = []
         if pending is not None:
-            yield pb.Frame(chunk=await pending)
+            yield await pending
         pending = task
     if pending is not None:
-        yield pb.Frame(chunk=await pending)
+        yield await pending
 
 
 class MalformedFrame(InvalidRequest):
@@ -95,16 +126,30 @@ class FrameReader:
     def __init__(self, frames: AsyncIterator[pb.Frame], *, limits: StreamLimits = StreamLimits()):
         self._frames = frames.__aiter__()
         self._limits = limits
+        self._queued: deque = deque()  # the rest of a batch
 
-    async def _next(self) -> pb.Frame | None:
+    async def _next(self) -> pb.Frame | Chunk | None:
+        if self._queued:
+            return self._queued.popleft()
         try:
-            return await self._frames.__anext__()
+            frame = await self._frames.__anext__()
         except StopAsyncIteration:
             return None
         except DecodeError as e:  # gRPC parses each message as it is read
             raise MalformedFrame(
                 f"a frame could not be parsed ({e}); the sender speaks another protocol or sent garbage"
             ) from None
+        if frame.WhichOneof("kind") != "batch":
+            return frame
+        frames = frame.frames if type(frame) is Batch else list(frame.batch.frames)
+        if not 1 <= len(frames) <= MAX_BATCH_FRAMES:
+            raise InvalidRequest(
+                f"a batch of {len(frames)} frames; a batch holds 1 to {MAX_BATCH_FRAMES}"
+            )
+        if any(f.WhichOneof("kind") == "batch" for f in frames):
+            raise InvalidRequest("a batch inside a batch; batches hold plain frames")
+        self._queued.extend(frames[1:])
+        return frames[0]
 
     async def _expect(self, kind: str, context: str) -> pb.Frame:
         frame = await self._next()
@@ -177,7 +222,7 @@ class FrameReader:
         if check is not None:
             check(header.name, shape, dtype, codec.name)
         flat = torch.empty(numel, dtype=dtype)
-        seg_bytes = seg * flat.element_size()
+        offload = _offloads(seg * flat.element_size(), numel * flat.element_size())
         decodes = []
         try:
             for index, start in enumerate(range(0, numel, seg)):
@@ -185,11 +230,10 @@ class FrameReader:
                     await self._expect("chunk", f"(chunk {index} of tensor '{header.name}')")
                 ).chunk
                 count = min(seg, numel - start)
-                decodes.append(
-                    asyncio.ensure_future(
-                        _maybe_offload(seg_bytes, _decode_into, codec, payload, flat, start, count)
-                    )
-                )
+                if not offload:
+                    _decode_into(codec, payload, flat, start, count)
+                    continue
+                decodes.append(_offload(_decode_into, codec, payload, flat, start, count))
             await asyncio.gather(*decodes)
         except CodecError as e:
             raise InvalidRequest(f"tensor '{header.name}': {e}") from None
@@ -199,7 +243,9 @@ class FrameReader:
         return flat.view(shape)
 
 
-def _decode_into(codec: Codec, payload: bytes, out: torch.Tensor, start: int, count: int) -> None:
+def _decode_into(
+    codec: Codec, payload: bytes | memoryview, out: torch.Tensor, start: int, count: int
+) -> None:
     codec.decode_into(payload, out[start : start + count])
 
 

@@ -40,8 +40,7 @@ LOW_BIT_GAPS = {
 }
 # The subspace cut (swarm.model.subspace, --subspace-dim 8 of d_model 32) with int4 on the wire: another model than
 # none's (the blocks of stage 0 write into 8 of 32 directions), so its gap is the scheme's, not only the codec's.
-# Measured 0.19% (3.83132 against 3.82425; deterministic as above). The bound, 5x that, is what a cut that lost the
-# token ids or the stream's fixed part would break by far (the next stage then sees only the 8 coordinates).
+# Measured 0.19% (3.83132 against 3.82425; deterministic as above); the bound is about 5x that.
 SUBSPACE_GAP = 0.01
 CODECS = ("none", "int8", *LOW_BIT_GAPS, "int2/int8")  # the last: int2 activations, int8 gradients
 

@@ -5,8 +5,9 @@ Writes bench/results/quality.md (table + provenance) and docs/compression_qualit
 matplotlib, the ``plot`` extra).
 
 A scheme is a wire codec, optionally with a learned bottleneck at the stage cut: ``int4+bn28`` is codec int4 on
-activations and gradients of width 28 instead of d_model (``--bottleneck-dim 28``). The table states each
-scheme's activation bytes per value of the uncompressed fp32 activation and the ratio to fp32.
+activations and gradients of width 28 instead of d_model (``--bottleneck-dim 28``); or with the subspace cut:
+``int4+sub26`` sends 26 int4 values and the token id per token (``--subspace-dim 26``, swarm.model.subspace). The
+table states each scheme's activation bytes per value of the uncompressed fp32 activation and the ratio to fp32.
 
 For each scheme a fresh swarm on loopback (one bootstrap DHT node shared by all runs, a new run id and new peer
 processes per codec, 1 peer per stage) trains the demo config for the same number of global batches. What is
@@ -57,47 +58,59 @@ TARGET_32X = 0.01
 @dataclass(frozen=True)
 class Scheme:
     """A wire codec and an optional bottleneck width at the stage cut, written ``codec``, ``codec+bnN``, or
-    ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``); ``act/grad`` in
-    place of ``codec`` sends gradients in another codec (``--codec act --grad-codec grad``)."""
+    ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``), or ``codec+subK``
+    for the subspace cut of width K (``--subspace-dim K``); ``act/grad`` in place of ``codec`` sends gradients in
+    another codec (``--codec act --grad-codec grad``)."""
 
     codec: str
     bottleneck_dim: int | None = None
     bottleneck_init: str = "random"
     grad_codec: str = "same"
+    subspace_dim: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Scheme:
         codecs, *parts = text.split("+")
         codec, _, grad_codec = codecs.partition("/")
-        bottleneck, init = None, "random"
+        bottleneck, init, subspace = None, "random", None
         for part in parts:
-            if part.startswith("bn") and part[2:].isdigit():
+            if part.startswith("bn") and part[2:].isdigit() and subspace is None:
                 bottleneck = int(part[2:])
+            elif part.startswith("sub") and part[3:].isdigit() and bottleneck is None:
+                subspace = int(part[3:])
             elif part == "orth" and bottleneck is not None:
                 init = "orthogonal"
             else:
                 raise ValueError(
-                    f"scheme {text!r}: write CODEC, CODEC+bnWIDTH or CODEC+bnWIDTH+orth, e.g. int4+bn28"
+                    f"scheme {text!r}: write CODEC, CODEC+bnWIDTH, CODEC+bnWIDTH+orth or CODEC+subWIDTH, "
+                    "e.g. int4+bn28"
                 )
-        return cls(codec, bottleneck, init, grad_codec or "same")
+        return cls(codec, bottleneck, init, grad_codec or "same", subspace)
 
     @property
     def label(self) -> str:
         codecs = self.codec if self.grad_codec == "same" else f"{self.codec}/{self.grad_codec}"
+        if self.subspace_dim is not None:
+            return f"{codecs}+sub{self.subspace_dim}"
         if self.bottleneck_dim is None:
             return codecs
         orth = "+orth" if self.bottleneck_init == "orthogonal" else ""
         return f"{codecs}+bn{self.bottleneck_dim}{orth}"
 
-    def bytes_per_fp32_value(self, d_model: int, values: int) -> float:
+    def bytes_per_fp32_value(self, d_model: int, values: int, vocab_size: int = 256) -> float:
         """Wire bytes of ``values`` activations of width d_model (a microbatch: B * T * d_model values), sent
-        through this scheme, per value: 4 for fp32 without a bottleneck."""
+        through this scheme, per value: 4 for fp32 without a bottleneck. The subspace cut's token ids count too
+        (one per token, in the smallest integer dtype holding ``vocab_size`` ids)."""
         import torch
 
         from swarm.compression import get_codec
+        from swarm.model.config import token_id_bytes
 
-        width = d_model if self.bottleneck_dim is None else self.bottleneck_dim
-        wire = get_codec(self.codec).encoded_size(values // d_model * width, torch.float32)
+        width = self.subspace_dim or self.bottleneck_dim or d_model
+        tokens = values // d_model
+        wire = get_codec(self.codec).encoded_size(tokens * width, torch.float32)
+        if self.subspace_dim is not None:
+            wire += tokens * token_id_bytes(vocab_size)
         return wire / values
 
 
@@ -171,6 +184,7 @@ def run_codec(
     bottleneck_dim: int | None = None,
     bottleneck_init: str = "random",
     grad_codec: str = "same",
+    subspace_dim: int | None = None,
 ) -> QualityResult:
     """Train one run of ``cfg`` with ``codec`` (and a bottleneck of ``bottleneck_dim`` at the cut) on fresh
     peers (stopped afterwards); returns its curves. With ``cfg.preset`` None the run ``run_id`` must already be
@@ -186,6 +200,7 @@ def run_codec(
                 if bottleneck_dim is None
                 else ["--bottleneck-dim", bottleneck_dim, "--bottleneck-init", bottleneck_init]
             ),
+            *([] if subspace_dim is None else ["--subspace-dim", subspace_dim]),
             "--codec",
             codec,
             "--grad-codec",
@@ -276,10 +291,14 @@ def run_all(
                 bottleneck_dim=scheme.bottleneck_dim,
                 bottleneck_init=scheme.bottleneck_init,
                 grad_codec=scheme.grad_codec,
+                subspace_dim=scheme.subspace_dim,
             )
             if d_model is not None:
-                values = cfg.microbatch_size * MODEL_PRESETS[cfg.preset].seq_len * d_model
-                result.bytes_per_value = scheme.bytes_per_fp32_value(d_model, values)
+                preset = MODEL_PRESETS[cfg.preset]
+                values = cfg.microbatch_size * preset.seq_len * d_model
+                result.bytes_per_value = scheme.bytes_per_fp32_value(
+                    d_model, values, preset.vocab_size
+                )
             print(
                 f"    final validation loss {result.final_val:.4f}, {result.tokens_per_s:,.0f} tokens/s",
                 flush=True,
@@ -375,7 +394,7 @@ def main() -> None:
     parser.add_argument(
         "--codecs",
         default="none,fp16,int8",
-        help="comma-separated schemes (CODEC or CODEC+bnWIDTH), starting with none",
+        help="comma-separated schemes (CODEC, CODEC+bnWIDTH or CODEC+subWIDTH), starting with none",
     )
     parser.add_argument(
         "--in-flight", type=int, default=1, help="microbatches in flight (1 = deterministic)"

@@ -16,6 +16,7 @@ from typing import Any
 
 from swarm.compression import BYTES_PER_VALUE, CODEC_NAMES, UnknownCodecError
 from swarm.model import MODEL_PRESETS, AnyModelConfig
+from swarm.model.config import token_id_bytes
 from swarm.schema import parse_dataclass
 
 
@@ -89,17 +90,25 @@ class RunConfig:
 
     def activation_bytes_ratio(self) -> float:
         """How many times fewer bytes an activation crossing a stage cut takes on the wire than at full width
-        in float32 (the run's codec, times d_model / bottleneck_dim when the model has a bottleneck)."""
-        width = self.model.bottleneck_dim or self.model.d_model
-        return 4.0 * self.model.d_model / (BYTES_PER_VALUE[self.codec] * width)
+        in float32 (the run's codec, times d_model / bottleneck_dim when the model has a bottleneck; with the
+        subspace cut, subspace_dim values and the token id per token)."""
+        width = self.model.bottleneck_dim or self.model.subspace_dim or self.model.d_model
+        per_token = BYTES_PER_VALUE[self.codec] * width
+        if (
+            self.model.subspace_dim is not None
+        ):  # and the token id (swarm.model.subspace.token_wire_dtype)
+            per_token += token_id_bytes(self.model.vocab_size)
+        return 4.0 * self.model.d_model / per_token
 
     def compression_scheme(self) -> str:
         """The run's compression in words, e.g. ``codec int4, bottleneck 28 of 128 dims: 32.5x fewer activation
         bytes than float32``."""
-        bottleneck = self.model.bottleneck_dim
+        bottleneck, subspace = self.model.bottleneck_dim, self.model.subspace_dim
         cut = (
             "" if bottleneck is None else f", bottleneck {bottleneck} of {self.model.d_model} dims"
         )
+        if subspace is not None:
+            cut = f", subspace {subspace} of {self.model.d_model} dims + token ids"
         grads = "" if self.gradient_codec == self.codec else f" (gradients {self.gradient_codec})"
         return (
             f"codec {self.codec}{grads}{cut}: {self.activation_bytes_ratio():.1f}x fewer activation bytes "

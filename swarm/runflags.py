@@ -1,5 +1,5 @@
-"""The flags that describe a new run (``--preset``, ``--model-config``, the cut, the bottleneck, and RunConfig's
-own fields), shared by ``swarm peer`` and ``swarm dht``, and the RunConfig they give."""
+"""The flags that describe a new run (``--preset``, ``--model-config``, the cut, the bottleneck or subspace, and
+RunConfig's own fields), shared by ``swarm peer`` and ``swarm dht``, and the RunConfig they give."""
 
 from __future__ import annotations
 
@@ -55,6 +55,14 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         "Q^T and Q for one orthonormal Q (a projection onto a subspace; measured worse than random on "
         "tiny, see docs/compression.md)",
     )
+    group.add_argument(
+        "--subspace-dim",
+        type=int,
+        default=None,
+        help="with --preset: the lossless subspace cut (protocol models): blocks before the last stage "
+        "write into one fixed subspace of this width, so activations cross cuts as that many values per token "
+        "plus the token id (peers of older versions refuse the run); default off",
+    )
     add_config_args(parser, RunConfig, skip={"model"})
 
 
@@ -99,4 +107,10 @@ def run_config_from_args(args: argparse.Namespace, pretrained: str | None = None
         model = dataclasses.replace(
             model, bottleneck_dim=args.bottleneck_dim, bottleneck_init=args.bottleneck_init
         )
+    if args.subspace_dim is not None:
+        if isinstance(model, HFModelConfig):
+            raise ValueError(
+                "--subspace-dim is for the built-in GPT presets, not Hugging Face models"
+            )
+        model = dataclasses.replace(model, subspace_dim=args.subspace_dim)
     return config_from_args(RunConfig, args, model=model)

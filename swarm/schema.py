@@ -10,7 +10,9 @@ The rule every record follows, so a newer peer's record never breaks an older re
   ``float`` (an ``int`` is widened; with ``finite`` NaN and infinities are refused), ``bool``, an ``Enum``
   (given as one of its values), ``X | None``, a ``dict`` with string keys, and nested dataclasses, parsed by the
   same rule; a union of dataclasses is told apart by the record's "family" value (each class lists the ones it
-  reads in ``FAMILIES``; None stands for a record without that key);
+  reads in ``FAMILIES``; None stands for a record without that key); a class that lists ``FAMILIES`` without a
+  ``family`` field (it derives it, a property) reads the key as a check: a value it does not list, or one its
+  parsed fields do not give, is refused;
 * the dataclass's own ``__post_init__`` then checks the values (``ValueError`` too).
 
 Stdlib only: the bottom of the tree, beside ``swarm.errors``.
@@ -36,6 +38,7 @@ T = TypeVar("T")
 # the names (past the bound the warnings stop, the parsing does not).
 _warned: set[tuple[str, frozenset[str]]] = set()
 _MAX_WARNED = 1024
+_FAMILY = "family"  # the key that tells the dataclasses of a union apart
 
 
 def parse_dataclass(
@@ -71,7 +74,16 @@ def _parse(
         raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown.extend(prefix + str(key) for key in data if key not in fields)
+    # a class that lists FAMILIES but has no "family" field reads the key as the discriminator (a property)
+    family = _FAMILY in data and _FAMILY not in fields and hasattr(cls, "FAMILIES")
+    if family and data[_FAMILY] not in cls.FAMILIES:
+        raise ValueError(
+            f"{what} has family {data[_FAMILY]!r}, which this version does not read as {cls.__name__} (it reads "
+            f"{', '.join(str(f) for f in cls.FAMILIES)}); upgrade swarm to read it"
+        )
+    unknown.extend(
+        prefix + str(key) for key in data if key not in fields and not (family and key == _FAMILY)
+    )
     kwargs = {}
     for name, f in fields.items():
         label = prefix + name
@@ -91,7 +103,13 @@ def _parse(
             required=required,
             unknown=unknown,
         )
-    return cls(**kwargs)
+    value = cls(**kwargs)
+    if family and getattr(value, _FAMILY, None) != data[_FAMILY]:
+        raise ValueError(
+            f"{what} says family {data[_FAMILY]!r}, but its fields describe family "
+            f"{getattr(value, _FAMILY, None)!r}: the record is inconsistent"
+        )
+    return value
 
 
 def _value(

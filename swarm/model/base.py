@@ -19,6 +19,9 @@ class StageBase(nn.Module):
     Llama). ``forward`` does not validate its input; a peer calls ``check_input`` (and ``check_targets``) on
     anything that came over the wire first."""
 
+    # whether the input carries the token ids in one more coordinate (the subspace cut, swarm.model.subspace)
+    takes_tokens = False
+
     def _place(self, config, index: int) -> None:
         config._check_stage(index)
         self.config = config
@@ -90,13 +93,55 @@ class StageBase(nn.Module):
                     f"{where} has token ids in [{low}, {high}]; they must lie in [0, {self.config.vocab_size})"
                 )
             return
-        if x.shape[2] != self.input_width:
+        if x.shape[2] != expected_shape[2]:
+            what = next(
+                (
+                    name
+                    for name in ("subspace_dim", "bottleneck_dim")
+                    if getattr(self.config, name, None) is not None
+                ),
+                "d_model",
+            )
+            ids = " + 1 for the token ids" if self.takes_tokens else ""
             raise ValueError(
-                f"{where} has width {x.shape[2]}, expected {self.input_width} "
-                f"({'bottleneck_dim' if self.config.bottleneck_dim is not None else 'd_model'})"
+                f"{where} has width {x.shape[2]}, expected {expected_shape[2]} ({what}{ids})"
             )
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{where} contains NaN or infinite values")
+
+    def synthetic_input(self, batch_size: int) -> Tensor:
+        """A valid random input of ``batch_size`` full-length sequences (for timing the stage)."""
+        shape, dtype = self.input_spec(batch_size)
+        if dtype == torch.int64:
+            return torch.randint(0, self.config.vocab_size, shape)
+        return torch.randn(shape, dtype=dtype)
+
+    def join_tokens(self, x: Tensor, tokens: Tensor | None) -> Tensor:
+        """The ``forward`` input from what crossed the wire: the activation ``x`` and, for a stage that takes them,
+        the token ids (B, T) of any integer dtype. ValueError when the ids are missing or not wanted."""
+        if (tokens is not None) != self.takes_tokens:
+            raise ValueError(
+                f"stage {self.index} takes the token ids with its input"
+                if self.takes_tokens
+                else f"stage {self.index} takes no token ids with its input"
+            )
+        if tokens is None:
+            return x
+        if tokens.shape != x.shape[:2] or tokens.is_floating_point():
+            raise ValueError(
+                f"stage {self.index} token ids must be integers of shape {list(x.shape[:2])}, got "
+                f"{tokens.dtype} of shape {list(tokens.shape)}"
+            )
+        from swarm.model.subspace import join_tokens
+
+        return join_tokens(x, tokens)
+
+    def wire_grad(self, grad_input: Tensor | None) -> Tensor | None:
+        """The input gradient to send back: without the token ids' coordinate (always zero) when the stage takes
+        them."""
+        if grad_input is None or not self.takes_tokens:
+            return grad_input
+        return grad_input[..., :-1].contiguous()
 
     def check_targets(self, x: Tensor, targets: Tensor) -> None:
         """Last stage: raise ValueError unless `targets` is int64 (B, T) matching `x`, ids in [0, vocab)."""

@@ -20,8 +20,9 @@ BOTTLENECK_INITS = ("random", "orthogonal")
 class ModelConfig:
     """A byte-level GPT decoder of `n_layers` pre-LN blocks, cut into `num_stages` pipeline stages."""
 
-    # the values of a record's "family" this class reads (swarm.schema): none, as it had no such field
-    FAMILIES: ClassVar[tuple[str | None, ...]] = (None,)
+    # the values of a record's "family" this class reads (swarm.schema): none
+    # (None, as it had no such field) and "gpt-subspace" (subspace_dim set; older versions refuse such a record)
+    FAMILIES: ClassVar[tuple[str | None, ...]] = (None, "gpt-subspace")
 
     vocab_size: int = 256  # number of token ids; 256 = one token per byte
     d_model: int = 256  # width of the residual stream
@@ -39,6 +40,11 @@ class ModelConfig:
     # per cut, so the pair starts as a projection onto a subspace and stage k+1 sees stage k's stream in it;
     # measured worse than random on tiny, see docs/compression.md).
     bottleneck_init: str = "random"
+    # Optional lossless cut of protocol models (swarm.model.subspace): every block of every stage but the last
+    # writes only into one fixed orthonormal (d_model, subspace_dim) subspace U, and the token embedding is a fixed
+    # seeded table plus a learned part in U, so the residual stream at a cut is fixed(token ids) + U z exactly:
+    # activations cross cuts as the subspace_dim coordinates z plus the token ids. None = off.
+    subspace_dim: int | None = None
     seed: int = 0  # init seed; every replica of a stage initialises identically from (seed, stage)
 
     def __post_init__(self) -> None:
@@ -60,6 +66,8 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.bottleneck_dim must be a positive int or None, got {self.bottleneck_dim!r}"
             )
+        if self.subspace_dim is not None:
+            self._check_subspace()
         if self.bottleneck_init not in BOTTLENECK_INITS:
             raise ValueError(
                 f"ModelConfig.bottleneck_init must be one of {', '.join(BOTTLENECK_INITS)}, "
@@ -77,6 +85,34 @@ class ModelConfig:
                 f"Number of stages ({self.num_stages}) cannot be greater than the number of layers "
                 f"({self.n_layers}): every stage needs at least one block"
             )
+
+    def _check_subspace(self) -> None:
+        k = self.subspace_dim
+        if not _is_int(k) or not 1 <= k < self.d_model:
+            raise ValueError(
+                f"ModelConfig.subspace_dim must be an int in [1, d_model) = [1, {self.d_model}) or None, got {k!r}"
+            )
+        if self.bottleneck_dim is not None:
+            raise ValueError(
+                f"ModelConfig.subspace_dim ({k}) and bottleneck_dim ({self.bottleneck_dim}) are two ways to "
+                "compress the cut: choose one"
+            )
+        if self.num_stages < 2:
+            raise ValueError(
+                f"ModelConfig.subspace_dim ({k}) compresses activations at stage cuts, but a model of "
+                f"{self.num_stages} stage has none: use num_stages >= 2 or drop subspace_dim"
+            )
+
+    @property
+    def family(self) -> str | None:
+        """The record's "family" (swarm.schema): "gpt-subspace" for the subspace cut, which a version that does
+        not know it must refuse rather than read as the plain GPT; None (no key) for the plain GPT."""
+        return None if self.subspace_dim is None else "gpt-subspace"
+
+    def takes_tokens(self, stage: int) -> bool:
+        """Whether stage ``stage``'s input carries the token ids beside the activation (the subspace cut's
+        stages after the first rebuild the fixed embedding from them)."""
+        return self.subspace_dim is not None and stage > 0
 
     @property
     def head_dim(self) -> int:
@@ -106,6 +142,8 @@ class ModelConfig:
             )
         if stage == self.num_stages:
             return self.vocab_size
+        if self.subspace_dim is not None:
+            return self.subspace_dim
         return self.d_model if self.bottleneck_dim is None else self.bottleneck_dim
 
     def num_parameters(self) -> int:
@@ -131,11 +169,21 @@ class ModelConfig:
             cuts = self.num_stages - 1
             b = self.bottleneck_dim
             total += cuts * ((d * b + b) + (b * d + d))
+        if self.subspace_dim is not None:
+            k = self.subspace_dim
+            # the learned embeddings and the blocks' output projections before the last stage are k wide, not d
+            constrained = self.n_layers - len(self.stage_layers(self.num_stages - 1))
+            total -= (self.vocab_size + self.seq_len) * (d - k)
+            total -= constrained * ((d + 1) * (d - k) + (hidden + 1) * (d - k))
         return total
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict of every field; `from_dict(to_dict())` round-trips exactly."""
-        return dataclasses.asdict(self)
+        """Plain JSON-able dict of every field (and "family" for the subspace cut); `from_dict(to_dict())`
+        round-trips exactly."""
+        out = dataclasses.asdict(self)
+        if self.family is not None:
+            out["family"] = self.family
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> ModelConfig:
@@ -149,6 +197,12 @@ class ModelConfig:
     def _check_stage(self, stage: int) -> None:
         if not _is_int(stage) or not 0 <= stage < self.num_stages:
             raise ValueError(f"stage must be an int in [0, {self.num_stages}), got {stage!r}")
+
+
+def token_id_bytes(vocab_size: int) -> int:
+    """Bytes of one token id in the smallest integer dtype that holds ids below ``vocab_size`` (uint8, int16 or
+    int32): what the subspace cut sends per token beside the activation."""
+    return 1 if vocab_size <= 256 else 2 if vocab_size <= 2**15 else 4
 
 
 def _is_int(value: Any) -> bool:

@@ -30,7 +30,8 @@ class FullModel(nn.Module):
         """int64 tokens (B, T) -> logits (B, T, vocab)."""
         h = tokens
         for stage in self.stages:
-            h = stage(h)
+            # a stage after a subspace cut rebuilds the stream from the ids too (swarm.model.subspace)
+            h = stage(stage.join_tokens(h, tokens) if stage.takes_tokens else h)
         return h
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:

@@ -152,6 +152,13 @@ class HFModelConfig:
         return self.d_model // self.n_heads
 
     bottleneck_dim: ClassVar[None] = None  # activations cross cuts at full width
+    subspace_dim: ClassVar[None] = (
+        None  # no subspace cut (swarm.model.subspace is the built-in GPT's)
+    )
+
+    def takes_tokens(self, stage: int) -> bool:
+        """No stage takes the token ids beside its activation (see ModelConfig.takes_tokens)."""
+        return False
 
     def stage_layers(self, stage: int) -> range:
         """Indices of the layers owned by ``stage``, split as :meth:`swarm.model.ModelConfig.stage_layers`

@@ -2,7 +2,9 @@
 
 Stage 0 owns the token and position embeddings; the last stage owns the final LayerNorm, the head
 and the loss; every stage owns a contiguous run of blocks (`ModelConfig.stage_layers`). With
-`bottleneck_dim` set, activations cross each cut at that width through a learned pair of Linears.
+`bottleneck_dim` set, activations cross each cut at that width through a learned pair of Linears; with
+`subspace_dim` set, every stage but the last works in the coordinates of one fixed subspace and the stages after
+the first take the token ids too (swarm.model.subspace).
 """
 
 from __future__ import annotations
@@ -17,12 +19,20 @@ from swarm.model.base import StageBase
 from swarm.model.config import AnyModelConfig, ModelConfig
 from swarm.model.hfconfig import HFModelConfig
 from swarm.model.layers import Block, Bottleneck, init_stage_parameters
+from swarm.model.subspace import (
+    SubspaceBlock,
+    check_joined_tokens,
+    fixed_embeddings,
+    split_tokens,
+    subspace_basis,
+)
 
 
 class Stage(StageBase):
     """Stage `index` of `config`. Build it with `build_stage`, which also initialises it.
 
-    Input:  stage 0: int64 token ids (B, T); other stages: float (B, T, config.boundary_dim(index)).
+    Input:  stage 0: int64 token ids (B, T); other stages: float (B, T, config.boundary_dim(index)), and with
+            `subspace_dim` one more coordinate holding the token ids (swarm.model.subspace.join_tokens).
     Output: non-last stages: (B, T, config.boundary_dim(index + 1)); last stage: logits (B, T, vocab).
     Any 1 <= T <= config.seq_len is allowed (positions are 0..T-1); B >= 1.
     `forward` does not validate its input; a peer calls `check_input` (and `check_targets`) on
@@ -33,6 +43,9 @@ class Stage(StageBase):
         super().__init__()
         self._place(config, index)
         d = config.d_model
+        if config.subspace_dim is not None:
+            self._init_subspace(config)
+            return
         if self.is_first:
             self.tok_emb = nn.Embedding(config.vocab_size, d)
             self.pos_emb = nn.Embedding(config.seq_len, d)
@@ -46,7 +59,72 @@ class Stage(StageBase):
         elif config.bottleneck_dim is not None:
             self.bottleneck_out = Bottleneck(d, config.bottleneck_dim, cut=index)
 
+    def _init_subspace(self, config: ModelConfig) -> None:
+        d, k = config.d_model, config.subspace_dim
+        self.takes_tokens = config.takes_tokens(self.index)
+        if self.is_first:  # the learned part of the embedding, in U's coordinates
+            self.tok_emb = nn.Embedding(config.vocab_size, k)
+            self.pos_emb = nn.Embedding(config.seq_len, k)
+        layers = config.stage_layers(self.index)
+        self.blocks = nn.ModuleList(
+            (Block if self.is_last else SubspaceBlock)(config) for _ in layers
+        )
+        if self.is_last:
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, config.vocab_size, bias=False)
+        # fixed, from the seed on every peer: not parameters, not in the state dict (fill_fixed writes them)
+        self.register_buffer("basis", torch.empty(d, k), persistent=False)  # U (d, k)
+        self.register_buffer("fixed_tok", torch.empty(config.vocab_size, d), persistent=False)
+        self.register_buffer("fixed_pos", torch.empty(config.seq_len, d), persistent=False)
+
+    def fill_fixed(self) -> None:
+        """Write the subspace cut's fixed tensors (U, E0, P0) from the seed; a no-op without the cut. Called after
+        the stage gets real memory (its buffers are garbage until then)."""
+        if self.config.subspace_dim is None:
+            return
+        token, position = fixed_embeddings(self.config)
+        with torch.no_grad():
+            self.basis.copy_(subspace_basis(self.config))
+            self.fixed_tok.copy_(token)
+            self.fixed_pos.copy_(position)
+
+    def input_spec(self, batch_size: int, seq_len: int | None = None):
+        shape, dtype = super().input_spec(batch_size, seq_len)
+        if self.takes_tokens:
+            shape = (*shape[:2], shape[2] + 1)  # the token ids ride in one more coordinate
+        return shape, dtype
+
+    def check_input(self, x: Tensor) -> None:
+        super().check_input(x)
+        if self.takes_tokens:
+            check_joined_tokens(x, self.config.vocab_size, f"stage {self.index} input")
+
+    def synthetic_input(self, batch_size: int) -> Tensor:
+        x = super().synthetic_input(batch_size)
+        if self.takes_tokens:  # valid ids in the last coordinate
+            x[..., -1] = torch.randint(0, self.config.vocab_size, x.shape[:2]).to(x.dtype)
+        return x
+
+    def _forward_subspace(self, x: Tensor) -> Tensor:
+        if self.is_first:
+            ids = x  # (B, T)
+            positions = torch.arange(x.shape[1], device=x.device)  # (T,)
+            z = self.tok_emb(ids) + self.pos_emb(positions)  # (B, T, k)
+        else:
+            z, ids = split_tokens(x)  # (B, T, k), (B, T)
+        base = self.fixed_tok[ids] + self.fixed_pos[: ids.shape[1]]  # (B, T, D)
+        if not self.is_last:
+            for block in self.blocks:
+                z = block(base, z, self.basis)  # (B, T, k)
+            return z
+        h = base + z @ self.basis.T  # (B, T, D): the stream, exactly
+        for block in self.blocks:
+            h = block(h)  # (B, T, D)
+        return self.head(self.ln_f(h))  # (B, T, V)
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.config.subspace_dim is not None:
+            return self._forward_subspace(x)
         if self.is_first:
             T = x.shape[1]
             positions = torch.arange(T, device=x.device)  # (T,)
@@ -100,6 +178,7 @@ def build_stage(
     stage.to_empty(device="cpu")
     generator = torch.Generator(device="cpu").manual_seed(stage_seed(config, index))
     init_stage_parameters(stage, config, generator)
+    stage.fill_fixed()
     return stage.to(device)
 
 
@@ -113,4 +192,6 @@ def empty_stage(
         return empty_hf_stage(config, index, device=device)
     with torch.device("meta"):
         stage = Stage(config, index)
-    return stage.to_empty(device=device)
+    stage.to_empty(device="cpu")
+    stage.fill_fixed()  # not in a state dict: the caller loads the parameters only
+    return stage.to(device)

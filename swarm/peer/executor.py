@@ -143,12 +143,7 @@ class StageExecutor:
         """Time forward + backward on synthetic input (grads discarded) to seed the throughput: the
         fastest of ``repeats`` runs after a warm-up, since a busy machine only ever adds time. With a
         ``slowdown``, the seed is what the emulated device will take (see :meth:`_emulated_s`)."""
-        shape, dtype = self.stage_module.input_spec(batch_size)
-        x = self.compute.to_device(
-            torch.randint(0, self.stage_module.config.vocab_size, shape)
-            if dtype == torch.int64
-            else torch.randn(shape, dtype=dtype)
-        )
+        x = self.compute.to_device(self.stage_module.synthetic_input(batch_size))
         saved = [None if p.grad is None else p.grad.clone() for p in self.stage_module.parameters()]
         runs = []  # (wall, cpu) of the forward and of forward + backward
         for _ in range(1 + repeats):  # the first run includes one-off allocation costs

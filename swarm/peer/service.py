@@ -29,6 +29,7 @@ import torch
 from swarm.compression import CODEC_NAMES
 from swarm.compression.base import all_finite
 from swarm.errors import InvalidRequest, StreamTimeout, SwarmError, TransportError, WrongPeer
+from swarm.model.subspace import token_wire_dtype
 from swarm.peer.admission import Admission
 from swarm.peer.config import LimitsConfig
 from swarm.peer.executor import StageExecutor
@@ -96,10 +97,11 @@ class StageService(pb_grpc.StagePeerServicer):
                 codec = codec_or_invalid(meta.codec)
                 stage = self.executor.stage_module
                 wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
+                names = {"input", "targets"} if wants_loss else {"input"}
                 tensors = await self._read_tensors(
-                    reader, meta, {"input", "targets"} if wants_loss else {"input"}, reservation
+                    reader, meta, names | _tokens(stage), reservation
                 )
-                x = _require(tensors, "input")
+                x = _joined_input(stage, tensors)
                 work = dict(deadline_s=deadline_s, samples=x.shape[0])
                 if meta.eval_only and stage.is_last:
                     loss, version = await self._compute(
@@ -157,10 +159,15 @@ class StageService(pb_grpc.StagePeerServicer):
                 new_work=meta.include_inputs, stage_index=meta.stage
             ):
                 codec = codec_or_invalid(meta.codec)
-                allowed = {"grad_output", "input"} if meta.include_inputs else {"grad_output"}
+                stage = self.executor.stage_module
+                allowed = (
+                    {"grad_output", "input"} | _tokens(stage)
+                    if meta.include_inputs
+                    else {"grad_output"}
+                )
                 tensors = await self._read_tensors(reader, meta, allowed, reservation)
                 grad_output = _require(tensors, "grad_output")
-                inputs = _require(tensors, "input") if meta.include_inputs else None
+                inputs = _joined_input(stage, tensors) if meta.include_inputs else None
                 grad_input = await self._compute(
                     self.executor.backward,
                     meta.microbatch_id,
@@ -229,6 +236,7 @@ class StageService(pb_grpc.StagePeerServicer):
         dropping them early only saves memory, so it is done only when the caller surely has nothing."""
         replying = False
         try:
+            grad_input = self.executor.stage_module.wire_grad(grad_input)
             reply = self._reply(
                 loss=loss,
                 num_tensors=int(grad_input is not None),
@@ -403,7 +411,9 @@ class StageService(pb_grpc.StagePeerServicer):
                     f"tensor '{name}' has {shape[0]} samples, more than the "
                     f"{max_batch} this peer accepts per microbatch; split it"
                 )
-            if name == "targets" or (name == "input" and stage.is_first):
+            if name == "tokens":  # (B, T) ids beside a subspace cut's input, in the smallest dtype
+                want_dtype, width = token_wire_dtype(stage.config.vocab_size), None
+            elif name == "targets" or (name == "input" and stage.is_first):
                 want_dtype, width = torch.int64, None  # (B, T) token ids
             elif name == "input":
                 want_dtype, width = torch.float32, stage.input_width  # (B, T, D_in)
@@ -481,6 +491,23 @@ def _work_deadline(context) -> float | None:
             if math.isfinite(seconds) and seconds > 0:
                 lefts.append(seconds)
     return now + min(lefts) if lefts else None
+
+
+def _tokens(stage) -> set[str]:
+    """The extra tensor a stage after a subspace cut takes with its input: the token ids."""
+    return {"tokens"} if stage.takes_tokens else set()
+
+
+def _joined_input(stage, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The stage's forward input from the call's tensors: "input", joined with "tokens" when the stage takes
+    them (InvalidRequest when they are missing)."""
+    x = _require(tensors, "input")
+    if not stage.takes_tokens:
+        return x
+    try:
+        return stage.join_tokens(x, _require(tensors, "tokens"))
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def _require(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -59,8 +59,21 @@ class StageCalls:
             meta.batch_step = batch_step
         return meta
 
-    def forward(self, stage, microbatch_id, h, *, targets=None, eval_only=False, batch_step=None):
+    def with_tokens(self, stage: int, tensors: list, tokens: torch.Tensor) -> list:
+        """``tensors`` plus the microbatch's token ids (B, T) when ``stage`` takes them (the subspace cut, see
+        swarm.model.subspace), in the smallest integer dtype that holds the vocabulary."""
+        if not self.run.model.takes_tokens(stage):
+            return tensors
+        from swarm.model.subspace import token_wire_dtype
+
+        return [*tensors, ("tokens", tokens.to(token_wire_dtype(self.run.model.vocab_size)))]
+
+    def forward(
+        self, stage, microbatch_id, h, *, tokens, targets=None, eval_only=False, batch_step=None
+    ):
+        """``tokens``: the microbatch's input ids (B, T), sent along where the stage takes them."""
         tensors = [("input", h)] + ([("targets", targets)] if targets is not None else [])
+        tensors = self.with_tokens(stage, tensors, tokens)
         compute_loss = targets is not None and not eval_only
         if stage < self.num_stages - 1:  # (B, T, width of the next cut)
             width = self.run.model.boundary_dim(stage + 1)
@@ -86,7 +99,7 @@ class StageCalls:
 
         return attempt
 
-    def backward(self, stage, microbatch_id, grad, inputs, forward_peer, batch_step):
+    def backward(self, stage, microbatch_id, grad, inputs, tokens, forward_peer, batch_step):
         async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
             client = self.clients.get(address)
             holder = self.records[stage].get(forward_peer)
@@ -107,10 +120,12 @@ class StageCalls:
                     pass  # evicted there: send the inputs along for a recompute at the same peer
             return await with_inputs(address, timeout_s)
 
-        with_inputs = self.backward_with_inputs(stage, microbatch_id, grad, inputs, batch_step)
+        with_inputs = self.backward_with_inputs(
+            stage, microbatch_id, grad, inputs, tokens, batch_step
+        )
         return attempt
 
-    def backward_with_inputs(self, stage, microbatch_id, grad, inputs, batch_step):
+    def backward_with_inputs(self, stage, microbatch_id, grad, inputs, tokens, batch_step):
         meta = self.meta(
             stage,
             microbatch_id,
@@ -124,7 +139,7 @@ class StageCalls:
             # one codec per call: the inputs of this recompute travel in the gradient codec too
             return await self.clients.get(address).backward(
                 meta,
-                [("grad_output", grad), ("input", inputs)],
+                self.with_tokens(stage, [("grad_output", grad), ("input", inputs)], tokens),
                 self.grad_codec,
                 timeout_s=timeout_s,
                 expect=self.expect_grad(stage, inputs),

@@ -258,11 +258,11 @@ class Pipeline:
             stage_inputs.append(h)
             try:
                 if stage < last:
-                    attempt = self.calls.forward(stage, microbatch_id, h)
+                    attempt = self.calls.forward(stage, microbatch_id, h, tokens=x)
                     reply, peer = await self._call(stage, samples * FORWARD_COST, attempt)
                 else:
                     attempt = self.calls.forward(
-                        last, microbatch_id, h, targets=targets, batch_step=tags[last]
+                        last, microbatch_id, h, tokens=x, targets=targets, batch_step=tags[last]
                     )
                     reply, peer = await self._call(last, cost, attempt)
             except InvalidRequest as e:
@@ -282,7 +282,7 @@ class Pipeline:
                 h = stage_inputs[stage]
                 continue
             forward_peers.append(peer)
-            self._spot_check(stage, peer, reply, h, targets if stage == last else None)
+            self._spot_check(stage, peer, reply, h, x, targets if stage == last else None)
             if stage == last:
                 break
             h = _tensor(reply, "output", peer)
@@ -296,13 +296,19 @@ class Pipeline:
                     f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}"
                 )
             attempt = self.calls.backward(
-                stage, microbatch_id, grad, stage_inputs[stage], forward_peers[stage], tags[stage]
+                stage,
+                microbatch_id,
+                grad,
+                stage_inputs[stage],
+                x,
+                forward_peers[stage],
+                tags[stage],
             )
             cost = samples * BACKWARD_COST
             # Computed again, it is a backward with the inputs (no peer keeps them after a backward): the peer
             # recomputes the forward too.
             with_inputs = self.calls.backward_with_inputs(
-                stage, microbatch_id, grad, stage_inputs[stage], tags[stage]
+                stage, microbatch_id, grad, stage_inputs[stage], x, tags[stage]
             )
             recompute = functools.partial(
                 self._call, stage, samples * (FORWARD_COST + BACKWARD_COST), with_inputs
@@ -444,17 +450,28 @@ class Pipeline:
                 stage,
                 samples * FORWARD_COST,
                 self.calls.forward(
-                    stage, "eval", h, targets=targets if is_last else None, eval_only=True
+                    stage,
+                    "eval",
+                    h,
+                    tokens=x,
+                    targets=targets if is_last else None,
+                    eval_only=True,
                 ),
             )
-            self._spot_check(stage, peer, reply, h, targets if is_last else None)
+            self._spot_check(stage, peer, reply, h, x, targets if is_last else None)
             if is_last:
                 return reply.meta.loss
             h = _tensor(reply, "output", peer)
         raise AssertionError("unreachable")
 
     def _spot_check(
-        self, stage: int, peer: str, reply: Reply, h: torch.Tensor, targets: torch.Tensor | None
+        self,
+        stage: int,
+        peer: str,
+        reply: Reply,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None,
     ) -> None:
         """Maybe have another replica of ``stage`` recompute this forward (its output, or at the last stage its
         loss) and compare: see :mod:`swarm.trainer.spotcheck`."""
@@ -465,7 +482,9 @@ class Pipeline:
             result = torch.tensor([reply.meta.loss])
         else:
             result = reply.tensors["output"]
-        check = self.calls.forward(stage, "spot-check", h, targets=targets, eval_only=True)
+        check = self.calls.forward(
+            stage, "spot-check", h, tokens=tokens, targets=targets, eval_only=True
+        )
 
         async def recompute(address: PeerAddress, timeout_s: float):
             answer = await check(address, timeout_s)

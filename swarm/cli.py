@@ -412,6 +412,8 @@ def _peer(args) -> int:
             )
             for addr in peer.addresses():
                 print(f"  DHT address (usable as --initial-peers): {addr}", flush=True)
+            # SIGUSR1: an operator moves this peer to the stage that needs it most (see Peer.request_move)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, peer.request_move)
             await _until_signal(on_first=peer.drain)
         finally:
             await peer.shutdown()

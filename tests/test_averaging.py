@@ -174,34 +174,76 @@ def test_a_killed_and_a_frozen_replica_cost_time_not_the_model(local_swarm):
     )
 
 
-DRAIN_STEPS = 12
+MOVE_STEPS = 14
+# What a replica of the stage a mover left logs when the move cost it its all-reduce: an all-reduce left waiting
+# for the mover (a timeout), its own gradients or part of them used, or its peers' state reloaded.
+MISSED = (
+    "did not end within",
+    "stepped without its peers' gradients",
+    "received part of the all-reduce only",
+    "is behind its peers",
+    "reloading the stage's state",
+)
 
 
-def test_a_replica_drained_mid_run_hands_in_its_samples_and_leaves_nothing_counted_twice(
+def test_a_replica_moved_and_one_drained_mid_run_leave_one_model_per_stage_and_nothing_counted_twice(
     local_swarm,
 ):
-    """2 stages, stage 0 with 2 averaging replicas, one of them stopped with SIGTERM mid-run (the trainer in its
-    default lockstep): it finishes its calls, takes part in its batch's all-reduce and exits 0 within the drain
-    timeout; the trainer finishes every batch without a failed call or an unconfirmed commit, and stage 0
-    counted every microbatch exactly once across the two replicas (the drained one's last summary says how
-    many it applied)."""
-    run_id = "avgdrain"
+    """2 stages x 2 averaging replicas, the trainer in its default lockstep. One replica of stage 1 is moved to stage
+    0 mid-run (SIGUSR1, an operator's move): it drains, hands its samples in to stage 1's all-reduce, leaves, then
+    downloads stage 0's state and averages there. Later one replica of stage 0 is stopped with SIGTERM: it finishes
+    its calls, takes part in its batch's all-reduce and exits 0 within the drain timeout. The trainer finishes every
+    batch without an unconfirmed commit or a call failed by the move or the drain; the replica left in stage 1
+    steps on without waiting out a timeout or missing an all-reduce; each stage counted every microbatch exactly
+    once across its replicas, past and present (a peer's summary says how many it applied where it left); both
+    stages end at the same step, and stage 0's replicas (the mover among them) with equal parameter digests."""
+    run_id = "avgmove"
     flags = [*FLAGS, "--target-batch-size", "32"]
-    names = ["s0-a", "s0-b", "s1-a"]
+    names = ["s0-a", "s0-b", "s1-a", "s1-b"]
     procs = {n: local_swarm.peer(n, int(n[1]), *flags, run_id=run_id, wait=False) for n in names}
     endpoints = {n: local_swarm.wait_ready(p) for n, p in procs.items()}
     trainer = local_swarm.trainer(
-        "trainer", run_id=run_id, **TEST_TRAINER, steps=DRAIN_STEPS, in_flight=4, eval_batches=2
+        "trainer", run_id=run_id, **TEST_TRAINER, steps=MOVE_STEPS, in_flight=4, eval_batches=2
     )
-    trainer.wait_for(r"^step 4/", timeout_s=300)
-    leaving = procs["s0-b"]
-    drain_peer(leaving)
-    result = finished(trainer, timeout_s=600)
-    assert result.microbatches == result.microbatches_started == DRAIN_STEPS * 4
-    assert result.failed_calls == 0 and result.unconfirmed_commits == 0, result
-    log = leaving.log_path.read_text()
+    trainer.wait_for(r"^step 3/", timeout_s=300)
+    mover, stayer = procs["s1-b"], procs["s1-a"]
+    stayer_from = len(stayer.lines)
+    mover.signal(signal.SIGUSR1)
+    moved = mover.wait_for(r"moved from stage (\d) to stage (\d) \((.*)\)", timeout_s=300)
+    assert moved.groups() == ("1", "0", "state loaded from its peers"), moved.group(0)
+    log = mover.log_path.read_text()
     assert "did not average" not in log, log[-3000:]
-    left_with = int(re.findall(r"\((\d+) microbatches in all\)", log)[-1])
-    info = ask_peers([endpoints["s0-a"]], lambda c: c.info(run_id, timeout_s=10))[0]
-    assert info.microbatches_applied + left_with == DRAIN_STEPS * 4, (info, left_with)
-    assert _wait_for_step([endpoints["s0-a"]], DRAIN_STEPS, run_id=run_id) == [DRAIN_STEPS]
+    joined_at = int(
+        re.findall(r"stage 0 state downloaded from its peers: now at step (\d+)", log)[-1]
+    )
+    assert 0 < joined_at < MOVE_STEPS, log[-3000:]
+    # what it applied in stage 1: its summary as it left (the last one naming stage 1)
+    left_stage1 = int(re.findall(r"stage 1 \w+: .*\((\d+) microbatches in all\)", log)[-1])
+    trainer.wait_for(r"^step 8/", timeout_s=300)
+    drained = procs["s0-b"]
+    drain_peer(drained)
+    result = finished(trainer, timeout_s=600)
+    assert result.microbatches == result.microbatches_started == MOVE_STEPS * 4
+    assert result.unconfirmed_commits == 0, result
+    # A call may miss its deadline on a loaded machine, or be shed (logged at debug level), and be retried elsewhere
+    # (its gradient dropped where it was late, which the counts below check), but none fails because its peer was
+    # draining or had moved (PeerDraining, WrongPeer).
+    retried = [line for line in trainer.lines if "retrying elsewhere" in line]
+    assert all("no reply within" in line for line in retried), retried
+    assert not [line for line in trainer.lines if "stopped short" in line], trainer.lines[-20:]
+    missed = [line for line in stayer.lines[stayer_from:] if any(m in line for m in MISSED)]
+    assert not missed, missed
+
+    log = drained.log_path.read_text()
+    assert "did not average" not in log, log[-3000:]
+    left_stage0 = int(re.findall(r"\((\d+) microbatches in all\)", log)[-1])
+    live = {n: endpoints[n] for n in ("s0-a", "s1-b", "s1-a")}
+    steps = _wait_for_step(list(live.values()), MOVE_STEPS, timeout_s=120, run_id=run_id)
+    assert steps == [MOVE_STEPS] * 3, steps
+    infos = dict(zip(live, ask_peers(live.values(), lambda c: c.info(run_id, timeout_s=10))))
+    assert [infos[n].stage for n in live] == [0, 0, 1]
+    stage0 = infos["s0-a"].microbatches_applied + infos["s1-b"].microbatches_applied + left_stage0
+    stage1 = infos["s1-a"].microbatches_applied + left_stage1
+    assert stage0 == stage1 == MOVE_STEPS * 4, (stage0, stage1, left_stage0, left_stage1)
+    hashed = _digests_when_hashed(live, run_id)
+    assert hashed["s0-a"] == hashed["s1-b"] and hashed["s0-a"][1], hashed

@@ -509,4 +509,16 @@ class HivemindStageOptimizer:
         ) = self.step
 
     def shutdown(self) -> None:
+        """Leave the stage's averaging (a drain, a move, the end). A group still forming for the next step counts on
+        no one yet: leave it now; hivemind's shutdown would take part in it with weight 0 once it formed, holding a
+        moving replica for up to ``averaging_timeout_s`` (a group that already formed is still served that way, so
+        its members are not left waiting for this replica's part)."""
+        control = self.opt.scheduled_grads
+        if (
+            control is not None
+            and not control.done()
+            and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+        ):
+            control.cancel()
+            self.opt.scheduled_grads = None
         self.opt.shutdown()

@@ -62,10 +62,11 @@ class Proc:
 
     def signal(self, sig: int) -> None:
         """SIGTERM and SIGINT go to the process alone, so it shuts down its children (the DHT process,
-        p2pd) in order; other signals (SIGKILL, SIGSTOP, SIGCONT) go to its whole process group."""
+        p2pd) in order, and so does SIGUSR1 (a request to the process: `swarm peer` moves; its children would
+        die of it); other signals (SIGKILL, SIGSTOP, SIGCONT) go to its whole process group."""
         if not self.alive():
             return
-        if sig in (signal.SIGTERM, signal.SIGINT):
+        if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             self.popen.send_signal(sig)
         else:
             os.killpg(self.popen.pid, sig)

@@ -371,6 +371,11 @@ class StageExecutor:
         refused naming ``reason``."""
         self._ledger.drop(microbatch_id, reason)
 
+    def drop_held(self, reason: str) -> int:
+        """Drop every held gradient uncommitted (the replica leaves its stage): a late commit of one is refused
+        naming ``reason``, so its caller computes it again elsewhere. How many were dropped."""
+        return self._ledger.drop_all(reason)
+
     @property
     def held_gradients(self) -> int:
         """Computed gradients waiting for their commit."""

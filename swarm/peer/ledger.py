@@ -132,6 +132,13 @@ class CommitLedger:
         _bounded_put(self._dropped, microbatch_id, reason, self.dropped_ids_size)
         logger.debug("dropped the held gradients of microbatch %s: %s", microbatch_id, reason)
 
+    def drop_all(self, reason: str) -> int:
+        """Drop every held gradient uncommitted (:meth:`drop`); how many."""
+        ids = list(self._held)
+        for microbatch_id in ids:
+            self.drop(microbatch_id, reason)
+        return len(ids)
+
     def _expire(self) -> None:
         now = time.monotonic()
         while self._held:

@@ -32,7 +32,12 @@ from swarm.peer.lies import install_lies
 from swarm.peer.members import apply_caller_list, follow_caller_list, load_allow_callers
 from swarm.peer.memory import check_fits, device_total_bytes, estimate_stage_memory, gib
 from swarm.peer.metrics import PeerMetrics
-from swarm.peer.rebalancer import Rebalancer, choose_arrival_stage
+from swarm.peer.rebalancer import (
+    Rebalancer,
+    choose_arrival_stage,
+    neediest_other_stage,
+    stage_costs,
+)
 from swarm.peer.service import ServiceContext, StageService
 from swarm.peer.statesync import fetch_stage_state, serving_peers
 from swarm.peer.worker import PriorityWorker
@@ -92,6 +97,11 @@ class Peer:
             CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         )
         self._saved_step = -1  # step of the last checkpoint written or restored
+        # During a move, from the hand-in of its samples to serving the new stage: the old stage's optimizer is shut
+        # down, so the step loop leaves it alone and the heartbeat announces no record of the old stage.
+        self._between_stages = False
+        # an operator's move (SIGUSR1), see request_move
+        self._requested_move: asyncio.Task | None = None
         self._stack = contextlib.AsyncExitStack()
 
     @classmethod
@@ -213,9 +223,10 @@ class Peer:
         self._saved_step = self.executor.step
         self._summary_mark = (time.monotonic(), 0, self.executor.busy_s)  # after the calibration
 
-        # the optimizer of the stage served at shutdown (a move replaces it)
+        # the optimizer of the stage served at shutdown (a move replaces it; between stages, none is left to stop)
         async def detach() -> None:
-            await asyncio.to_thread(self.executor.optimizer.shutdown)
+            if not self._between_stages:
+                await asyncio.to_thread(self.executor.optimizer.shutdown)
 
         self._stack.push_async_callback(detach)
 
@@ -338,6 +349,8 @@ class Peer:
     async def _step_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.averaging.step_check_s)
+            if self._between_stages:
+                continue
             try:
                 if self.config.averaging.average:
                     await self._worker.compute_urgent(self.executor.maybe_step)
@@ -440,6 +453,7 @@ class Peer:
                 logger.info("%s", self.summary())
 
     async def _start_rebalancer(self) -> None:
+        self._stack.push_async_callback(self._stop_requested_move)
         if not self.config.rebalance or self.run.model.num_stages < 2:
             return
         self.rebalancer = Rebalancer(
@@ -468,7 +482,7 @@ class Peer:
     def _serving(self) -> Serving | None:
         """What the heartbeat announces for the stage this peer serves (None before it serves one)."""
         ex = self.executor
-        if ex is None:
+        if ex is None or self._between_stages:
             return None
         # after a step and until the step loop rehashes, no digest
         step, digest = ex.step_and_digest()
@@ -490,21 +504,44 @@ class Peer:
     async def drain(self) -> None:
         """Stop taking new work, finish what is in flight and what trainers will still ask (backward for
         microbatches this peer ran forward), all within ``drain_timeout_s``."""
-        if self.state == PeerState.DRAINING:
+        if self.state != PeerState.SERVING:  # draining already, or moving: its drain is under way
             return
         self._announcer.heading_to(None)  # leaving the swarm, not moving within it
         await self._drain_work()
         await self.save_checkpoint()
         logger.info("%s", self.summary())  # what it leaves behind, counted to the end
 
-    async def move_to(self, stage_index: int, *, expected_throughput: float) -> None:
-        """Leave the current stage for ``stage_index``: drain, load the new stage's state, serve it."""
+    async def move_to(self, stage_index: int, *, expected_throughput: float) -> bool:
+        """Leave the current stage for ``stage_index``: drain (handing its samples in to the stage's all-reduce),
+        load the new stage's state, serve it. Returns False, doing nothing, unless the peer is serving (a drain or
+        another move is under way)."""
+        if self.state != PeerState.SERVING:
+            logger.info(
+                "peer %s is %s: not moving to stage %d", self.peer_id, self.state, stage_index
+            )
+            return False
         old = self.stage_index
         self._announcer.heading_to(stage_index, expected_throughput)
         await self._drain_work()
-        await asyncio.to_thread(self.executor.optimizer.shutdown)
+        # what it leaves behind in the old stage, counted to the end
+        logger.info("%s", self.summary())
+        # Out of the old stage from here: its replicas must not count this peer (its Info says "starting", see
+        # StageSteps.close_batch), the step loop must not touch the optimizer being shut down (it would schedule
+        # this replica into the next step's group), and the shutdown runs on the compute thread, after the step
+        # loop's last check. A move that fails from here leaves the peer serving nothing (it says why).
+        self._between_stages, self.state = True, PeerState.STARTING
+        # A gradient still held here would be applied to a replica that no longer averages (lost, yet reported
+        # applied): refuse its late commit instead, and its caller computes it again in the stage.
+        dropped = await self._worker.compute_urgent(
+            self.executor.drop_held,
+            f"peer {self.peer_id} left stage {old} for stage {stage_index} before the commit came",
+        )
+        if dropped:
+            logger.info("peer %s left %d uncommitted gradients behind", self.peer_id, dropped)
+        await self._worker.compute_urgent(self.executor.optimizer.shutdown)
         executor, source = await self._build_executor(stage_index, moving=True)
         self.executor, self.stage_index = executor, stage_index
+        self._between_stages = False
         self._summary_mark = (time.monotonic(), 0, executor.busy_s)
         self._saved_step = executor.step
         self.admission.end_drain()
@@ -514,6 +551,41 @@ class Peer:
         logger.info(
             "peer %s moved from stage %d to stage %d (%s)", self.peer_id, old, stage_index, source
         )
+        return True
+
+    def request_move(self) -> asyncio.Task | None:
+        """An operator's request (SIGUSR1 to ``swarm peer``): move now to the stage that needs this peer most, whatever
+        the rebalancing thresholds and cooldown (see :func:`~swarm.peer.rebalancer.neediest_other_stage`). Runs in
+        the background (the task says whether the peer moved); a request while one is under way is ignored (None).
+        Call it on the peer's event loop."""
+        if self._requested_move is not None and not self._requested_move.done():
+            logger.info("peer %s: a requested move is under way; request ignored", self.peer_id)
+            return None
+        self._requested_move = asyncio.create_task(
+            self._move_on_request(), name=f"move-{self.peer_id}"
+        )
+        return self._requested_move
+
+    async def _move_on_request(self) -> bool:
+        try:
+            stage_index = await neediest_other_stage(
+                self.directory, self.run.model, peer_id=self.peer_id, current=self.stage_index
+            )
+            if stage_index is None:
+                return False
+            # its speed where it goes: the same work per second, converted by the stages' relative costs
+            costs = stage_costs(self.run.model)
+            expected = self.throughput * costs[self.stage_index] / costs[stage_index]
+            return await self.move_to(stage_index, expected_throughput=expected)
+        except Exception as e:  # an operator's request must not kill the peer
+            logger.warning("peer %s: the requested move failed: %s", self.peer_id, e)
+            return False
+
+    async def _stop_requested_move(self) -> None:
+        if self._requested_move is not None:
+            self._requested_move.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._requested_move
 
     async def _drain_work(self) -> None:
         self.state = PeerState.DRAINING

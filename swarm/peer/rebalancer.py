@@ -89,6 +89,39 @@ async def choose_arrival_stage(
     return stage
 
 
+async def neediest_other_stage(
+    directory: RunDirectory, model: ModelConfig, *, peer_id: str, current: int
+) -> int | None:
+    """Where an operator's move (``swarm peer`` on SIGUSR1) goes: the stage other than ``current`` with the least
+    capacity (samples/s of its serving and starting peers, lowest index on a tie). None, logged, when this peer is
+    the last serving replica of ``current`` (a move would empty it) or the run has one stage."""
+    stages = await directory.all_stages(model.num_stages)
+    others_here = [
+        pid for pid, r in stages[current].items() if pid != peer_id and r.state == PeerState.SERVING
+    ]
+    if not others_here or model.num_stages < 2:
+        logger.warning(
+            "peer %s: not moving on request: it is the last serving replica of stage %d",
+            peer_id,
+            current,
+        )
+        return None
+    capacities = {
+        stage: _capacity({pid: r for pid, r in recs.items() if pid != peer_id})
+        for stage, recs in enumerate(stages)
+        if stage != current
+    }
+    stage = min(capacities, key=lambda s: (capacities[s], s))
+    logger.info(
+        "peer %s moves from stage %d to stage %d on request (stage capacities %s samples/s)",
+        peer_id,
+        current,
+        stage,
+        {s: round(c, 1) for s, c in capacities.items()},
+    )
+    return stage
+
+
 async def read_view(directory: RunDirectory, model: ModelConfig, period: int) -> SwarmView:
     stages = await directory.all_stages(model.num_stages)
     claims = {}
@@ -113,7 +146,8 @@ class Rebalancer:
     peer should move to the bottleneck stage; claim the move; move if the claim wins.
 
     ``state()`` is the peer's state now (only a serving peer moves); ``move(stage_index,
-    expected_throughput)`` drains the peer and moves it, returning once it serves the new stage."""
+    expected_throughput)`` drains the peer and moves it, returning once it serves the new stage (False: it did not
+    move, another move or a drain was under way)."""
 
     def __init__(
         self,
@@ -123,7 +157,7 @@ class Rebalancer:
         *,
         peer_id: str,
         state: Callable[[], PeerState],
-        move: Callable[[int, float], Awaitable[None]],
+        move: Callable[[int, float], Awaitable[bool]],
     ):
         self.directory = directory
         self.model = model
@@ -169,6 +203,7 @@ class Rebalancer:
             move.swarm_throughput,
             move.planned_throughput,
         )
-        await self._move(move.to_stage, move.throughput_to)
+        if not await self._move(move.to_stage, move.throughput_to):
+            return False
         self.moves += 1
         return True

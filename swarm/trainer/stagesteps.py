@@ -53,9 +53,9 @@ class StageSteps:
         self._refresh, self.refresh_s = refresh, refresh_s
         # the highest optimizer step any reply of each stage carried
         self._replied_steps = [0] * len(records)
-        # peer id -> the optimizer step its Info answered while the trainer waited for its stage to step (the DHT
-        # record says it a heartbeat later)
-        self._polled_steps: dict[str, int] = {}
+        # (stage, peer id) -> the optimizer step its Info answered while the trainer waited for its stage to step
+        # (the DHT record says it a heartbeat later); by stage, since a peer that moved counts steps of another
+        self._polled_steps: dict[tuple[int, str], int] = {}
         # peers whose Info was refused (the process is gone) since they last answered: their records outlive them
         # by up to their TTL, and waiting for every replica must not wait for them
         self._gone: set[str] = set()
@@ -89,7 +89,7 @@ class StageSteps:
         out = []
         for stage in range(len(self.records)):
             steps = [
-                max(r.step, self._polled_steps.get(r.peer_id, 0))
+                max(r.step, self._polled_steps.get((stage, r.peer_id), 0))
                 for r in self.records[stage].values()
                 if r.state == PeerState.SERVING and not (every_replica and r.peer_id in self._gone)
             ]
@@ -157,7 +157,7 @@ class StageSteps:
                     self._gone.add(record.peer_id)
                 return
             self._gone.discard(record.peer_id)
-            self._saw_step(record, info)
+            self._saw_step(stage, record, info)
 
         serving = [r for r in self.records[stage].values() if r.state == PeerState.SERVING]
         await asyncio.gather(*(poll(r) for r in serving))
@@ -184,8 +184,10 @@ class StageSteps:
                 info = await self.clients.get(PeerAddress.of(record)).info(
                     self.run_id, timeout_s=CLOSE_BATCH_TIMEOUT_S
                 )
-                self._saw_step(record, info)
-                return True
+                # A replica that moved to another stage (or is on its way there, "starting") answers from its
+                # address, but it no longer takes part in this stage's step: counted, it would make the replicas
+                # left wait for it in their all-reduce group.
+                return self._saw_step(stage, record, info)
             except SwarmError as e:
                 status = getattr(e, "status", None)
                 if status == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -222,17 +224,26 @@ class StageSteps:
             *(close(*target) for target, ok in zip(targets, answered) if ok is True)
         )
 
-    def _saw_step(self, record: StageRecord, info) -> None:
-        """The replica of ``record`` answered ``Info`` (from the address it announces) with its step."""
-        if info.peer_id == record.peer_id:
-            self._polled_steps[record.peer_id] = max(
-                self._polled_steps.get(record.peer_id, 0), info.step
-            )
+    def _saw_step(self, stage: int, record: StageRecord, info) -> bool:
+        """The replica of ``record`` (of ``stage``) answered ``Info`` from the address it announces: note its step.
+        False if the answer is not of a replica of ``stage`` (another peer at that address, or one that moved to
+        another stage, or is between stages)."""
+        if (
+            info.peer_id != record.peer_id
+            or info.stage != stage
+            or info.state == PeerState.STARTING
+        ):
+            return False
+        key = (stage, record.peer_id)
+        self._polled_steps[key] = max(self._polled_steps.get(key, 0), info.step)
+        return True
 
     def _peer_step(self, stage: int, peer: str) -> int:
         """The optimizer step this trainer last saw ``peer`` of ``stage`` at (its record, its Info)."""
         record = self.records[stage].get(peer)
-        return max(record.step if record is not None else 0, self._polled_steps.get(peer, 0))
+        return max(
+            record.step if record is not None else 0, self._polled_steps.get((stage, peer), 0)
+        )
 
     async def _redo_for_gone(
         self,

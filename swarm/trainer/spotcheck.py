@@ -131,9 +131,7 @@ class SpotChecker:
         record = pipeline.records[call.stage].get(peer)
         if record is None:
             return None
-        timeout_s = (
-            pipeline.router.deadline_s(call.stage, peer, call.work) + 2 * record.step_pause_s
-        )
+        timeout_s = pipeline.call_timeout_s(call.stage, record, call.work)
         try:
             answered_with, result = await call.recompute(PeerAddress.of(record), timeout_s)
         except SwarmError as e:
@@ -157,7 +155,6 @@ class SpotChecker:
             counts.agreed += 1
             return
         counts.mismatched += 1
-        distance = relative_distance(result, second)
         third_peer, third = await self._next_opinion(call, candidates)
         if third is not None and self._agree(second, third) and not self._agree(result, third):
             liar, other, lie, truth = peer, checker, result, second
@@ -171,9 +168,11 @@ class SpotChecker:
                 step,
                 peer,
                 checker,
-                distance,
+                relative_distance(result, second),
             )
             return
+        # the lie's distance from the agreed result, relative to that result: the same whichever was asked first
+        distance = relative_distance(truth, lie)
         counts.banned.append(liar)
         self.pipeline._ban_for_run(
             stage,

@@ -245,11 +245,11 @@ class StageService(pb_grpc.StagePeerServicer):
             )
             if grad_input is None:
                 yield reply
+                replying = True
             else:  # the reply frame travels with the tensor's first chunk
                 async for frame in tensor_frames("grad_input", grad_input, codec, lead=[reply]):
                     yield frame
                     replying = True
-            replying = True
             # The commit comes once the caller has read the reply; after the hold it could not count anyway.
             frames.expect_within(self.executor.cache_config.commit_hold_s)
             commit = await reader.commit()

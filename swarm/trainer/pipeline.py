@@ -410,12 +410,10 @@ class Pipeline:
         except NoPeersAvailable:
             other = None
         if other is not None:
-            work = samples * (FORWARD_COST + BACKWARD_COST)
-            timeout_s = self.router.deadline_s(stage, other, work) + 2 * (
-                self.records[stage][other].step_pause_s
-            )
+            record = self.records[stage][other]
+            timeout_s = self.call_timeout_s(stage, record, samples * (FORWARD_COST + BACKWARD_COST))
             try:
-                reply = await with_inputs(PeerAddress.of(self.records[stage][other]), timeout_s)
+                reply = await with_inputs(PeerAddress.of(record), timeout_s)
                 self.steps.replied(stage, reply.meta.step)
                 return reply, other
             except GradientOutlier as e:
@@ -499,6 +497,12 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the one retry helper
 
+    def call_timeout_s(self, stage: int, record: StageRecord, work: float) -> float:
+        """The deadline of a call of ``work`` forward-sample units to the peer of ``record``: the router's
+        estimate, plus twice the pause the peer announces for its optimizer step (the call may land while its stage
+        steps: the all-reduce)."""
+        return self.router.deadline_s(stage, record.peer_id, work) + 2 * record.step_pause_s
+
     async def _call(
         self,
         stage: int,
@@ -514,8 +518,7 @@ class Pipeline:
         while True:
             peer = await self._choose(request)
             record = self.records[stage][peer]
-            # The call may land while the peer's stage steps (all-reduce): allow for the pause it announces.
-            timeout_s = self.router.deadline_s(stage, peer, work) + 2 * record.step_pause_s
+            timeout_s = self.call_timeout_s(stage, record, work)
             started = time.monotonic()
             self.router.on_start(stage, peer, started)
             try:

@@ -95,13 +95,17 @@ async def neediest_other_stage(
     """Where an operator's move (``swarm peer`` on SIGUSR1) goes: the stage other than ``current`` with the least
     capacity (samples/s of its serving and starting peers, lowest index on a tie). None, logged, when this peer is
     the last serving replica of ``current`` (a move would empty it) or the run has one stage."""
+    if model.num_stages < 2:
+        logger.warning("peer %s: not moving on request: the run has one stage", peer_id)
+        return None
     stages = await directory.all_stages(model.num_stages)
     others_here = [
         pid for pid, r in stages[current].items() if pid != peer_id and r.state == PeerState.SERVING
     ]
-    if not others_here or model.num_stages < 2:
+    if not others_here:
         logger.warning(
-            "peer %s: not moving on request: it is the last serving replica of stage %d",
+            "peer %s: not moving on request: it is the last serving replica of stage %d (start another "
+            "peer for that stage first)",
             peer_id,
             current,
         )

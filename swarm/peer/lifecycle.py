@@ -223,10 +223,12 @@ class Peer:
         self._saved_step = self.executor.step
         self._summary_mark = (time.monotonic(), 0, self.executor.busy_s)  # after the calibration
 
-        # the optimizer of the stage served at shutdown (a move replaces it; between stages, none is left to stop)
+        # the optimizer of the stage served at shutdown (a move replaces it; between stages, none is left to stop),
+        # on the compute thread: a step check the cancelled step loop left running there must end first (hivemind's
+        # shutdown raced it: "Set changed size during iteration")
         async def detach() -> None:
             if not self._between_stages:
-                await asyncio.to_thread(self.executor.optimizer.shutdown)
+                await self._worker.compute_urgent(self.executor.optimizer.shutdown)
 
         self._stack.push_async_callback(detach)
 

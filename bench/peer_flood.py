@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpc  # noqa: E402
 from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
 
+from swarm.peer.config import LimitsConfig  # noqa: E402
 from swarm.proto import PROTOCOL_VERSION  # noqa: E402
 from swarm.proto import swarm_pb2 as pb  # noqa: E402
 from swarm.transport.channel import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: E402
@@ -468,6 +469,8 @@ def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
             budget_bytes,
             "--read-idle-s",
             args.read_idle_s,
+            "--stream-window-bytes",
+            args.window_bytes,
         ),
     ]
     peer = start_peer(
@@ -720,6 +723,12 @@ def main() -> None:
         "--flood-s", type=float, default=20.0, help="seconds phase (b) keeps sending"
     )
     parser.add_argument("--read-idle-s", type=float, default=5.0, help="the peer's --read-idle-s")
+    parser.add_argument(
+        "--window-bytes",
+        type=int,
+        default=LimitsConfig().stream_window_bytes,
+        help="the peer's --stream-window-bytes",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peer_flood.md")
     parser.add_argument(
         "--client", help=argparse.SUPPRESS

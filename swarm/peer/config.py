@@ -71,6 +71,11 @@ class LimitsConfig:
     # bytes of request tensors all calls together may hold, reserved from each tensor's header before any
     # of it is allocated (and the parameters a GetState copies); past it: RESOURCE_EXHAUSTED
     request_memory_bytes: int = 1 << 30
+    # bytes gRPC buffers per open call before the peer reads them (its receive window, fixed: no growth by
+    # bandwidth probing); every open call reserves it from --request-memory-bytes, and a flood's streams hold
+    # one each (bench/results/peer_flood.md). 1 MiB fills a 100 Mbit/s link at 80 ms of round trip per call; a
+    # trainer keeps several calls in flight to a peer, whose windows add up
+    stream_window_bytes: int = 1 << 20
     # calls one caller (IP address) may have open at once; more are refused with RESOURCE_EXHAUSTED
     max_streams_per_caller: int = 64
     # calls queued for or running on the compute thread; more are refused with RESOURCE_EXHAUSTED
@@ -87,6 +92,14 @@ class LimitsConfig:
     read_total_s: float = 600.0
 
     def __post_init__(self):
+        if (
+            self.stream_window_bytes < 1 << 16
+            or self.stream_window_bytes >= self.request_memory_bytes
+        ):
+            raise ValueError(
+                f"stream_window_bytes ({self.stream_window_bytes}) must be at least 65536 and below "
+                f"request_memory_bytes ({self.request_memory_bytes}): every open call reserves its window from it"
+            )
         if min(self.request_memory_bytes, self.max_streams_per_caller, self.max_queued_calls) < 1:
             raise ValueError(
                 f"request_memory_bytes ({self.request_memory_bytes}), max_streams_per_caller "
@@ -101,6 +114,15 @@ class LimitsConfig:
                 f"need 0 < read_idle_s <= read_total_s, got {self.read_idle_s} and {self.read_total_s}"
             )
 
+    @property
+    def max_open_calls(self) -> int:
+        """Calls gRPC keeps open at once (each can hold a receive window before any handler runs); past it, gRPC
+        refuses new calls itself. As many as the budget holds windows, and a few for the small unary calls
+        (Info, Commit, CloseBatch) that reserve nothing."""
+        return self.request_memory_bytes // self.stream_window_bytes + UNARY_HEADROOM_CALLS
+
+
+UNARY_HEADROOM_CALLS = 8
 
 _FAULTS = "advanced: fault injection (for tests and benchmarks; all off by default)"
 

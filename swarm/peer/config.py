@@ -76,6 +76,9 @@ class LimitsConfig:
     # one each (bench/results/peer_flood.md). 1 MiB fills a 100 Mbit/s link at 80 ms of round trip per call; a
     # trainer keeps several calls in flight to a peer, whose windows add up
     stream_window_bytes: int = 1 << 20
+    # calls gRPC keeps open at once, refused or not (each can hold a receive window before any handler runs, so
+    # a flood holds at most this many windows); past it gRPC itself answers RESOURCE_EXHAUSTED
+    max_open_calls: int = 128
     # calls one caller (IP address) may have open at once; more are refused with RESOURCE_EXHAUSTED
     max_streams_per_caller: int = 64
     # calls queued for or running on the compute thread; more are refused with RESOURCE_EXHAUSTED
@@ -105,6 +108,11 @@ class LimitsConfig:
                 f"request_memory_bytes ({self.request_memory_bytes}), max_streams_per_caller "
                 f"({self.max_streams_per_caller}) and max_queued_calls ({self.max_queued_calls}) must be >= 1"
             )
+        if self.max_open_calls < self.max_streams_per_caller:
+            raise ValueError(
+                f"max_open_calls ({self.max_open_calls}) must be at least max_streams_per_caller "
+                f"({self.max_streams_per_caller}): one caller could not open what it is allowed"
+            )
         if not self.max_queue_wait_s >= 0:
             raise ValueError(
                 f"max_queue_wait_s must be >= 0 seconds (0 = unbounded), got {self.max_queue_wait_s}"
@@ -114,15 +122,6 @@ class LimitsConfig:
                 f"need 0 < read_idle_s <= read_total_s, got {self.read_idle_s} and {self.read_total_s}"
             )
 
-    @property
-    def max_open_calls(self) -> int:
-        """Calls gRPC keeps open at once (each can hold a receive window before any handler runs); past it, gRPC
-        refuses new calls itself. As many as the budget holds windows, and a few for the small unary calls
-        (Info, Commit, CloseBatch) that reserve nothing."""
-        return self.request_memory_bytes // self.stream_window_bytes + UNARY_HEADROOM_CALLS
-
-
-UNARY_HEADROOM_CALLS = 8
 
 _FAULTS = "advanced: fault injection (for tests and benchmarks; all off by default)"
 

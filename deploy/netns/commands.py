@@ -147,7 +147,7 @@ def cleanup_stale(prefix: str = "sw") -> list[str]:
     Objects of live processes (any pid that still exists) are left alone. Safe to run
     concurrently with other cleaners. Returns the names it found stale and removed.
     """
-    pattern = re.compile(rf"{re.escape(prefix)}([0-9a-f]+)-\d+([bvn])\d*")
+    pattern = re.compile(rf"{re.escape(prefix)}([0-9a-f]+)-\d+([bvnr])\d*")
 
     def stale(name: str) -> str | None:
         m = pattern.fullmatch(name)
@@ -173,7 +173,7 @@ def cleanup_stale(prefix: str = "sw") -> list[str]:
     for name in [n for n in links if stale(n) == "v"]:
         delete_link(name)
         removed.append(name)
-    for name in [n for n in namespaces if stale(n) == "n"]:
+    for name in [n for n in namespaces if stale(n) in ("n", "r")]:
         delete_namespace(name)
         removed.append(name)
     for name in [n for n in links if stale(n) == "b"]:

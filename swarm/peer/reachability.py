@@ -122,7 +122,10 @@ async def check_reachability(
 ) -> Verdict:
     """Ask up to :data:`MAX_ASKS` serving, directly reachable peers of the run (but this one) to dial
     ``address`` back; the first answer decides. No answer (the first peer of a run, or none answered): direct,
-    unchecked, with the reason in ``detail``."""
+    unchecked, with the reason in ``detail``. All the asks together take at most ``timeout_s`` plus twice
+    :data:`ANSWER_MARGIN_S`: a frozen peer asked first must not hold the start for long."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s + 2 * ANSWER_MARGIN_S
     stages = await directory.all_stages(num_stages)
     candidates = [
         record
@@ -135,13 +138,14 @@ async def check_reachability(
     rng.shuffle(candidates)
     failures = []
     for record in candidates[:MAX_ASKS]:
+        left_s = min(deadline - loop.time(), timeout_s + ANSWER_MARGIN_S)
+        if left_s <= 0:
+            failures.append("out of time")
+            break
         client = PeerClient(PeerAddress.of(record), token=token)
         try:
             reply = await client.dial_back(
-                directory.run_id,
-                address.endpoint,
-                address.tls_cert,
-                timeout_s=timeout_s + ANSWER_MARGIN_S,
+                directory.run_id, address.endpoint, address.tls_cert, timeout_s=left_s
             )
         except (
             SwarmError

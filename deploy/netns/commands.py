@@ -35,6 +35,16 @@ def run_cmd(argv: Sequence[str], *, timeout_s: float = 30.0) -> str:
     return done.stdout
 
 
+def add_veth(name: str, *, peer_namespace: str, mtu: int, in_namespace: str | None = None) -> None:
+    """A veth pair: ``name`` in ``in_namespace`` (None: the machine's own), its other end NAMESPACE_IFNAME in
+    ``peer_namespace``."""
+    where = [] if in_namespace is None else ["-n", in_namespace]
+    run_cmd(
+        ["ip", *where, "link", "add", name, "mtu", str(mtu), "type", "veth"]
+        + ["peer", "name", NAMESPACE_IFNAME, "mtu", str(mtu), "netns", peer_namespace]
+    )
+
+
 def link_exists(name: str) -> bool:
     return os.path.exists(f"/sys/class/net/{name}")
 

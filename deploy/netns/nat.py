@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from deploy.netns.commands import NAMESPACE_IFNAME, NetnsError, run_cmd
+from deploy.netns.commands import NAMESPACE_IFNAME, NetnsError, add_veth, run_cmd
 
 ROUTER_INSIDE_IFNAME = "lan0"  # the router's leg towards its host
 NAT_TABLE = "swarmnat"  # the nftables tables the router holds (ip, for NAT; inet, for the firewall)
@@ -80,24 +80,8 @@ def build_router(
     run_cmd([*r, "link", "set", NAMESPACE_IFNAME, "up"])
     # The inside veth is made in the router's namespace with its other end sent to the host's: its name there
     # is the host's eth0, as every host has.
-    run_cmd(
-        [
-            *r,
-            "link",
-            "add",
-            ROUTER_INSIDE_IFNAME,
-            "mtu",
-            str(mtu),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            NAMESPACE_IFNAME,
-            "mtu",
-            str(mtu),
-            "netns",
-            host_namespace,
-        ]
+    add_veth(
+        ROUTER_INSIDE_IFNAME, peer_namespace=host_namespace, mtu=mtu, in_namespace=router_namespace
     )
     run_cmd([*r, "addr", "add", f"{gateway}/30", "dev", ROUTER_INSIDE_IFNAME])
     run_cmd([*r, "link", "set", ROUTER_INSIDE_IFNAME, "up"])

@@ -17,6 +17,7 @@ from deploy.netns.commands import (
     MAX_IFNAME_CHARS,
     NAMESPACE_IFNAME,
     NetnsError,
+    add_veth,
     allocate_tag,
     delete_link,
     delete_namespace,
@@ -364,25 +365,7 @@ class EmulatedNetwork:
             outer = host.router_namespace or host.namespace
             if nat:
                 self._add_namespace(outer)
-            run_cmd(
-                [
-                    "ip",
-                    "link",
-                    "add",
-                    host.bridge_veth,
-                    "mtu",
-                    mtu,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    NAMESPACE_IFNAME,
-                    "mtu",
-                    mtu,
-                    "netns",
-                    outer,
-                ]
-            )
+            add_veth(host.bridge_veth, peer_namespace=outer, mtu=cfg.mtu_bytes)
             self._stack.callback(delete_link, host.bridge_veth)
             if has_ipv6:
                 run_cmd(["ip", "link", "set", host.bridge_veth, "addrgenmode", "none"])

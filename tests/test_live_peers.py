@@ -287,6 +287,7 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
         "memory_bytes": a.memory_bytes,
         "device_memory_bytes": replicas[a.peer_id]["device_memory_bytes"],
         "averaging": False,  # these replicas step alone (the peers fixture's --no-average)
+        "reachability": "direct",  # on loopback: dialed back at its start (or the run's first, unchecked)
     }
     assert replicas[a.peer_id]["device_memory_bytes"] > a.memory_bytes > 0
     assert (replicas[b.peer_id]["step"], replicas[b.peer_id]["param_digest"]) == (2, digest)

@@ -1,9 +1,10 @@
-"""The reachability check through a real NAT router (deploy/netns/nat.py): a public peer is reachable, a peer behind
-NAT is not and announces itself relayed, a peer behind NAT with its ports forwarded is reachable; a trainer leaves
-the relayed peer out and trains.
+"""The reachability check through a real NAT router (deploy/netns/nat.py): a public peer is reachable, a peer
+behind NAT is not and announces itself relayed, a peer behind NAT with its ports forwarded is reachable; a trainer
+behind NAT leaves the relayed peer out and trains.
 
-Every process runs in its own network namespace; two peers sit behind their own NAT router each. Needs root and
-nftables (markers netns, nat): skipped with the reason otherwise, a failure under SWARM_REQUIRE_ROOT_TESTS=1 (CI).
+Every process runs in its own network namespace; two peers and the trainer sit behind their own NAT router each.
+Needs root and nftables (markers netns, nat): skipped with the reason otherwise, a failure under
+SWARM_REQUIRE_ROOT_TESTS=1 (CI).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ STEPS = 2
 
 
 def test_peers_behind_nat_learn_whether_they_are_reachable(tmp_path):
-    with EmulatedNetwork(num_hosts=6, nat_hosts=(3, 4)) as net, ProcessGroup(tmp_path) as group:
+    with EmulatedNetwork(num_hosts=6, nat_hosts=(3, 4, 5)) as net, ProcessGroup(tmp_path) as group:
         boot, public0, public1, natted, forwarded, trainer_host = net.hosts
         addr_file = tmp_path / "bootstrap.addr"
         start_bootstrap(group, addr_file, where=Where.on(boot))
@@ -109,7 +110,8 @@ def test_peers_behind_nat_learn_whether_they_are_reachable(tmp_path):
             forwarded.public_address: "direct",
         }, seen
 
-        # A trainer routes around the relayed peer (it has no relayed carrier) and trains.
+        # A trainer behind NAT of its own (it only dials out) routes around the relayed peer (it has no relayed
+        # carrier) and trains.
         trainer = start_trainer(
             group,
             "trainer",

@@ -5,7 +5,8 @@ swarm. Three hosts: a relay with a public address, a server behind its own NAT r
 The server runs hivemind.P2P with auto-relay and the relay as its static relay, and serves an echo over a libp2p
 binary stream; the client, also behind NAT, opens that stream by the server's peer id and times a 4 MiB echo.
 
-Run as root from the repository root: ``python -m deploy.netns.relay_probe [--rate-mbit 20] [--wait-s 240]``.
+Run as root from the repository root: ``python -m deploy.netns.relay_probe [--rate-mbit 20] [--wait-s 240]``;
+``PROBE_RELAY_LIMITS=relayService=1,relayDataLimit=4294967296`` passes those p2pd flags to the relay.
 Each process prints what it sees; the relay logs its reservations and relayed connections (go-libp2p debug).
 
 Why the bridge gets a public-looking subnet (5.6.7.0/24, which exists only inside the namespaces: the bridge has
@@ -35,6 +36,12 @@ async def _node(role: str, host: str, relay: str, server_id: str, wait_s: float)
     from hivemind.p2p import P2P, PeerID
 
     quiet = dict(auto_nat=False, nat_port_map=False, use_relay=True)
+    if role == "relay" and os.environ.get("PROBE_RELAY_LIMITS"):
+        # hivemind's P2P.create has no argument for the relay service's limits: append the daemon's flags through
+        # its private argument builder (probe only)
+        build = P2P._make_process_args
+        extra = dict(arg.split("=") for arg in os.environ["PROBE_RELAY_LIMITS"].split(","))
+        P2P._make_process_args = staticmethod(lambda *a, **kw: build(*a, **kw, **extra))
     if role == "relay":
         p2p = await P2P.create(
             host_maddrs=[f"/ip4/{host}/tcp/{RELAY_PORT}"], force_reachability="public", **quiet

@@ -19,3 +19,13 @@ class PeerState(str, enum.Enum):
     # The value, not "PeerState.SERVING", wherever a state is printed, logged or formatted.
     __str__ = str.__str__
     __format__ = str.__format__
+
+
+class Reachability(str, enum.Enum):
+    """How callers reach a peer, as its signed record announces it (records without it read as DIRECT)."""
+
+    DIRECT = "direct"  # its endpoint accepts connections: dial it over gRPC
+    RELAYED = "relayed"  # nobody could dial its endpoint (behind NAT or a firewall): only a relay reaches it
+
+    __str__ = str.__str__
+    __format__ = str.__format__

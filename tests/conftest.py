@@ -43,10 +43,7 @@ def _tier_of(item) -> str:
         if marked:
             tier = marked.pop()
             break
-    if (
-        item.get_closest_marker("netns") is not None
-        or item.get_closest_marker("docker") is not None
-    ):
+    if any(item.get_closest_marker(m) is not None for m in ("netns", "nat", "docker")):
         tier = "swarm"
     if tier != "swarm" and SWARM_FIXTURES & set(getattr(item, "fixturenames", ())):
         raise pytest.UsageError(
@@ -81,6 +78,17 @@ def netns_unavailable() -> str | None:
 
 
 @functools.cache
+def nat_unavailable() -> str | None:
+    """Why this process cannot build NAT routers in network namespaces (None when it can)."""
+    if (why := netns_unavailable()) is not None:
+        return why
+    from deploy.netns import have_nat
+
+    available, why = have_nat()
+    return None if available else why
+
+
+@functools.cache
 def docker_unavailable() -> str | None:
     """Why this process cannot install and start a Docker engine (None when it can); asked once per session
     (it may ask the package registry: deploy/engine.py)."""
@@ -96,6 +104,7 @@ def require_root_tests() -> bool:
 # marker -> (what it needs, in words; why this process lacks it, or None)
 ROOT_MARKERS = {
     "netns": ("network namespaces", lambda: netns_unavailable()),
+    "nat": ("NAT routers in network namespaces", lambda: nat_unavailable()),
     "docker": ("a Docker engine", lambda: docker_unavailable()),
 }
 

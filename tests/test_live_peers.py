@@ -273,21 +273,25 @@ def test_status_says_whether_the_replicas_at_one_step_hold_the_same_parameters(
         (1, True, 2),
     ]
     replicas = {r["peer_id"]: r for r in document["stages"][1]["replicas"]}
-    assert replicas[a.peer_id] == {
-        "peer_id": a.peer_id,
-        "endpoint": a.endpoint,
-        "state": "serving",
-        "step": 2,
-        "param_digest": digest,
-        "throughput": replicas[a.peer_id]["throughput"],
-        "in_flight": 0,
-        "device": "cpu",  # where its stage computes
-        "dtype": "fp32",  # what in (no autocast)
-        # its stage's memory estimate, and the RAM the machine had available then
-        "memory_bytes": a.memory_bytes,
-        "device_memory_bytes": replicas[a.peer_id]["device_memory_bytes"],
-        "averaging": False,  # these replicas step alone (the peers fixture's --no-average)
-    }
+    assert (
+        replicas[a.peer_id]
+        == {
+            "peer_id": a.peer_id,
+            "endpoint": a.endpoint,
+            "state": "serving",
+            "step": 2,
+            "param_digest": digest,
+            "throughput": replicas[a.peer_id]["throughput"],
+            "in_flight": 0,
+            "device": "cpu",  # where its stage computes
+            "dtype": "fp32",  # what in (no autocast)
+            # its stage's memory estimate, and the RAM the machine had available then
+            "memory_bytes": a.memory_bytes,
+            "device_memory_bytes": replicas[a.peer_id]["device_memory_bytes"],
+            "averaging": False,  # these replicas step alone (the peers fixture's --no-average)
+            "reachability": "direct",  # on loopback: dialed back at its start (or the run's first, unchecked)
+        }
+    )
     assert replicas[a.peer_id]["device_memory_bytes"] > a.memory_bytes > 0
     assert (replicas[b.peer_id]["step"], replicas[b.peer_id]["param_digest"]) == (2, digest)
     lines = text.splitlines()

@@ -147,7 +147,15 @@ def test_the_reader_takes_a_batchs_frames_in_order_then_the_next_messages() -> N
 
 @pytest.mark.unit
 def test_every_rpc_of_the_proto_is_registered() -> None:
-    assert STAGE_METHODS == {"Forward", "Backward", "Info", "GetState", "Commit", "CloseBatch"}
+    assert STAGE_METHODS == {
+        "Forward",
+        "Backward",
+        "Info",
+        "GetState",
+        "Commit",
+        "CloseBatch",
+        "DialBack",
+    }
 
 
 class Echo(pb_grpc.StagePeerServicer):

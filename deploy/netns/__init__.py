@@ -14,8 +14,13 @@ iptables rule is touched, so traffic from the namespaces can only reach other na
 of the same network. Host addresses come from a private subnet (default 10.213.0.0/24)
 that exists only inside the namespaces, so parallel networks may reuse it.
 
+Hosts behind NAT (``nat_hosts``): such a host sits behind a router namespace of its own that holds its public
+address on the bridge and masquerades its traffic; nothing from outside can open a connection to it (its router
+drops unsolicited packets) unless a port is forwarded (``host.forward_port``). ``host.address`` is where it
+listens (private), ``host.public_address`` where others see it come from. See :mod:`.nat`; needs ``nft``.
+
 Names are ``<prefix><pid hex>-<counter><role><index>`` (role ``b`` bridge, ``v`` veth on
-the bridge side, ``n`` namespace); :func:`cleanup_stale` uses the pid to find leftovers
+the bridge side, ``n`` namespace, ``r`` a NAT router's namespace); :func:`cleanup_stale` uses the pid to find leftovers
 of crashed runs. Everything needs root (CAP_NET_ADMIN); see :func:`have_netns`.
 
 Usage::
@@ -28,7 +33,8 @@ CLI: ``python -m deploy.netns selftest --rate-mbit 20`` (from the repository roo
 throughput between two hosts; ``python -m deploy.netns cleanup`` removes leftovers of crashed runs.
 
 Modules: :mod:`.commands` (ip/tc calls, names, probes, cleanup), :mod:`.network` (hosts and the
-network), :mod:`.measure` and ``tcpprobe.py`` (TCP throughput between two hosts), ``__main__`` (the CLI).
+network), :mod:`.nat` (NAT routers), :mod:`.measure` and ``tcpprobe.py`` (TCP throughput between two hosts),
+``__main__`` (the CLI).
 """
 
 from deploy.netns.commands import (
@@ -39,6 +45,7 @@ from deploy.netns.commands import (
     have_netns,
 )
 from deploy.netns.measure import ThroughputResult, measure_tcp_throughput
+from deploy.netns.nat import have_nat
 from deploy.netns.network import Direction, EmulatedHost, EmulatedNetwork, NetworkConfig
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "NetworkConfig",
     "ThroughputResult",
     "cleanup_stale",
+    "have_nat",
     "have_netns",
     "measure_tcp_throughput",
 ]

@@ -35,6 +35,16 @@ def run_cmd(argv: Sequence[str], *, timeout_s: float = 30.0) -> str:
     return done.stdout
 
 
+def add_veth(name: str, *, peer_namespace: str, mtu: int, in_namespace: str | None = None) -> None:
+    """A veth pair: ``name`` in ``in_namespace`` (None: the machine's own), its other end NAMESPACE_IFNAME in
+    ``peer_namespace``."""
+    where = [] if in_namespace is None else ["-n", in_namespace]
+    run_cmd(
+        ["ip", *where, "link", "add", name, "mtu", str(mtu), "type", "veth"]
+        + ["peer", "name", NAMESPACE_IFNAME, "mtu", str(mtu), "netns", peer_namespace]
+    )
+
+
 def link_exists(name: str) -> bool:
     return os.path.exists(f"/sys/class/net/{name}")
 
@@ -147,7 +157,7 @@ def cleanup_stale(prefix: str = "sw") -> list[str]:
     Objects of live processes (any pid that still exists) are left alone. Safe to run
     concurrently with other cleaners. Returns the names it found stale and removed.
     """
-    pattern = re.compile(rf"{re.escape(prefix)}([0-9a-f]+)-\d+([bvn])\d*")
+    pattern = re.compile(rf"{re.escape(prefix)}([0-9a-f]+)-\d+([bvnr])\d*")
 
     def stale(name: str) -> str | None:
         m = pattern.fullmatch(name)
@@ -173,7 +183,7 @@ def cleanup_stale(prefix: str = "sw") -> list[str]:
     for name in [n for n in links if stale(n) == "v"]:
         delete_link(name)
         removed.append(name)
-    for name in [n for n in namespaces if stale(n) == "n"]:
+    for name in [n for n in namespaces if stale(n) in ("n", "r")]:
         delete_namespace(name)
         removed.append(name)
     for name in [n for n in links if stale(n) == "b"]:

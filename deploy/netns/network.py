@@ -16,11 +16,14 @@ from typing import Literal
 from deploy.netns.commands import (
     MAX_IFNAME_CHARS,
     NAMESPACE_IFNAME,
+    NetnsError,
+    add_veth,
     allocate_tag,
     delete_link,
     delete_namespace,
     run_cmd,
 )
+from deploy.netns.nat import build_router, forward_port, have_nat
 
 Direction = Literal["both", "send", "receive"]
 
@@ -40,6 +43,11 @@ class NetworkConfig:
     queue_latency_ms: float = 50.0
     mtu_bytes: int = 1500  # MTU of the veths and the bridge
     terminate_timeout_s: float = 5.0  # how long popen'ed processes get after SIGTERM before SIGKILL
+    # indices of the hosts that sit behind their own NAT router (deploy/netns/nat.py): the router holds the
+    # host's public address on the bridge, the host a private one behind it, and nothing from outside gets in
+    nat_hosts: tuple[int, ...] = ()
+    # private links between NAT routers and their hosts: host i's is the i-th /30 of it
+    nat_subnet: str = "172.31.0.0/16"
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_hosts <= 999:
@@ -74,6 +82,24 @@ class NetworkConfig:
             raise ValueError(f"mtu_bytes must be in [576, 65535], got {self.mtu_bytes}")
         if self.terminate_timeout_s < 0:
             raise ValueError(f"terminate_timeout_s must be >= 0, got {self.terminate_timeout_s}")
+        object.__setattr__(self, "nat_hosts", tuple(self.nat_hosts))
+        bad = [i for i in self.nat_hosts if not 0 <= i < self.num_hosts]
+        if bad or len(set(self.nat_hosts)) != len(self.nat_hosts):
+            raise ValueError(
+                f"nat_hosts must be distinct host indices in [0, {self.num_hosts - 1}], "
+                f"got {self.nat_hosts}"
+            )
+        inside = ipaddress.ip_network(self.nat_subnet)
+        if inside.version != 4 or not inside.is_private or inside.overlaps(net):
+            raise ValueError(
+                f"nat_subnet must be a private IPv4 network apart from subnet {self.subnet}, "
+                f"got {self.nat_subnet}"
+            )
+        if self.nat_hosts and inside.num_addresses // 4 < self.num_hosts:
+            raise ValueError(
+                f"nat_subnet {self.nat_subnet} has {inside.num_addresses // 4} /30 links "
+                f"for {self.num_hosts} hosts"
+            )
 
     def host_rates_mbit(self) -> tuple[float | None, ...]:
         """The starting rate of each host."""
@@ -93,22 +119,49 @@ class EmulatedHost:
     """One host: a namespace, its address, its two rate limits and the processes it runs."""
 
     def __init__(
-        self, *, index: int, namespace: str, bridge_veth: str, address: str, config: NetworkConfig
+        self,
+        *,
+        index: int,
+        namespace: str,
+        bridge_veth: str,
+        address: str,
+        config: NetworkConfig,
+        public_address: str | None = None,
+        router_namespace: str | None = None,
     ) -> None:
         self.index = index
         self.namespace = namespace  # name for `ip netns exec`
         self.bridge_veth = (
             bridge_veth  # veth end on the bridge side; its egress is this host's downlink
         )
-        self.address = address  # IPv4 address of NAMESPACE_IFNAME inside the namespace
+        # IPv4 address of NAMESPACE_IFNAME inside the namespace: where its processes listen. Behind NAT it is a
+        # private address no other host can reach.
+        self.address = address
+        # where other hosts see it come from: its router's address behind NAT, else its own
+        self.public_address = public_address or address
+        self.router_namespace = (
+            router_namespace  # its NAT router's namespace (None: not behind NAT)
+        )
         self.send_rate_mbit: float | None = None
         self.receive_rate_mbit: float | None = None
         self._config = config
         self._processes: list[subprocess.Popen] = []
 
+    @property
+    def behind_nat(self) -> bool:
+        return self.router_namespace is not None
+
+    def forward_port(self, port: int) -> None:
+        """Forward TCP ``port`` of its NAT router's public address to the same port here (what a volunteer
+        does on a home router's web page). ValueError if the host is not behind NAT."""
+        if self.router_namespace is None:
+            raise ValueError(f"{self} is not behind NAT: nothing to forward")
+        forward_port(self.router_namespace, port=port, inside=self.address)
+
     def __repr__(self) -> str:
+        nat = f" behind NAT as {self.public_address}" if self.behind_nat else ""
         return (
-            f"EmulatedHost({self.index}, {self.address}, ns={self.namespace}, "
+            f"EmulatedHost({self.index}, {self.address}{nat}, ns={self.namespace}, "
             f"send={self.send_rate_mbit} Mbit/s, receive={self.receive_rate_mbit} Mbit/s)"
         )
 
@@ -246,6 +299,8 @@ class EmulatedNetwork:
         names = [self.bridge] if self.bridge else []
         for host in self.hosts:
             names += [host.namespace, host.bridge_veth]
+            if host.router_namespace is not None:
+                names.append(host.router_namespace)
         return names
 
     def _build(self) -> None:
@@ -287,52 +342,63 @@ class EmulatedNetwork:
             run_cmd(["ip", "link", "set", self.bridge, "addrgenmode", "none"])
         run_cmd(["ip", "link", "set", self.bridge, "up"])
 
-        for i, rate in enumerate(cfg.host_rates_mbit()):
+        if cfg.nat_hosts:
+            available, why = have_nat()
+            if not available:
+                raise NetnsError(why)
+        links = ipaddress.ip_network(cfg.nat_subnet).subnets(new_prefix=30)
+        for i, (rate, link) in enumerate(zip(cfg.host_rates_mbit(), links)):
+            public = str(subnet[i + 1])
+            nat = i in cfg.nat_hosts
             host = EmulatedHost(
                 index=i,
                 namespace=f"{self.tag}n{i}",
                 bridge_veth=f"{self.tag}v{i}",
-                address=str(subnet[i + 1]),
+                address=str(link[2]) if nat else public,
+                public_address=public,
+                router_namespace=f"{self.tag}r{i}" if nat else None,
                 config=cfg,
             )
-            run_cmd(["ip", "netns", "add", host.namespace])
-            self._stack.callback(delete_namespace, host.namespace)
+            self._add_namespace(host.namespace)
             self.hosts.append(host)
-            run_cmd(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
-            run_cmd(
-                [
-                    "ip",
-                    "link",
-                    "add",
-                    host.bridge_veth,
-                    "mtu",
-                    mtu,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    NAMESPACE_IFNAME,
-                    "mtu",
-                    mtu,
-                    "netns",
-                    host.namespace,
-                ]
-            )
+            # the namespace on the bridge: the host's own, or its router's
+            outer = host.router_namespace or host.namespace
+            if nat:
+                self._add_namespace(outer)
+            add_veth(host.bridge_veth, peer_namespace=outer, mtu=cfg.mtu_bytes)
             self._stack.callback(delete_link, host.bridge_veth)
             if has_ipv6:
                 run_cmd(["ip", "link", "set", host.bridge_veth, "addrgenmode", "none"])
             run_cmd(["ip", "link", "set", host.bridge_veth, "master", self.bridge, "up"])
-            run_cmd(
-                [
-                    "ip",
-                    "-n",
-                    host.namespace,
-                    "addr",
-                    "add",
-                    f"{host.address}/{subnet.prefixlen}",
-                    "dev",
-                    NAMESPACE_IFNAME,
-                ]
-            )
-            run_cmd(["ip", "-n", host.namespace, "link", "set", NAMESPACE_IFNAME, "up"])
+            if nat:
+                build_router(
+                    router_namespace=outer,
+                    host_namespace=host.namespace,
+                    outside=public,
+                    prefixlen=subnet.prefixlen,
+                    gateway=str(link[1]),
+                    inside=host.address,
+                    mtu=cfg.mtu_bytes,
+                )
+            else:
+                run_cmd(
+                    [
+                        "ip",
+                        "-n",
+                        host.namespace,
+                        "addr",
+                        "add",
+                        f"{host.address}/{subnet.prefixlen}",
+                        "dev",
+                        NAMESPACE_IFNAME,
+                    ]
+                )
+                run_cmd(["ip", "-n", host.namespace, "link", "set", NAMESPACE_IFNAME, "up"])
+            # Behind NAT the uplink limit sits on the host's own eth0 (its leg to the router), the downlink's
+            # on the bridge side as for every host: the router's forwarding is not a bottleneck.
             host.set_rate(rate)
+
+    def _add_namespace(self, name: str) -> None:
+        run_cmd(["ip", "netns", "add", name])
+        self._stack.callback(delete_namespace, name)
+        run_cmd(["ip", "-n", name, "link", "set", "lo", "up"])

@@ -10,8 +10,9 @@ The JSON document (``swarm status --json``)::
                  "replicas": [{"peer_id", "endpoint", "state", "step", "param_digest", "throughput",
                                "in_flight", "device", "dtype" ("" = not said), "memory_bytes" (its
                                stage's estimate), "device_memory_bytes" (the device's; 0 = not said),
-                               "averaging" (bool), "heartbeat_age_s" (seconds since its record was
-                               written; null if the record does not say)}]}],
+                               "averaging" (bool), "reachability" ("direct" or "relayed"),
+                               "heartbeat_age_s" (seconds since its record was written; null if the
+                               record does not say)}]}],
      "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
                    "microbatches", "heartbeat_age_s"}],
      "reported": [{"peer_id", "stage", "reporters" (peer ids of the trainers that reported it), "avoided" (a
@@ -37,7 +38,7 @@ from hivemind.utils import get_dht_time
 from swarm.coordinator.agreement import agreement, describe_disagreement, step_groups
 from swarm.discovery.banreports import read_ban_reports, weigh_reports
 from swarm.discovery.dht import DHTConfig, RunDirectory, list_runs, start_dht
-from swarm.states import PeerState
+from swarm.states import PeerState, Reachability
 from swarm.trainer.config import PipelineConfig
 
 # the quorum status weighs ban reports by: the trainers' default
@@ -90,6 +91,7 @@ def status_document(
                 "memory_bytes": r.memory_bytes,
                 "device_memory_bytes": r.device_memory_bytes,
                 "averaging": r.averaging,
+                "reachability": Reachability(r.reachability).value,
                 "heartbeat_age_s": _age(r.announced_s, now),
             }
             for r in sorted(records.values(), key=lambda r: r.peer_id)
@@ -167,6 +169,7 @@ def format_status(
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
                 f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
                 f"  {_device_text(r)}  heartbeat {_age_text(r.announced_s, now)}"
+                f"{'  relayed (not reachable directly)' if r.reachability == Reachability.RELAYED else ''}"
             )
     for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id):
         val = "" if t.val_loss is None else f" | val {t.val_loss:.3f}"

@@ -17,7 +17,7 @@ import grpc
 from swarm.errors import SwarmError
 from swarm.model.digest import is_digest
 from swarm.schema import parse_dataclass
-from swarm.states import PeerState
+from swarm.states import PeerState, Reachability
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +86,18 @@ class StageRecord:
     averaging: bool = False
     # PEM certificate of its gRPC server's TLS key, which callers pin ("" = it serves in the clear: --plaintext)
     tls_cert: str = ""
+    # whether callers can dial its endpoint, as a peer of the run found when it dialed back at its start
+    # (swarm.peer.reachability); an older peer's record, without it, reads as direct
+    reachability: Reachability = Reachability.DIRECT
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
-        # The DHT's msgpack takes exact types only: the state goes as its plain string.
-        return {**dataclasses.asdict(self), "state": PeerState(self.state).value}
+        # The DHT's msgpack takes exact types only: enums go as their plain strings.
+        return {
+            **dataclasses.asdict(self),
+            "state": PeerState(self.state).value,
+            "reachability": Reachability(self.reachability).value,
+        }
 
     @classmethod
     def from_wire(cls, value: Any) -> StageRecord:

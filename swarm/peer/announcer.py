@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
-from swarm.states import PeerState
+from swarm.states import PeerState, Reachability
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,15 @@ class Announcer:
         endpoint: Callable[[], str],
         serving: Callable[[], Serving | None],
         tls_cert: Callable[[], str] = str,
+        reachability: Callable[[], Reachability] = lambda: Reachability.DIRECT,
     ):
         self.directory, self.run, self.peer_id = directory, run, peer_id
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
         self._endpoint = endpoint
         self._tls_cert = tls_cert  # the certificate its server presents ("" = plaintext)
+        self._reachability = (
+            reachability  # whether callers can dial its endpoint (checked at start)
+        )
         self._serving = serving  # None until the peer serves a stage
         self._heading_to: tuple[int, float] | None = None  # (stage index, expected samples/s)
         self.last_moved_s = 0.0  # DHT time of the arrival or the last change of stage (0 = not yet)
@@ -101,6 +105,7 @@ class Announcer:
                     averaging=serving.averaging,
                     announced_s=now,
                     tls_cert=self._tls_cert(),
+                    reachability=self._reachability(),
                 )
             )
         if self._heading_to is not None:
@@ -118,6 +123,7 @@ class Announcer:
                     last_moved_s=self.last_moved_s,
                     announced_s=now,
                     tls_cert=self._tls_cert(),
+                    reachability=self._reachability(),
                 )
             )
         return out

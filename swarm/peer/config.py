@@ -93,6 +93,9 @@ class LimitsConfig:
     read_idle_s: float = 30.0
     # seconds a call has to send its whole request, and a GetState to be read (a trickle is cut)
     read_total_s: float = 600.0
+    # seconds this peer tries to connect back to a starting peer that asks whether it is reachable (DialBack);
+    # a starting peer waits as long for the answer, plus a margin
+    dial_back_timeout_s: float = 5.0
 
     def __post_init__(self):
         if (
@@ -120,6 +123,10 @@ class LimitsConfig:
         if not 0 < self.read_idle_s <= self.read_total_s:
             raise ValueError(
                 f"need 0 < read_idle_s <= read_total_s, got {self.read_idle_s} and {self.read_total_s}"
+            )
+        if not 0 < self.dial_back_timeout_s <= 60:
+            raise ValueError(
+                f"dial_back_timeout_s must be in (0, 60], got {self.dial_back_timeout_s}"
             )
 
 
@@ -191,6 +198,9 @@ class PeerConfig:
     # admit only these callers (peer ids or fingerprints, comma-separated, or "@FILE" with one a line); default:
     # any caller with a valid identity. Others get PERMISSION_DENIED
     allow_callers: str | None = None
+    # at start, ask a peer already in the run to dial this one back at its endpoint, and announce whether it is
+    # directly reachable or must be relayed (swarm.peer.reachability); off: announced direct, unchecked
+    reachability_check: bool = True
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

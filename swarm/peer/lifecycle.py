@@ -32,6 +32,7 @@ from swarm.peer.lies import install_lies
 from swarm.peer.members import apply_caller_list, follow_caller_list, load_allow_callers
 from swarm.peer.memory import check_fits, device_total_bytes, estimate_stage_memory, gib
 from swarm.peer.metrics import PeerMetrics
+from swarm.peer.reachability import Verdict, advice, check_reachability
 from swarm.peer.rebalancer import (
     Rebalancer,
     choose_arrival_stage,
@@ -41,8 +42,8 @@ from swarm.peer.rebalancer import (
 from swarm.peer.service import ServiceContext, StageService
 from swarm.peer.statesync import fetch_stage_state, serving_peers
 from swarm.peer.worker import PriorityWorker
-from swarm.states import PeerState
-from swarm.transport.callers import CallerCheck
+from swarm.states import PeerState, Reachability
+from swarm.transport.callers import CallerCheck, caller_token
 from swarm.transport.security import PeerAddress, make_certificate, server_credentials
 from swarm.transport.server import start_server
 
@@ -69,6 +70,11 @@ class Peer:
         self.endpoint = ""
         # the certificate its server presents, announced in its record ("" = --plaintext)
         self.tls_cert = ""
+        # whether callers can dial its endpoint, as a peer of the run found at its start (announced)
+        self.reachability = Reachability.DIRECT
+        self.reachability_verdict: Verdict | None = (
+            None  # what the check at start found (None: not run)
+        )
         self.caller_check: CallerCheck | None = None  # admits its callers (set with the server)
         self.run: RunConfig | None = None
         self.executor: StageExecutor | None = None  # replaced by a move
@@ -120,6 +126,7 @@ class Peer:
             await self._start_replica()
             await self._start_step_loop()
             await self._start_server()
+            await self._check_reachability()
             await self._start_heartbeat()
             await self._start_rebalancer()
         except BaseException:
@@ -190,6 +197,7 @@ class Peer:
             endpoint=lambda: self.endpoint,
             serving=self._serving,
             tls_cert=lambda: self.tls_cert,
+            reachability=lambda: self.reachability,
         )
 
     async def _choose_stage(self) -> None:
@@ -430,6 +438,25 @@ class Peer:
             raise ValueError(
                 "listening on 0.0.0.0 needs --announce-host: the address trainers should dial"
             )
+
+    async def _check_reachability(self) -> None:
+        """Ask a peer of the run to dial this one back (--no-reachability-check: announced direct, unchecked)."""
+        if not self.config.reachability_check:
+            return
+        verdict = await check_reachability(
+            self.directory,
+            num_stages=self.run.model.num_stages,
+            address=self.address,
+            token=caller_token(self.identity),
+            timeout_s=self.config.limits.dial_back_timeout_s,
+            rng=random.Random(self.peer_id),
+        )
+        self.reachability, self.reachability_verdict = verdict.reachability, verdict
+        line = advice(verdict, self.endpoint)
+        if verdict.reachability == Reachability.DIRECT:
+            logger.info("%s", line)
+        else:
+            logger.warning("%s", line)
 
     async def _start_heartbeat(self) -> None:
         self._background(self._announcer.run_forever(), "announce")

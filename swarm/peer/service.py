@@ -35,6 +35,7 @@ from swarm.peer.config import LimitsConfig
 from swarm.peer.executor import StageExecutor
 from swarm.peer.limits import CallLimits, Reservation, caller_address
 from swarm.peer.queue import WorkQueue
+from swarm.peer.reachability import DialBacks
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
@@ -74,6 +75,7 @@ class StageService(pb_grpc.StagePeerServicer):
             max_queue_wait_s=context.limits.max_queue_wait_s,
             enabled=context.limits.shed_late_work,
         )
+        self.dial_backs = DialBacks(context.run_id, timeout_s=context.limits.dial_back_timeout_s)
         # commits answered through the Commit RPC (the in-call one was not confirmed)
         self.late_commits = 0
         # called as each call ends: (method, seconds, outcome); see swarm.transport.server
@@ -366,6 +368,11 @@ class StageService(pb_grpc.StagePeerServicer):
             gradients_dropped=ex.gradients_dropped,
             codecs=list(CODEC_NAMES),
         )
+
+    @unary_handler
+    async def DialBack(self, request: pb.DialBackRequest, context) -> pb.DialBackReply:
+        """A starting peer asks whether it can be dialed at its endpoint (see swarm.peer.reachability)."""
+        return await self.dial_backs.answer(request, context.peer())
 
     # ------------------------------------------------------------------ checks
 

@@ -64,6 +64,11 @@ class StagePeerStub:
                 request_serializer=swarm__pb2.CloseBatchRequest.SerializeToString,
                 response_deserializer=swarm__pb2.CloseBatchReply.FromString,
                 _registered_method=True)
+        self.DialBack = channel.unary_unary(
+                '/swarm.v1.StagePeer/DialBack',
+                request_serializer=swarm__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=swarm__pb2.DialBackReply.FromString,
+                _registered_method=True)
 
 
 class StagePeerServicer:
@@ -105,6 +110,12 @@ class StagePeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DialBack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StagePeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_StagePeerServicer_to_server(servicer, server):
                     servicer.CloseBatch,
                     request_deserializer=swarm__pb2.CloseBatchRequest.FromString,
                     response_serializer=swarm__pb2.CloseBatchReply.SerializeToString,
+            ),
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=swarm__pb2.DialBackRequest.FromString,
+                    response_serializer=swarm__pb2.DialBackReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class StagePeer:
             '/swarm.v1.StagePeer/CloseBatch',
             swarm__pb2.CloseBatchRequest.SerializeToString,
             swarm__pb2.CloseBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.StagePeer/DialBack',
+            swarm__pb2.DialBackRequest.SerializeToString,
+            swarm__pb2.DialBackReply.FromString,
             options,
             channel_credentials,
             insecure,

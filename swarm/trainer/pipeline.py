@@ -31,7 +31,7 @@ from swarm.errors import BadReply, GradientOutlier, InvalidRequest, StageUnavail
 from swarm.identity import PEER_ID_HEX
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
 from swarm.routing.retry import failure_kind
-from swarm.states import PeerState
+from swarm.states import PeerState, Reachability
 from swarm.trainer.calls import StageCalls
 from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
@@ -89,6 +89,8 @@ class Pipeline:
         )
         # every record seen recently, draining ones included (backward may still go there)
         self.records: list[dict[str, StageRecord]] = [{} for _ in range(self.num_stages)]
+        # peers that announce themselves relayed (behind NAT), already logged: this trainer dials only direct ones
+        self._unreachable: set[str] = set()
         # where each stage's optimizer stands, and closing global batches at the stages
         # where the gradients of batches the stages have not stepped on lie, to compute again those of a replica
         # that leaves before its stage steps
@@ -171,11 +173,29 @@ class Pipeline:
             compatible = {
                 pid: r
                 for pid, r in found.items()
-                if r.config_hash == fingerprint and (listed_ids is None or pid in listed_ids)
+                if r.config_hash == fingerprint
+                and (listed_ids is None or pid in listed_ids)
+                and self._dialable(r)
             }
             self.records[stage] = compatible
             self._update_router(stage, now)
         self._refreshed.set()
+
+    def _dialable(self, record: StageRecord) -> bool:
+        """Whether this trainer can call the peer: a relayed one (behind NAT, no inbound connections) is left out,
+        said once per peer."""
+        if record.reachability == Reachability.DIRECT:
+            return True
+        if record.peer_id not in self._unreachable:
+            self._unreachable.add(record.peer_id)
+            logger.info(
+                "peer %s of stage %d announces itself relayed (nobody could dial %s): this trainer calls peers "
+                "directly only and sends it no work",
+                record.peer_id,
+                record.stage,
+                record.endpoint,
+            )
+        return False
 
     def _update_router(self, stage: int, now: float) -> None:
         """Route new work only to serving peers. A peer that said "draining" in a reply is left out for a

@@ -136,6 +136,19 @@ class PeerClient:
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
 
+    async def dial_back(
+        self, run_id: str, endpoint: str, tls_cert: str, *, timeout_s: float
+    ) -> pb.DialBackReply:
+        """Ask the peer to connect to ``endpoint`` (pinning ``tls_cert``; "" = plaintext) and say whether it could
+        (see :mod:`swarm.peer.reachability`)."""
+        request = pb.DialBackRequest(
+            protocol_version=PROTOCOL_VERSION, run_id=run_id, endpoint=endpoint, tls_cert=tls_cert
+        )
+        try:
+            return await self._stub.DialBack(request, timeout=timeout_s, metadata=self._auth())
+        except grpc.aio.AioRpcError as e:
+            raise typed_error(e, peer=self.endpoint) from None
+
     async def get_state(
         self, run_id: str, *, include_grads: bool = False, timeout_s: float
     ) -> Reply:

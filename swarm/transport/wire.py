@@ -247,6 +247,11 @@ def add_stage_servicer(servicer: pb_grpc.StagePeerServicer, server: grpc.aio.Ser
             request_deserializer=pb.CloseBatchRequest.FromString,
             response_serializer=pb.CloseBatchReply.SerializeToString,
         ),
+        "DialBack": grpc.unary_unary_rpc_method_handler(
+            servicer.DialBack,
+            request_deserializer=pb.DialBackRequest.FromString,
+            response_serializer=pb.DialBackReply.SerializeToString,
+        ),
     }
     if set(handlers) != STAGE_METHODS:  # the proto gained or lost an RPC: register it here too
         raise RuntimeError(

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.apt import AptError, apt_install
+
 # command -> the Debian package that provides it (compose: unless `docker compose`, v2, answers)
 PACKAGES = {
     "dockerd": "docker.io",
@@ -87,32 +89,11 @@ def missing_packages(*, offline: bool) -> list[str]:
 
 
 def install_packages(log, *, offline: bool) -> None:
-    """``apt-get install`` what is missing (after ``apt-get update``), without starting any service: where the
-    machine has no ``policy-rc.d`` that forbids it, one is put in place for the install and removed after."""
-    packages = missing_packages(offline=offline)
-    if not packages:
-        return
-    policy = Path("/usr/sbin/policy-rc.d")
-    made_policy = not policy.exists()
-    if made_policy:
-        policy.write_text(
-            "#!/bin/sh\n# deploy/engine.py: no service starts during its install\nexit 101\n"
-        )
-        policy.chmod(0o755)
+    """``apt-get install`` what is missing (see :func:`deploy.apt.apt_install`)."""
     try:
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for argv in (
-            ["apt-get", "update"],
-            ["apt-get", "install", "-y", "--no-install-recommends", *packages],
-        ):
-            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)
-            if done.returncode != 0:
-                raise EngineError(
-                    f"`{' '.join(argv)}` failed (exit {done.returncode}); see {log.name}"
-                )
-    finally:
-        if made_policy:
-            policy.unlink()
+        apt_install(missing_packages(offline=offline), log)
+    except AptError as e:
+        raise EngineError(str(e)) from None
 
 
 def docker_answers() -> bool:

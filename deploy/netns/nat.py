@@ -14,9 +14,12 @@ Needs ``nft`` (Debian package ``nftables``) on PATH: :func:`have_nat` says why n
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import tempfile
 
+from deploy.apt import AptError, apt_install
 from deploy.netns.commands import NAMESPACE_IFNAME, NetnsError, add_veth, run_cmd
 
 ROUTER_INSIDE_IFNAME = "lan0"  # the router's leg towards its host
@@ -24,7 +27,16 @@ NAT_TABLE = "swarmnat"  # the nftables tables the router holds (ip, for NAT; ine
 
 
 def have_nat() -> tuple[bool, str]:
-    """(True, "") when NAT routers can be built (given namespaces, see ``have_netns``), else (False, why)."""
+    """(True, "") when NAT routers can be built (given namespaces, see ``have_netns``), else (False, why). As root
+    where ``nft`` is missing, Debian's ``nftables`` is installed first (as deploy/engine.py installs Docker)."""
+    if shutil.which("nft") is None and os.geteuid() == 0 and shutil.which("apt-get") is not None:
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="swarm-apt-nftables-", suffix=".log", delete=False
+        ) as log:
+            try:
+                apt_install(["nftables"], log)
+            except (AptError, OSError, subprocess.TimeoutExpired) as e:
+                return False, f"`nft` is not on PATH and installing nftables failed: {e}"
     if shutil.which("nft") is None:
         return (
             False,

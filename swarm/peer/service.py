@@ -103,21 +103,24 @@ class StageService(pb_grpc.StagePeerServicer):
                 )
                 x = _joined_input(stage, tensors)
                 work = dict(deadline_s=deadline_s, samples=x.shape[0])
+                params_step = _params_step(meta)
                 if meta.eval_only and stage.is_last:
                     loss, version = await self._compute(
-                        self._versioned(self.executor.eval_loss),
+                        self._versioned(self.executor.eval_loss, params_step),
                         x,
                         _require(tensors, "targets"),
+                        params_step,
                         work=dict(work, forward=True, backward=False),
                     )
                     yield self._reply(loss=loss, version=version)
                 elif meta.compute_loss:
                     (loss, grad_input), version = await self._compute(
-                        self._versioned(self.executor.forward_loss_backward),
+                        self._versioned(self.executor.forward_loss_backward, params_step),
                         meta.microbatch_id,
                         x,
                         _require(tensors, "targets"),
                         _num_samples(meta, x),
+                        params_step,
                         work=dict(work, forward=True, backward=True),
                     )
                     async for frame in self._reply_and_commit(
@@ -130,10 +133,11 @@ class StageService(pb_grpc.StagePeerServicer):
                     )
                 else:
                     output, version = await self._compute(
-                        self._versioned(self.executor.forward),
+                        self._versioned(self.executor.forward, params_step),
                         meta.microbatch_id,
                         x,
                         keep=not meta.eval_only,
+                        params_step=params_step,
                         work=dict(work, forward=True, backward=False),
                     )
                     if not all_finite(output):
@@ -174,6 +178,7 @@ class StageService(pb_grpc.StagePeerServicer):
                     grad_output,
                     inputs,
                     _num_samples(meta, grad_output),
+                    _params_step(meta),
                     work=dict(
                         deadline_s=deadline_s,
                         samples=grad_output.shape[0],
@@ -443,12 +448,13 @@ class StageService(pb_grpc.StagePeerServicer):
 
         return check
 
-    def _versioned(self, compute: Callable) -> Callable:
+    def _versioned(self, compute: Callable, params_step: int | None) -> Callable:
         """``compute`` returning also the (step, parameter digest) it ran at, read on the compute thread right after
-        it (a step runs on that thread too, so none comes between): a reply names the parameters it came from."""
+        it (a step runs on that thread too, so none comes between): a reply names the parameters it came from
+        (those of ``params_step`` for a call pinned to that step)."""
 
         def run(*args, **kwargs):
-            return compute(*args, **kwargs), self.executor.step_and_digest()
+            return compute(*args, **kwargs), self.executor.step_and_digest(params_step)
 
         return run
 
@@ -471,6 +477,11 @@ class StageService(pb_grpc.StagePeerServicer):
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)
+
+
+def _params_step(meta: pb.RequestMeta) -> int | None:
+    """The optimizer step whose parameters the call asks for (None: the current ones)."""
+    return meta.params_step if meta.HasField("params_step") else None
 
 
 def _work_deadline(context) -> float | None:

@@ -238,10 +238,15 @@ class Pipeline:
     # ------------------------------------------------------------------ one microbatch
 
     async def train_microbatch(
-        self, microbatch_id: str, tokens: torch.Tensor, batch_steps: list[int] | None = None
+        self,
+        microbatch_id: str,
+        tokens: torch.Tensor,
+        batch_steps: list[int] | None = None,
+        params_steps: list[int] | None = None,
     ) -> MicrobatchResult:
         """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss.
-        ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to."""
+        ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to;
+        ``params_steps[k]``: the step whose parameters stage k computes it with (None: each replica's current)."""
         x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
         samples = x.shape[0]
         failures_before = self.failed_calls
@@ -251,6 +256,7 @@ class Pipeline:
         forward_peers: list[str] = []
         last = self.num_stages - 1
         tags = batch_steps or [None] * self.num_stages
+        pins = params_steps or [None] * self.num_stages
         cost = samples * (FORWARD_COST + BACKWARD_COST)
         h, stage, suspect = x, 0, None
         while True:
@@ -258,11 +264,19 @@ class Pipeline:
             stage_inputs.append(h)
             try:
                 if stage < last:
-                    attempt = self.calls.forward(stage, microbatch_id, h, tokens=x)
+                    attempt = self.calls.forward(
+                        stage, microbatch_id, h, tokens=x, params_step=pins[stage]
+                    )
                     reply, peer = await self._call(stage, samples * FORWARD_COST, attempt)
                 else:
                     attempt = self.calls.forward(
-                        last, microbatch_id, h, tokens=x, targets=targets, batch_step=tags[last]
+                        last,
+                        microbatch_id,
+                        h,
+                        tokens=x,
+                        targets=targets,
+                        batch_step=tags[last],
+                        params_step=pins[last],
                     )
                     reply, peer = await self._call(last, cost, attempt)
             except InvalidRequest as e:
@@ -282,7 +296,9 @@ class Pipeline:
                 h = stage_inputs[stage]
                 continue
             forward_peers.append(peer)
-            self._spot_check(stage, peer, reply, h, x, targets if stage == last else None)
+            self._spot_check(
+                stage, peer, reply, h, x, targets if stage == last else None, pinned=pins[stage]
+            )
             if stage == last:
                 break
             h = _tensor(reply, "output", peer)
@@ -303,12 +319,13 @@ class Pipeline:
                 x,
                 forward_peers[stage],
                 tags[stage],
+                pins[stage],
             )
             cost = samples * BACKWARD_COST
             # Computed again, it is a backward with the inputs (no peer keeps them after a backward): the peer
             # recomputes the forward too.
             with_inputs = self.calls.backward_with_inputs(
-                stage, microbatch_id, grad, stage_inputs[stage], x, tags[stage]
+                stage, microbatch_id, grad, stage_inputs[stage], x, tags[stage], pins[stage]
             )
             recompute = functools.partial(
                 self._call, stage, samples * (FORWARD_COST + BACKWARD_COST), with_inputs
@@ -470,9 +487,12 @@ class Pipeline:
         h: torch.Tensor,
         tokens: torch.Tensor,
         targets: torch.Tensor | None,
+        *,
+        pinned: int | None = None,
     ) -> None:
         """Maybe have another replica of ``stage`` recompute this forward (its output, or at the last stage its
-        loss) and compare: see :mod:`swarm.trainer.spotcheck`."""
+        loss) and compare: see :mod:`swarm.trainer.spotcheck`. A call ``pinned`` to a step's parameters is
+        recomputed on the parameters of the step it ran on."""
         # a peer others reported (too few to avoid it) is checked on every call: see swarm.trainer.reports
         if not self.spot_checks.sampled() and peer not in self.reports.suspects:
             return
@@ -481,7 +501,13 @@ class Pipeline:
         else:
             result = reply.tensors["output"]
         check = self.calls.forward(
-            stage, "spot-check", h, tokens=tokens, targets=targets, eval_only=True
+            stage,
+            "spot-check",
+            h,
+            tokens=tokens,
+            targets=targets,
+            eval_only=True,
+            params_step=None if pinned is None else reply.meta.step,
         )
 
         async def recompute(address: PeerAddress, timeout_s: float):

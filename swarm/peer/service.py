@@ -232,7 +232,7 @@ class StageService(pb_grpc.StagePeerServicer):
         grad_input,
         *,
         loss: float | None = None,
-        version: tuple[int, str] | None = None,
+        version: tuple[int, str, int | None] | None = None,
     ) -> AsyncIterator[pb.Frame]:
         """Send the reply, then wait for the caller's commit before counting the gradients. If the call ends
         before any of the reply was sent, the caller cannot commit: the gradients are dropped now (it retries
@@ -449,12 +449,16 @@ class StageService(pb_grpc.StagePeerServicer):
         return check
 
     def _versioned(self, compute: Callable, params_step: int | None) -> Callable:
-        """``compute`` returning also the (step, parameter digest) it ran at, read on the compute thread right after
-        it (a step runs on that thread too, so none comes between): a reply names the parameters it came from
-        (those of ``params_step`` for a call pinned to that step)."""
+        """``compute`` returning also the (step, parameter digest, step of the parameters used if the call was pinned
+        to ``params_step``) it ran at, read on the compute thread right after it (a step runs on that thread too, so
+        none comes between): a reply names the parameters it came from."""
 
         def run(*args, **kwargs):
-            return compute(*args, **kwargs), self.executor.step_and_digest(params_step)
+            result = compute(*args, **kwargs)
+            if params_step is None:
+                return result, (*self.executor.step_and_digest(), None)
+            used, digest = self.executor.step_and_digest(params_step)
+            return result, (self.executor.step, digest, used)
 
         return run
 
@@ -464,9 +468,9 @@ class StageService(pb_grpc.StagePeerServicer):
         loss: float | None = None,
         num_tensors: int = 0,
         hold_s: float = 0.0,
-        version: tuple[int, str] | None = None,
+        version: tuple[int, str, int | None] | None = None,
     ) -> pb.Frame:
-        step, digest = version if version is not None else (self.executor.step, "")
+        step, digest, used = version if version is not None else (self.executor.step, "", None)
         meta = pb.ReplyMeta(
             step=step,
             param_digest=digest,
@@ -474,6 +478,8 @@ class StageService(pb_grpc.StagePeerServicer):
             num_tensors=num_tensors,
             commit_hold_s=hold_s,
         )
+        if used is not None:
+            meta.params_step = used
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)

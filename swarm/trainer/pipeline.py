@@ -431,7 +431,7 @@ class Pipeline:
             timeout_s = self.call_timeout_s(stage, record, samples * (FORWARD_COST + BACKWARD_COST))
             try:
                 reply = await with_inputs(PeerAddress.of(record), timeout_s)
-                self.steps.replied(stage, reply.meta.step)
+                self.steps.replied(stage, reply.meta.step, other)
                 return reply, other
             except GradientOutlier as e:
                 self._ban_for_run(
@@ -507,17 +507,17 @@ class Pipeline:
             tokens=tokens,
             targets=targets,
             eval_only=True,
-            params_step=None if pinned is None else reply.meta.step,
+            params_step=None if pinned is None else _params_step(reply),
         )
 
         async def recompute(address: PeerAddress, timeout_s: float):
             answer = await check(address, timeout_s)
-            version = (answer.meta.step, answer.meta.param_digest)
+            version = (_params_step(answer), answer.meta.param_digest)
             if targets is not None:
                 return version, torch.tensor([answer.meta.loss])
             return version, answer.tensors["output"]
 
-        version = (reply.meta.step, reply.meta.param_digest)
+        version = (_params_step(reply), reply.meta.param_digest)
         work = h.shape[0] * FORWARD_COST
         self.spot_checks.check(CheckedCall(stage, peer, version, result, recompute, work))
 
@@ -583,7 +583,7 @@ class Pipeline:
                 raise
             now = time.monotonic()
             self.router.on_success(stage, peer, work, max(now - started, 1e-6), now)
-            self.steps.replied(stage, reply.meta.step)
+            self.steps.replied(stage, reply.meta.step, peer)
             if (
                 reply.meta.state == PeerState.DRAINING
                 and (stage, peer) not in self._draining_replies
@@ -655,6 +655,12 @@ class Pipeline:
                     e, now, wait_s=min(deadline - now, self.config.refresh_s * 2), min_wait_s=0.05
                 )
                 await self._next_refresh(timeout_s=wake - now)
+
+
+def _params_step(reply: Reply) -> int:
+    """The optimizer step whose parameters ``reply`` was computed with."""
+    meta = reply.meta
+    return meta.params_step if meta.HasField("params_step") else meta.step
 
 
 def _tensor(reply: Reply, name: str, peer: str) -> torch.Tensor:

@@ -335,9 +335,11 @@ class StageExecutor:
                     cached
                 )  # autograd frees it below; a retry after a failure recomputes
                 self.backwards_from_graph += 1
-            else:  # recompute from the inputs, on the parameters the forward ran on
-                version = self._versions.pick(
-                    cached.params_step if cached is not None else params_step
+            else:  # recompute from the inputs, on the parameters the forward ran on (or the nearest still held)
+                version = (
+                    self._versions.resolve(cached.params_step)
+                    if cached is not None
+                    else self._versions.pick(params_step)
                 )
                 leaf = self._leaf(x)
                 with torch.enable_grad(), self.compute.autocast():

@@ -142,10 +142,10 @@ class ComputeTimer:
         self.seconds: dict[str, float] = {}
         inner = executor.forward
 
-        def timed(microbatch_id, x, *, keep):
+        def timed(microbatch_id, x, **kwargs):
             t0 = time.perf_counter()
             try:
-                return inner(microbatch_id, x, keep=keep)
+                return inner(microbatch_id, x, **kwargs)
             finally:
                 self.seconds[microbatch_id] = time.perf_counter() - t0
 

@@ -108,7 +108,10 @@ def test_memory_estimate_counts_the_real_parameters_and_the_budgets():
     assert est.parameters == est.gradient_sums == real
     assert est.optimizer_state == 2 * real
     assert est.held_gradients == real  # one gradient is always admitted, whatever the budget
-    assert est.total == 5 * real + (3 << 20)
+    assert (
+        est.param_versions == 2 * real
+    )  # the current step's copy and one older (swarm.peer.versions)
+    assert est.total == 7 * real + (3 << 20)
     with_avg = estimate_stage_memory(MODEL, 1, cache, compute_dtype=torch.bfloat16, averaging=True)
     assert with_avg.total == est.total + 2 * real + real // 2
 

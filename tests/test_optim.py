@@ -16,7 +16,7 @@ from torch import nn
 
 from swarm.config import RunConfig
 from swarm.data import ByteCorpus
-from swarm.model import ModelConfig, build_stage
+from swarm.model import ModelConfig, build_full_model, build_stage, evaluate
 from swarm.optim import LaterBatches, adamw_param_groups, build_stage_optimizer, learning_rate
 from swarm.trainer.reference import train_reference
 
@@ -72,6 +72,28 @@ def test_train_reference_reports_losses_and_throughput():
     )
     assert stopped.losses == pytest.approx(result.losses[:2], rel=1e-5)
     assert [step for step, _ in stopped.val_losses] == [2]
+
+
+def test_train_reference_applies_each_batch_delay_steps_batches_late():
+    """With ``delay_steps`` d, batch e computes on the parameters after the steps on batches 0 .. e - d - 1 (what the
+    swarm's pinned batches do one batch ahead), and every batch is applied by the end."""
+    text = bytes(range(32, 127)) * 40
+    corpus = ByteCorpus.from_bytes(text[:3000], text[3000:])
+    run = RunConfig(model=SMALL, target_batch_size=8, lr=3e-3, warmup_steps=0)
+
+    def train(delay: int):
+        return train_reference(
+            run, corpus, steps=4, microbatch_size=4, eval_batches=2, delay_steps=delay
+        )
+
+    # every batch on the initial parameters: the steps all come at the end
+    frozen, lockstep, delayed = train(4), train(0), train(2)
+    assert delayed.losses[:3] == frozen.losses[:3] and delayed.losses[3] != frozen.losses[3]
+    assert lockstep.losses[0] == frozen.losses[0] and lockstep.losses[1] != frozen.losses[1]
+    untrained = evaluate(build_full_model(SMALL), corpus.val_batches(4, SMALL.seq_len, 2))
+    assert frozen.val_loss < untrained  # its four steps were taken before the validation
+    with pytest.raises(ValueError, match="delay_steps must be >= 0"):
+        train(-1)
 
 
 # Four stages: each clips its own gradient to max_grad_norm / sqrt(4) = 0.5. No weight decay, so a step moves

@@ -1,6 +1,7 @@
-"""Convergence parity, short: 2 stages x 2 averaging peers (codec none, lockstep) against the same model trained in
-one process with the same global batches, schedule and seed. (bench/convergence.py runs the longer version and
-plots both curves.)"""
+"""Convergence parity, short: 2 stages x 2 averaging peers (codec none) against the same model trained in one process
+with the same global batches, schedule and seed: in lockstep, and one batch ahead (the default: each batch pinned to
+the parameters of the step before its predecessor's, which the one-process run trains with ``delay_steps=1``).
+(bench/convergence.py runs the longer version and plots the curves.)"""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ CLEAN_GAP = 0.0005
 REPAIRED_GAP = 0.01
 
 
-def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm):
+@pytest.mark.parametrize("ahead", [0, 1], ids=["lockstep", "one-batch-ahead"])
+def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm, ahead):
     peers = [
         local_swarm.peer(f"s{stage}-{i}", stage, *PEER_FLAGS, run_id="parity", wait=False)
         for stage in range(2)
@@ -79,7 +81,7 @@ def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm):
         steps=RUN.total_steps,
         microbatch_size=MICROBATCH,
         in_flight=4,
-        max_batches_ahead=0,
+        max_batches_ahead=ahead,
         seed=0,
         eval_every_steps=0,
         eval_batches=EVAL_BATCHES,
@@ -100,6 +102,7 @@ def test_swarm_reaches_the_validation_loss_of_one_process(local_swarm):
         microbatch_size=MICROBATCH,
         seed=0,
         eval_batches=EVAL_BATCHES,
+        delay_steps=ahead,
     )
     one_process_val = reference.val_loss
     # The first batch runs on the same initial parameters and data in both: the same loss (printed to 3 decimals).

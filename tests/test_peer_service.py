@@ -530,4 +530,8 @@ def test_a_peer_sums_up_what_it_did_in_one_log_line(peers, loop_thread):
     # since the last summary: 2 microbatches of B samples, at some positive rate; the counts are the peer's
     rate = float(re.search(r"([\d.]+) samples/s applied over", line).group(1))
     assert rate > 0 and f"({before + 2} microbatches in all)" in line, line
-    assert re.search(r"busy \d+%, in flight 0, held gradients \d+, dropped \d+$", line), line
+    assert re.search(
+        r"busy \d+%, in flight 0, held gradients \d+, dropped \d+, backwards from a kept graph \d+ / "
+        r"recomputed \d+$",
+        line,
+    ), line

@@ -55,7 +55,7 @@ def test_a_peer_with_bad_replies_is_banned_for_the_run_and_training_goes_on(
     run_id = f"rc-{corrupt.__name__[1:]}"
     bad, good, last = peers(run_id, 0), peers(run_id, 0), peers(run_id, 1)
     honest = bad.executor.forward
-    bad.executor.forward = lambda mb, x, *, keep: corrupt(honest(mb, x, keep=keep))
+    bad.executor.forward = lambda mb, x, **kwargs: corrupt(honest(mb, x, **kwargs))
 
     async def body():
         async with _pipeline(last.directory, both_at=0) as pipeline:
@@ -91,8 +91,8 @@ def test_a_peer_sending_huge_gradients_is_banned_before_they_count_anywhere(peer
     first, liar, honest = peers("rc-huge", 0), peers("rc-huge", 1), peers("rc-huge", 1)
     truthful = liar.executor.forward_loss_backward
 
-    def huge(mb, x, targets, num_samples):
-        loss, grad_input = truthful(mb, x, targets, num_samples)
+    def huge(mb, x, targets, num_samples, params_step=None):
+        loss, grad_input = truthful(mb, x, targets, num_samples, params_step)
         return loss, 1e6 * grad_input
 
     liar.executor.forward_loss_backward = huge
@@ -186,8 +186,8 @@ def test_a_gradient_a_stage_refuses_costs_that_microbatch_there_never_the_run(
     liar, honest = peers(run_id, 1), peers(run_id, 1)
     truthful, lying = liar.executor.forward_loss_backward, [False]
 
-    def huge_once_lying(mb, x, targets, num_samples):
-        loss, grad_input = truthful(mb, x, targets, num_samples)
+    def huge_once_lying(mb, x, targets, num_samples, params_step=None):
+        loss, grad_input = truthful(mb, x, targets, num_samples, params_step)
         return loss, 1e6 * grad_input if lying[0] else grad_input
 
     liar.executor.forward_loss_backward = huge_once_lying

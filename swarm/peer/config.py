@@ -21,6 +21,10 @@ class CacheConfig:
     graph_cache_bytes: int = 256 << 20
     # bytes of stage inputs kept for backward (oldest evicted first)
     input_cache_bytes: int = 256 << 20
+    # older optimizer steps whose parameters a replica keeps, a copy each (swarm.peer.versions): a graph kept
+    # across that many steps stays valid, and a trainer that streams the next global batch while the stage
+    # averages pins its calls to the step before; 0 = the current step's only (a step drops the graphs)
+    kept_param_steps: int = 1
     # backward replies kept so a retried backward returns the same answer
     reply_cache_size: int = 256
     applied_ids_size: int = 100_000  # microbatch ids remembered as applied (never counted twice)
@@ -41,10 +45,19 @@ class CacheConfig:
     max_gradient_ratio: float = 0.0
 
     def __post_init__(self):
-        if min(self.graph_cache_bytes, self.reply_cache_size, self.input_cache_bytes) < 0:
+        if (
+            min(
+                self.graph_cache_bytes,
+                self.reply_cache_size,
+                self.input_cache_bytes,
+                self.kept_param_steps,
+            )
+            < 0
+        ):
             raise ValueError(
                 f"cache sizes must be >= 0, got graph_cache_bytes={self.graph_cache_bytes}, "
-                f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}"
+                f"input_cache_bytes={self.input_cache_bytes}, reply_cache_size={self.reply_cache_size}, "
+                f"kept_param_steps={self.kept_param_steps}"
             )
         if not self.commit_hold_s > 0:
             raise ValueError(

@@ -24,6 +24,7 @@ from swarm.optim import StageOptimizer
 from swarm.outliers import OutlierBound
 from swarm.peer.config import CacheConfig
 from swarm.peer.ledger import UNKNOWN, CommitLedger
+from swarm.peer.versions import ParamVersions, Version
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Cached:
     inputs: torch.Tensor
-    # (leaf input with requires_grad, output) while the graph is kept; None once dropped
-    graph: tuple[torch.Tensor, torch.Tensor] | None
+    # (leaf input with requires_grad, output, the parameters it ran on) while the graph is kept; None once dropped
+    graph: tuple[torch.Tensor, torch.Tensor, Version] | None
+    # the optimizer step whose parameters the forward ran on (a backward recomputes on them too)
+    params_step: int
     graph_bytes: int = (
         0  # bytes the graph holds (tensors saved for backward), counted while it is kept
     )
@@ -97,7 +100,12 @@ class StageExecutor:
         self._cache_bytes = 0
         self._graph_bytes = 0  # bytes of the graphs kept in _cache
         self._graph_bytes_per_token = 0.0  # measured on the last graph kept; 0 until then
-        self._param_ids = {p.untyped_storage().data_ptr() for p in stage_module.parameters()}
+        # the parameters of the current and recent optimizer steps that forwards run on (see swarm.peer.versions)
+        self._versions = ParamVersions(stage_module, optimizer.step, keep=cache.kept_param_steps)
+        # backwards that found their forward's graph, and those that computed the forward again (its graph was
+        # dropped: the cache budget, a parameter version no longer held, or no forward here)
+        self.backwards_from_graph = 0
+        self.backwards_recomputed = 0
         # bytes one held gradient takes: a copy of every trainable parameter's gradient
         self._gradient_bytes = sum(_nbytes(p) for p in stage_module.parameters() if p.requires_grad)
         self._ledger = CommitLedger(cache)
@@ -198,62 +206,80 @@ class StageExecutor:
     # ---------------------------------------------------------------- forward
 
     @_busy
-    def forward(self, microbatch_id: str, x: torch.Tensor, *, keep: bool) -> torch.Tensor:
-        """Run the stage. With ``keep``, hold what backward needs: the graph while ``graph_cache_bytes``
+    def forward(
+        self, microbatch_id: str, x: torch.Tensor, *, keep: bool, params_step: int | None = None
+    ) -> torch.Tensor:
+        """Run the stage on the parameters of optimizer step ``params_step`` (None: the current step; see
+        :meth:`version`). With ``keep``, hold what backward needs: the graph while ``graph_cache_bytes``
         allows (its size predicted from the last graph kept, then measured), else just the inputs (backward
-        then recomputes)."""
+        then recomputes on the same parameters)."""
         self._check_input(x)
         x = self.compute.to_device(x)
+        version = self._versions.pick(params_step)
         tokens = x.shape[0] * x.shape[1]
         predicted = self._graph_bytes_per_token * tokens
         with self._timed_compute("_fwd_s_per_sample", x.shape[0]):
-            if not keep:
-                with torch.no_grad(), self.compute.autocast():
-                    out = self.stage_module(x)
-            elif self._graph_bytes + predicted <= self.cache_config.graph_cache_bytes:
+            if keep and self._graph_bytes + predicted <= self.cache_config.graph_cache_bytes:
                 leaf = self._leaf(x)
                 saved = [0]
-                with torch.enable_grad(), self.compute.autocast(), self._count_saved(saved):
-                    out = self.stage_module(leaf)
+                with (
+                    torch.enable_grad(),
+                    self.compute.autocast(),
+                    self._count_saved(saved, version),
+                ):
+                    out = version.call(self.stage_module, "forward", leaf)
                 self._graph_bytes_per_token = saved[0] / tokens
                 if self._graph_bytes + saved[0] <= self.cache_config.graph_cache_bytes:
-                    self._remember(microbatch_id, _Cached(x, (leaf, out), saved[0]))
+                    self._remember(
+                        microbatch_id, _Cached(x, (leaf, out, version), version.step, saved[0])
+                    )
                 else:  # the prediction was short: keep only the inputs
-                    self._remember(microbatch_id, _Cached(x, None))
+                    self._remember(microbatch_id, _Cached(x, None, version.step))
                 out = out.detach()
             else:
                 with torch.no_grad(), self.compute.autocast():
-                    out = self.stage_module(x)
-                self._remember(microbatch_id, _Cached(x, None))
+                    out = version.call(self.stage_module, "forward", x)
+                if keep:
+                    self._remember(microbatch_id, _Cached(x, None, version.step))
         return self.compute.to_host(out)
 
     @_busy
-    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(
+        self, x: torch.Tensor, targets: torch.Tensor, params_step: int | None = None
+    ) -> float:
         self._check_input(x)
         self._check_targets(x, targets)
         x, targets = self.compute.to_device(x), self.compute.to_device(targets)
+        version = self._versions.pick(params_step)
         with torch.no_grad(), self.compute.autocast():
-            return float(self.stage_module.loss(x, targets))
+            return float(version.call(self.stage_module, "loss", x, targets))
 
     # ---------------------------------------------------------------- backward
 
     @_busy
     def forward_loss_backward(
-        self, microbatch_id: str, x: torch.Tensor, targets: torch.Tensor, num_samples: int
+        self,
+        microbatch_id: str,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        num_samples: int,
+        params_step: int | None = None,
     ) -> tuple[float, torch.Tensor | None]:
-        """Last stage: loss and input gradient in one call. The parameter gradients are held until
-        :meth:`commit` (or dropped by :meth:`abort`). Raises PeerOverloaded, before computing, when
-        ``held_gradient_bytes`` of gradients already wait for their commit."""
+        """Last stage: loss and input gradient in one call, on the parameters of optimizer step ``params_step``
+        (None: the current step). The parameter gradients are held until :meth:`commit` (or dropped by
+        :meth:`abort`). Raises PeerOverloaded, before computing, when ``held_gradient_bytes`` of gradients
+        already wait for their commit."""
         if (known := self._ledger.known_reply(microbatch_id)) is not UNKNOWN:
             return known
         self._ledger.check_room(microbatch_id, self._gradient_bytes + _nbytes(x))
         self._check_input(x)
         self._check_targets(x, targets)
         x, targets = self.compute.to_device(x), self.compute.to_device(targets)
+        version = self._versions.pick(params_step)
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
             leaf = self._leaf(x)
             with torch.enable_grad(), self.compute.autocast():
-                loss = self.stage_module.loss(leaf, targets)
+                loss = version.call(self.stage_module, "loss", leaf, targets)
             if not torch.isfinite(loss):
                 raise InvalidRequest(
                     f"microbatch {microbatch_id}: the loss is {float(loss.detach())}; the inputs "
@@ -261,7 +287,7 @@ class StageExecutor:
                 )
             # Weight by samples: after dividing by the samples of the global batch at step time, the gradient
             # is that of the mean loss over the global batch, however it was cut into microbatches.
-            grads, grad_input = self._gradients(loss * num_samples, None, leaf)
+            grads, grad_input = self._gradients(loss * num_samples, None, leaf, version)
             self._check_gradient_size(microbatch_id, grads, num_samples)
             reply = (float(loss.detach()), grad_input)
             self._ledger.hold(microbatch_id, grads, reply, num_samples)
@@ -274,9 +300,12 @@ class StageExecutor:
         grad_output: torch.Tensor,
         inputs: torch.Tensor | None,
         num_samples: int,
+        params_step: int | None = None,
     ) -> torch.Tensor | None:
         """Compute this microbatch's gradients; return the gradient of the stage input (None on the first
-        stage, whose input is token ids). Parameter gradients are held until :meth:`commit`. Raises
+        stage, whose input is token ids). The parameters are those its forward here ran on (its graph, or a
+        recompute on them), else those of optimizer step ``params_step`` (None: the current step). Parameter
+        gradients are held until :meth:`commit`. Raises
         NotCached if this peer holds neither the graph nor the inputs and none were sent, PeerOverloaded
         (before computing) when ``held_gradient_bytes`` of gradients already wait for their commit."""
         if (known := self._ledger.known_reply(microbatch_id)) is not UNKNOWN:
@@ -301,15 +330,22 @@ class StageExecutor:
         grad_output = self.compute.to_device(grad_output)
         with self._timed_compute("_bwd_s_per_sample", x.shape[0]):
             if cached is not None and cached.graph is not None:
-                leaf, out = cached.graph
+                leaf, out, version = cached.graph
                 self._drop_graph(
                     cached
                 )  # autograd frees it below; a retry after a failure recomputes
-            else:  # recompute from the inputs
+                self.backwards_from_graph += 1
+            else:  # recompute from the inputs, on the parameters the forward ran on (or the nearest still held)
+                version = (
+                    self._versions.resolve(cached.params_step)
+                    if cached is not None
+                    else self._versions.pick(params_step)
+                )
                 leaf = self._leaf(x)
                 with torch.enable_grad(), self.compute.autocast():
-                    out = self.stage_module(leaf)
-            grads, grad_input = self._gradients(out, grad_output, leaf)
+                    out = version.call(self.stage_module, "forward", leaf)
+                self.backwards_recomputed += 1
+            grads, grad_input = self._gradients(out, grad_output, leaf, version)
             self._forget(microbatch_id)
             self._check_gradient_size(microbatch_id, grads, num_samples)
             self._ledger.hold(microbatch_id, grads, grad_input, num_samples)
@@ -328,10 +364,17 @@ class StageExecutor:
                 f"accumulated (the gradient or the input it came with is corrupted)"
             )
 
-    def _gradients(self, out: torch.Tensor, grad_output: torch.Tensor | None, leaf: torch.Tensor):
-        """Parameter gradients (not yet applied, on the device, float32 like the parameters) and the input
-        gradient (on the host, float32: the reply's). Loss-scaled with fp16 compute (see GradScale)."""
-        params = [p for p in self.stage_module.parameters() if p.requires_grad]
+    def _gradients(
+        self,
+        out: torch.Tensor,
+        grad_output: torch.Tensor | None,
+        leaf: torch.Tensor,
+        version: Version,
+    ):
+        """Parameter gradients (with respect to ``version``'s parameters, which ``out`` was computed with; not yet
+        applied, on the device, float32 like the parameters) and the input gradient (on the host, float32: the
+        reply's). Loss-scaled with fp16 compute (see GradScale)."""
+        params = version.trainable
         wrt = params + ([leaf] if leaf.requires_grad else [])
         try:
             grads = self._grad_scale.grad(out, wrt, grad_output)
@@ -402,6 +445,16 @@ class StageExecutor:
         return sum(e.graph is not None for e in self._cache.values()), self._graph_bytes
 
     @property
+    def param_steps(self) -> list[int]:
+        """The optimizer steps whose parameters this replica holds for forwards (see swarm.peer.versions)."""
+        return self._versions.steps
+
+    @property
+    def missed_param_steps(self) -> int:
+        """Calls pinned to a step whose parameters this replica did not hold (they ran on the nearest held)."""
+        return self._versions.missed
+
+    @property
     def gradients_dropped(self) -> int:
         """Held gradients dropped uncommitted (aborted calls, holds that ran out) since the start."""
         return self._ledger.dropped_count
@@ -428,12 +481,15 @@ class StageExecutor:
         return False
 
     def _after_step(self) -> None:
-        """The parameters changed (an optimizer step, a state load): drop what was computed from the old ones."""
+        """The parameters changed (an optimizer step, a state load): copy them as the new step's version, and drop
+        the graphs of versions no longer held (their backward recomputes on the nearest version held)."""
         self._digest = None
-        # Kept graphs reference the parameters before this step (autograd would refuse them): keep only
-        # the inputs, so pending backwards recompute against the new parameters.
+        self._versions.changed(self.step)
         for entry in self._cache.values():
-            self._drop_graph(entry)
+            if entry.graph is not None and entry.graph[2] is not self._versions.get(
+                entry.params_step
+            ):
+                self._drop_graph(entry)
 
     def parameters_changed(self) -> None:
         """Tell the executor that something else wrote its parameters (the optimizer downloading its peers'
@@ -445,12 +501,19 @@ class StageExecutor:
         changed since the last call (call it on the compute thread: it reads every parameter)."""
         if self._digest is None:
             self._digest = (self.step, state_digest(self.stage_module.state_dict()))
+            current = self._versions.current
+            if current.step == self.step:  # the version forwards run on holds these very values
+                current.digest = self._digest[1]
         return self._digest[1]
 
-    def step_and_digest(self) -> tuple[int, str]:
+    def step_and_digest(self, params_step: int | None = None) -> tuple[int, str]:
         """The optimizer step and the digest of the parameters at that step ("" if they changed since the last
         :meth:`param_digest`). Never hashes: callable from any thread (the heartbeat, Info), and the pair is
-        consistent: a digest is never paired with a step it was not computed at."""
+        consistent: a digest is never paired with a step it was not computed at. With ``params_step`` (on the
+        compute thread only): the step and digest of the version a call pinned to that step ran on."""
+        if params_step is not None:
+            version = self._versions.resolve(params_step)
+            return version.step, version.digest
         hashed, step = self._digest, self.step
         return step, (hashed[1] if hashed is not None and hashed[0] == step else "")
 
@@ -508,12 +571,13 @@ class StageExecutor:
         return x.detach().requires_grad_() if x.is_floating_point() else x
 
     @contextlib.contextmanager
-    def _count_saved(self, total: list[int]):
-        """Add to ``total[0]`` the bytes of the tensors autograd saves for backward in the block, parameters
-        excepted (they live anyway): what keeping the graph costs."""
+    def _count_saved(self, total: list[int], version: Version):
+        """Add to ``total[0]`` the bytes of the tensors autograd saves for backward in the block, the parameters of
+        ``version`` excepted (they live anyway): what keeping the graph costs."""
+        param_ids = version.storage_ids
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in self._param_ids:
+            if t.untyped_storage().data_ptr() not in param_ids:
                 total[0] += _nbytes(t)
             return t
 

@@ -20,8 +20,8 @@ def install_lies(executor, *, output_scale: float = 1.0, gradient_scale: float =
     if output_scale != 1.0:
         forward = executor.forward
 
-        def lying_forward(microbatch_id, x, *, keep):
-            return output_scale * forward(microbatch_id, x, keep=keep)
+        def lying_forward(microbatch_id, x, **kwargs):
+            return output_scale * forward(microbatch_id, x, **kwargs)
 
         executor.forward = lying_forward
     if gradient_scale != 1.0:

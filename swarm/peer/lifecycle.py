@@ -474,7 +474,8 @@ class Peer:
             f"peer {self.peer_id} stage {self.stage_index} {self.state.value}: step {ex.step}, "
             f"{samples / elapsed:.1f} samples/s applied over {elapsed:.0f}s ({ex.microbatches_applied} "
             f"microbatches in all), busy {100 * min(busy / elapsed, 1.0):.0f}%, in flight "
-            f"{self.admission.in_flight}, held gradients {ex.held_gradients}, dropped {ex.gradients_dropped}"
+            f"{self.admission.in_flight}, held gradients {ex.held_gradients}, dropped {ex.gradients_dropped}, "
+            f"backwards from a kept graph {ex.backwards_from_graph} / recomputed {ex.backwards_recomputed}"
         )
 
     async def _log_forever(self) -> None:

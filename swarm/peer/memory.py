@@ -2,8 +2,10 @@
 device cannot hold it.
 
 The estimate counts, in bytes on the compute device: the float32 parameters (master weights), the gradient sums
-the optimizer accumulates, AdamW's two moments, the held gradients at their budget (``held_gradient_bytes``, at
-least one stage gradient: one is always admitted), the autograd graphs and stage inputs at their budgets
+the optimizer accumulates, AdamW's two moments, the copies of the parameters forwards run on (the current
+step's and ``kept_param_steps`` older ones, see swarm.peer.versions), the held gradients at their budget
+(``held_gradient_bytes``, at least one stage gradient: one is always admitted), the autograd graphs and stage
+inputs at their budgets
 (``graph_cache_bytes``, ``input_cache_bytes``), the compute-dtype copies of the weights autocast makes, and with
 averaging the all-reduce's two buffers (averaged gradients and its copy of the parameters). Activations of the
 call being computed are not counted: they are bounded by the graph budget's size per microbatch.
@@ -29,6 +31,7 @@ class StageMemory:
     parameters: int
     gradient_sums: int
     optimizer_state: int
+    param_versions: int
     held_gradients: int
     graph_cache: int
     input_cache: int
@@ -70,6 +73,7 @@ def estimate_stage_memory(
         parameters=param_bytes,
         gradient_sums=grad_bytes,
         optimizer_state=2 * grad_bytes,  # AdamW: first and second moments
+        param_versions=(1 + cache.kept_param_steps) * param_bytes,
         held_gradients=max(grad_bytes, cache.held_gradient_bytes),
         graph_cache=cache.graph_cache_bytes,
         input_cache=cache.input_cache_bytes,

@@ -152,6 +152,21 @@ class _PeerCollector:
             ex.gradients_dropped,
         )
         yield counter(
+            "swarm_peer_backwards_from_graph",
+            "Backwards that used the graph their forward kept here",
+            ex.backwards_from_graph,
+        )
+        yield counter(
+            "swarm_peer_backwards_recomputed",
+            "Backwards that computed the forward again (no graph kept: the cache budget, or no forward here)",
+            ex.backwards_recomputed,
+        )
+        yield counter(
+            "swarm_peer_missed_param_steps",
+            "Calls pinned to an optimizer step whose parameters this replica no longer or not yet held",
+            ex.missed_param_steps,
+        )
+        yield counter(
             "swarm_peer_late_commits",
             "Commits that came through the Commit RPC (the one in the call was not confirmed)",
             self.late_commits(),

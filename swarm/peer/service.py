@@ -105,21 +105,24 @@ class StageService(pb_grpc.StagePeerServicer):
                 )
                 x = _joined_input(stage, tensors)
                 work = dict(deadline_s=deadline_s, samples=x.shape[0])
+                params_step = _params_step(meta)
                 if meta.eval_only and stage.is_last:
                     loss, version = await self._compute(
-                        self._versioned(self.executor.eval_loss),
+                        self._versioned(self.executor.eval_loss, params_step),
                         x,
                         _require(tensors, "targets"),
+                        params_step,
                         work=dict(work, forward=True, backward=False),
                     )
                     yield self._reply(loss=loss, version=version)
                 elif meta.compute_loss:
                     (loss, grad_input), version = await self._compute(
-                        self._versioned(self.executor.forward_loss_backward),
+                        self._versioned(self.executor.forward_loss_backward, params_step),
                         meta.microbatch_id,
                         x,
                         _require(tensors, "targets"),
                         _num_samples(meta, x),
+                        params_step,
                         work=dict(work, forward=True, backward=True),
                     )
                     async for frame in self._reply_and_commit(
@@ -132,10 +135,11 @@ class StageService(pb_grpc.StagePeerServicer):
                     )
                 else:
                     output, version = await self._compute(
-                        self._versioned(self.executor.forward),
+                        self._versioned(self.executor.forward, params_step),
                         meta.microbatch_id,
                         x,
                         keep=not meta.eval_only,
+                        params_step=params_step,
                         work=dict(work, forward=True, backward=False),
                     )
                     if not all_finite(output):
@@ -176,6 +180,7 @@ class StageService(pb_grpc.StagePeerServicer):
                     grad_output,
                     inputs,
                     _num_samples(meta, grad_output),
+                    _params_step(meta),
                     work=dict(
                         deadline_s=deadline_s,
                         samples=grad_output.shape[0],
@@ -229,7 +234,7 @@ class StageService(pb_grpc.StagePeerServicer):
         grad_input,
         *,
         loss: float | None = None,
-        version: tuple[int, str] | None = None,
+        version: tuple[int, str, int | None] | None = None,
     ) -> AsyncIterator[pb.Frame]:
         """Send the reply, then wait for the caller's commit before counting the gradients. If the call ends
         before any of the reply was sent, the caller cannot commit: the gradients are dropped now (it retries
@@ -450,12 +455,17 @@ class StageService(pb_grpc.StagePeerServicer):
 
         return check
 
-    def _versioned(self, compute: Callable) -> Callable:
-        """``compute`` returning also the (step, parameter digest) it ran at, read on the compute thread right after
-        it (a step runs on that thread too, so none comes between): a reply names the parameters it came from."""
+    def _versioned(self, compute: Callable, params_step: int | None) -> Callable:
+        """``compute`` returning also the (step, parameter digest, step of the parameters used if the call was pinned
+        to ``params_step``) it ran at, read on the compute thread right after it (a step runs on that thread too, so
+        none comes between): a reply names the parameters it came from."""
 
         def run(*args, **kwargs):
-            return compute(*args, **kwargs), self.executor.step_and_digest()
+            result = compute(*args, **kwargs)
+            if params_step is None:
+                return result, (*self.executor.step_and_digest(), None)
+            used, digest = self.executor.step_and_digest(params_step)
+            return result, (self.executor.step, digest, used)
 
         return run
 
@@ -465,9 +475,9 @@ class StageService(pb_grpc.StagePeerServicer):
         loss: float | None = None,
         num_tensors: int = 0,
         hold_s: float = 0.0,
-        version: tuple[int, str] | None = None,
+        version: tuple[int, str, int | None] | None = None,
     ) -> pb.Frame:
-        step, digest = version if version is not None else (self.executor.step, "")
+        step, digest, used = version if version is not None else (self.executor.step, "", None)
         meta = pb.ReplyMeta(
             step=step,
             param_digest=digest,
@@ -475,9 +485,16 @@ class StageService(pb_grpc.StagePeerServicer):
             num_tensors=num_tensors,
             commit_hold_s=hold_s,
         )
+        if used is not None:
+            meta.params_step = used
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)
+
+
+def _params_step(meta: pb.RequestMeta) -> int | None:
+    """The optimizer step whose parameters the call asks for (None: the current ones)."""
+    return meta.params_step if meta.HasField("params_step") else None
 
 
 def _work_deadline(context) -> float | None:

@@ -43,9 +43,11 @@ class StageCalls:
         batch_step: int | None = None,
         *,
         codec,
+        params_step: int | None = None,
         **flags,
     ) -> pb.RequestMeta:
-        """The request header; ``codec`` is what the peer replies in (tensors carry their own codec)."""
+        """The request header; ``codec`` is what the peer replies in (tensors carry their own codec);
+        ``params_step``: the optimizer step whose parameters the peer computes with (None: its current ones)."""
         meta = pb.RequestMeta(
             protocol_version=PROTOCOL_VERSION,
             run_id=self.run_id,
@@ -57,6 +59,8 @@ class StageCalls:
         )
         if batch_step is not None:
             meta.batch_step = batch_step
+        if params_step is not None:
+            meta.params_step = params_step
         return meta
 
     def with_tokens(self, stage: int, tensors: list, tokens: torch.Tensor) -> list:
@@ -69,7 +73,16 @@ class StageCalls:
         return [*tensors, ("tokens", tokens.to(token_wire_dtype(self.run.model.vocab_size)))]
 
     def forward(
-        self, stage, microbatch_id, h, *, tokens, targets=None, eval_only=False, batch_step=None
+        self,
+        stage,
+        microbatch_id,
+        h,
+        *,
+        tokens,
+        targets=None,
+        eval_only=False,
+        batch_step=None,
+        params_step=None,
     ):
         """``tokens``: the microbatch's input ids (B, T), sent along where the stage takes them."""
         tensors = [("input", h)] + ([("targets", targets)] if targets is not None else [])
@@ -90,6 +103,7 @@ class StageCalls:
             codec=self.grad_codec if compute_loss else self.codec,
             compute_loss=compute_loss,
             eval_only=eval_only,
+            params_step=params_step,
         )
 
         async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
@@ -99,14 +113,21 @@ class StageCalls:
 
         return attempt
 
-    def backward(self, stage, microbatch_id, grad, inputs, tokens, forward_peer, batch_step):
+    def backward(
+        self, stage, microbatch_id, grad, inputs, tokens, forward_peer, batch_step, params_step=None
+    ):
         async def attempt(address: PeerAddress, timeout_s: float) -> Reply:
             client = self.clients.get(address)
             holder = self.records[stage].get(forward_peer)
             if holder is not None and PeerAddress.of(holder) == address:
                 try:
                     meta = self.meta(
-                        stage, microbatch_id, grad.shape[0], batch_step, codec=self.grad_codec
+                        stage,
+                        microbatch_id,
+                        grad.shape[0],
+                        batch_step,
+                        codec=self.grad_codec,
+                        params_step=params_step,
                     )
                     return await client.backward(
                         meta,
@@ -121,11 +142,13 @@ class StageCalls:
             return await with_inputs(address, timeout_s)
 
         with_inputs = self.backward_with_inputs(
-            stage, microbatch_id, grad, inputs, tokens, batch_step
+            stage, microbatch_id, grad, inputs, tokens, batch_step, params_step
         )
         return attempt
 
-    def backward_with_inputs(self, stage, microbatch_id, grad, inputs, tokens, batch_step):
+    def backward_with_inputs(
+        self, stage, microbatch_id, grad, inputs, tokens, batch_step, params_step=None
+    ):
         meta = self.meta(
             stage,
             microbatch_id,
@@ -133,6 +156,7 @@ class StageCalls:
             batch_step,
             codec=self.grad_codec,
             include_inputs=True,
+            params_step=params_step,
         )
 
         async def attempt(address: PeerAddress, timeout_s: float) -> Reply:

@@ -66,9 +66,12 @@ class TrainerConfig:
     # data sampling (and routing) seed; unset = one derived from the trainer's identity (kept in its data state),
     # so trainers started alike read different batches
     seed: int | None = None
-    # start global batch b once every stage has stepped on batch b - this - 1 (0: lockstep; -1: no limit).
-    # Unset: lockstep (0) when every stage's replicas average (the peers' default), so each batch trains the
-    # parameters of the one before it, as one process would; no limit when they don't (--no-average)
+    # start global batch b once every replica of every stage has stepped on batch b - this - 1 (-1: no limit).
+    # With averaging stages, batch b then computes on the parameters of the step on batch b - this - 1 (pinned,
+    # whatever step a replica has reached when a call arrives), and swarm.trainer.reference trains the same
+    # schedule: 0 is lockstep (what one process does), 1 overlaps each batch's all-reduce with the next batch
+    # (peers keep --kept-param-steps older steps' parameters for it). Unset: 1 when every stage's replicas
+    # average (the peers' default), no limit when they don't (--no-average)
     max_batches_ahead: int | None = None
     # with --max-batches-ahead: give up waiting for a stage's step once it has not advanced for this
     # long

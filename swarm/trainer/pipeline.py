@@ -258,10 +258,15 @@ class Pipeline:
     # ------------------------------------------------------------------ one microbatch
 
     async def train_microbatch(
-        self, microbatch_id: str, tokens: torch.Tensor, batch_steps: list[int] | None = None
+        self,
+        microbatch_id: str,
+        tokens: torch.Tensor,
+        batch_steps: list[int] | None = None,
+        params_steps: list[int] | None = None,
     ) -> MicrobatchResult:
         """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss.
-        ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to."""
+        ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to;
+        ``params_steps[k]``: the step whose parameters stage k computes it with (None: each replica's current)."""
         x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
         samples = x.shape[0]
         failures_before = self.failed_calls
@@ -271,6 +276,7 @@ class Pipeline:
         forward_peers: list[str] = []
         last = self.num_stages - 1
         tags = batch_steps or [None] * self.num_stages
+        pins = params_steps or [None] * self.num_stages
         cost = samples * (FORWARD_COST + BACKWARD_COST)
         h, stage, suspect = x, 0, None
         while True:
@@ -278,11 +284,19 @@ class Pipeline:
             stage_inputs.append(h)
             try:
                 if stage < last:
-                    attempt = self.calls.forward(stage, microbatch_id, h, tokens=x)
+                    attempt = self.calls.forward(
+                        stage, microbatch_id, h, tokens=x, params_step=pins[stage]
+                    )
                     reply, peer = await self._call(stage, samples * FORWARD_COST, attempt)
                 else:
                     attempt = self.calls.forward(
-                        last, microbatch_id, h, tokens=x, targets=targets, batch_step=tags[last]
+                        last,
+                        microbatch_id,
+                        h,
+                        tokens=x,
+                        targets=targets,
+                        batch_step=tags[last],
+                        params_step=pins[last],
                     )
                     reply, peer = await self._call(last, cost, attempt)
             except InvalidRequest as e:
@@ -302,7 +316,9 @@ class Pipeline:
                 h = stage_inputs[stage]
                 continue
             forward_peers.append(peer)
-            self._spot_check(stage, peer, reply, h, x, targets if stage == last else None)
+            self._spot_check(
+                stage, peer, reply, h, x, targets if stage == last else None, pinned=pins[stage]
+            )
             if stage == last:
                 break
             h = _tensor(reply, "output", peer)
@@ -323,12 +339,13 @@ class Pipeline:
                 x,
                 forward_peers[stage],
                 tags[stage],
+                pins[stage],
             )
             cost = samples * BACKWARD_COST
             # Computed again, it is a backward with the inputs (no peer keeps them after a backward): the peer
             # recomputes the forward too.
             with_inputs = self.calls.backward_with_inputs(
-                stage, microbatch_id, grad, stage_inputs[stage], x, tags[stage]
+                stage, microbatch_id, grad, stage_inputs[stage], x, tags[stage], pins[stage]
             )
             recompute = functools.partial(
                 self._call, stage, samples * (FORWARD_COST + BACKWARD_COST), with_inputs
@@ -434,7 +451,7 @@ class Pipeline:
             timeout_s = self.call_timeout_s(stage, record, samples * (FORWARD_COST + BACKWARD_COST))
             try:
                 reply = await with_inputs(PeerAddress.of(record), timeout_s)
-                self.steps.replied(stage, reply.meta.step)
+                self.steps.replied(stage, reply.meta.step, other)
                 return reply, other
             except GradientOutlier as e:
                 self._ban_for_run(
@@ -490,9 +507,12 @@ class Pipeline:
         h: torch.Tensor,
         tokens: torch.Tensor,
         targets: torch.Tensor | None,
+        *,
+        pinned: int | None = None,
     ) -> None:
         """Maybe have another replica of ``stage`` recompute this forward (its output, or at the last stage its
-        loss) and compare: see :mod:`swarm.trainer.spotcheck`."""
+        loss) and compare: see :mod:`swarm.trainer.spotcheck`. A call ``pinned`` to a step's parameters is
+        recomputed on the parameters of the step it ran on."""
         # a peer others reported (too few to avoid it) is checked on every call: see swarm.trainer.reports
         if not self.spot_checks.sampled() and peer not in self.reports.suspects:
             return
@@ -501,17 +521,23 @@ class Pipeline:
         else:
             result = reply.tensors["output"]
         check = self.calls.forward(
-            stage, "spot-check", h, tokens=tokens, targets=targets, eval_only=True
+            stage,
+            "spot-check",
+            h,
+            tokens=tokens,
+            targets=targets,
+            eval_only=True,
+            params_step=None if pinned is None else _params_step(reply),
         )
 
         async def recompute(address: PeerAddress, timeout_s: float):
             answer = await check(address, timeout_s)
-            version = (answer.meta.step, answer.meta.param_digest)
+            version = (_params_step(answer), answer.meta.param_digest)
             if targets is not None:
                 return version, torch.tensor([answer.meta.loss])
             return version, answer.tensors["output"]
 
-        version = (reply.meta.step, reply.meta.param_digest)
+        version = (_params_step(reply), reply.meta.param_digest)
         work = h.shape[0] * FORWARD_COST
         self.spot_checks.check(CheckedCall(stage, peer, version, result, recompute, work))
 
@@ -577,7 +603,7 @@ class Pipeline:
                 raise
             now = time.monotonic()
             self.router.on_success(stage, peer, work, max(now - started, 1e-6), now)
-            self.steps.replied(stage, reply.meta.step)
+            self.steps.replied(stage, reply.meta.step, peer)
             if (
                 reply.meta.state == PeerState.DRAINING
                 and (stage, peer) not in self._draining_replies
@@ -649,6 +675,12 @@ class Pipeline:
                     e, now, wait_s=min(deadline - now, self.config.refresh_s * 2), min_wait_s=0.05
                 )
                 await self._next_refresh(timeout_s=wake - now)
+
+
+def _params_step(reply: Reply) -> int:
+    """The optimizer step whose parameters ``reply`` was computed with."""
+    meta = reply.meta
+    return meta.params_step if meta.HasField("params_step") else meta.step
 
 
 def _tensor(reply: Reply, name: str, peer: str) -> torch.Tensor:

@@ -6,7 +6,10 @@ Same data: microbatch i is the trainer's microbatch i (``corpus.sample`` from a 
 ``TrainerConfig.seed``), and global batch e is microbatches ``e * per_step ... (e + 1) * per_step - 1``.
 Same optimization: each stage has the optimizer a lone replica has (:class:`swarm.optim.LocalStageOptimizer`:
 AdamW, the ``swarm.optim.learning_rate`` schedule, per-stage clipping), fed the same gradient sums weighted by
-samples.
+samples. Same schedule: with ``delay_steps`` d (the trainer's ``--max-batches-ahead``), global batch e computes its
+gradient on the parameters after steps on batches ``0 ... e - d - 1`` and is applied d batches later, as averaging
+stages do when each batch's all-reduce overlaps the next batch's compute (the trainer pins every batch to those
+parameters, see swarm.peer.versions); 0 is lockstep.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,13 +58,15 @@ def train_reference(
     eval_batches: int = 4,
     eval_every_steps: int = 0,
     clipping: str = "stage",
+    delay_steps: int = 0,
     on_step: Callable[[int, float], bool | None] | None = None,
 ) -> ReferenceResult:
     """Train ``steps`` global batches as a swarm trainer with ``--microbatch-size microbatch_size --seed seed``
     would send them, validating every ``eval_every_steps`` (0: only at the end) on ``eval_batches`` of the
     trainer's validation batches (0: never). ``clipping``: "stage" clips each stage to
     ``max_grad_norm / sqrt(stages)`` as the swarm does; "global" clips the whole model's gradient to
-    ``max_grad_norm`` (exact, for comparison).
+    ``max_grad_norm`` (exact, for comparison). ``delay_steps``: each batch's gradient is applied that many batches
+    after it was computed (see the module); the last ones are applied at the end, before the final validation.
     ``on_step(step, loss)`` is called after every global batch (step counts from 1) with its mean loss; returning
     True stops training there (the result holds the batches done and a validation at that step).
     Two calls with equal arguments give the same losses up to the backend's floating-point nondeterminism."""
@@ -70,6 +76,8 @@ def train_reference(
         )
     if clipping not in ("stage", "global"):
         raise ValueError(f"clipping must be 'stage' or 'global', got {clipping!r}")
+    if delay_steps < 0:
+        raise ValueError(f"delay_steps must be >= 0 (0 = lockstep), got {delay_steps}")
     model = build_full_model(run.model)
     exact = clipping == "global"
     optimizers = [
@@ -85,6 +93,13 @@ def train_reference(
         corpus.val_batches(microbatch_size, seq_len, eval_batches) if eval_batches > 0 else []
     )
     result = ReferenceResult(model=model, losses=[])
+    # each computed batch not applied yet: for each stage, its gradient sums and samples
+    unapplied: deque[list[tuple[list, int]]] = deque()
+
+    def apply_oldest() -> None:
+        for optimizer, (grads, n) in zip(optimizers, unapplied.popleft()):
+            optimizer.accumulate(grads, n)  # the stage optimizer steps: the batch is its target
+
     for step in range(1, steps + 1):
         started = time.perf_counter()
         weighted, samples = 0.0, 0
@@ -92,15 +107,11 @@ def train_reference(
             tokens = corpus.sample("train", microbatch_size, seq_len, generator)  # (B, T + 1)
             n = tokens.shape[0]
             loss = model.loss(tokens[:, :-1], tokens[:, 1:])
-            (loss * n).backward()  # gradient sums weighted by samples, as the peers accumulate them
-            if not exact:  # feed each microbatch as the swarm's commits do; the stage optimizer steps at the target
-                for stage_module, optimizer in zip(model.stages, optimizers):
-                    grads = [p.grad for p in stage_module.parameters()]
-                    for p in stage_module.parameters():
-                        p.grad = None
-                    optimizer.accumulate(grads, n)
+            # gradient sums weighted by samples, as the peers accumulate them; .grad sums the batch's microbatches
+            (loss * n).backward()
             weighted, samples = weighted + float(loss.detach()) * n, samples + n
-        if exact:  # the batch's summed gradients are in .grad: clip their mean by the global norm, then step
+        scale = 1.0
+        if exact:  # clip the batch's mean gradient by the global norm
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             norm = float(
                 torch.linalg.vector_norm(
@@ -108,18 +119,27 @@ def train_reference(
                 )
             )
             scale = min(1.0, run.max_grad_norm / (norm + 1e-6)) if run.max_grad_norm > 0 else 1.0
-            for stage_module, optimizer in zip(model.stages, optimizers):
-                stage_grads = [
-                    None if p.grad is None else p.grad * scale for p in stage_module.parameters()
-                ]
-                for p in stage_module.parameters():
-                    p.grad = None
-                optimizer.accumulate(stage_grads, samples)
+        batch = []
+        for stage_module in model.stages:
+            grads = [
+                p.grad if p.grad is None or scale == 1.0 else p.grad * scale
+                for p in stage_module.parameters()
+            ]
+            for p in stage_module.parameters():
+                p.grad = None
+            batch.append((grads, samples))
+        unapplied.append(batch)
+        while len(unapplied) > delay_steps:
+            apply_oldest()
         # float(loss) synced the device: the time below is honest
         result.losses.append(weighted / samples)
         result.train_time_s += time.perf_counter() - started
         result.tokens += samples * seq_len
         stop = on_step is not None and on_step(step, result.losses[-1])
+        while (
+            stop or step == steps
+        ) and unapplied:  # the last batches' steps, as the swarm takes them
+            apply_oldest()
         if val_batches and (
             stop or step == steps or (eval_every_steps and step % eval_every_steps == 0)
         ):

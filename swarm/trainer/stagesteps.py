@@ -53,16 +53,21 @@ class StageSteps:
         self._refresh, self.refresh_s = refresh, refresh_s
         # the highest optimizer step any reply of each stage carried
         self._replied_steps = [0] * len(records)
-        # (stage, peer id) -> the optimizer step its Info answered while the trainer waited for its stage to step
-        # (the DHT record says it a heartbeat later); by stage, since a peer that moved counts steps of another
+        # (stage, peer id) -> the optimizer step its Info answered while the trainer waited for its stage to step, or
+        # its last reply carried (the DHT record says it a heartbeat later); by stage, since a peer that moved counts
+        # steps of another
         self._polled_steps: dict[tuple[int, str], int] = {}
         # peers whose Info was refused (the process is gone) since they last answered: their records outlive them
         # by up to their TTL, and waiting for every replica must not wait for them
         self._gone: set[str] = set()
 
-    def replied(self, stage: int, step: int) -> None:
-        """A reply of ``stage`` said its replica is at optimizer step ``step``."""
+    def replied(self, stage: int, step: int, peer: str | None = None) -> None:
+        """A reply of ``stage`` said its replica (``peer``, if known) is at optimizer step ``step``: the trainer
+        knows that replica's step without asking its ``Info`` while microbatches are in flight."""
         self._replied_steps[stage] = max(self._replied_steps[stage], step)
+        if peer is not None:
+            key = (stage, peer)
+            self._polled_steps[key] = max(self._polled_steps.get(key, 0), step)
 
     def stages_average(self) -> bool:
         """Whether every serving replica of every stage averages with its stage (``swarm peer``'s default):

@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 # A trainer's record outlives this many missed heartbeats (and its last one this long after it exits).
 TRAINER_TTL_HEARTBEATS = 5
+# --max-batches-ahead when every stage averages: lockstep, what one process computes. 1 overlaps each batch's
+# all-reduce with the next batch's compute, one step stale: 1.78x lockstep's tokens/s in one run, but 8.4% worse in
+# validation loss on `tiny` after 30 batches (bench/results/convergence.md), too much to be the default.
+DEFAULT_BATCHES_AHEAD = 0
 
 
 @dataclass
@@ -103,20 +107,24 @@ class _Tally:
         self.per_step = per_step
         self.samples = self.microbatches = self.tokens = 0
         self.step_losses: list[float] = []  # mean training loss of each global batch
-        self._bucket: list[MicrobatchResult] = []
+        self._buckets: dict[
+            int, list[MicrobatchResult]
+        ] = {}  # global batch -> its finished microbatches
 
-    def add(self, result: MicrobatchResult) -> float | None:
-        """Count one finished microbatch; the mean loss of its global batch if it completed one."""
+    def add(self, index: int, result: MicrobatchResult) -> list[tuple[int, float]]:
+        """Count finished microbatch ``index``; (step, mean loss) of the global batches that are now complete, in
+        batch order (a microbatch of the next batch may finish before the last of this one), steps from 1."""
         self.samples += result.samples
         self.tokens += result.tokens
         self.microbatches += 1
-        self._bucket.append(result)
-        if len(self._bucket) < self.per_step:
-            return None
-        loss = sum(r.loss * r.samples for r in self._bucket) / sum(r.samples for r in self._bucket)
-        self._bucket = []
-        self.step_losses.append(loss)
-        return loss
+        self._buckets.setdefault(index // self.per_step, []).append(result)
+        losses = []
+        while len(bucket := self._buckets.get(len(self.step_losses), [])) == self.per_step:
+            del self._buckets[len(self.step_losses)]
+            loss = sum(r.loss * r.samples for r in bucket) / sum(r.samples for r in bucket)
+            self.step_losses.append(loss)
+            losses.append((len(self.step_losses), loss))
+        return losses
 
 
 class Trainer:
@@ -145,10 +153,12 @@ class Trainer:
         # flow control (see _stages_caught_up): the flag, or by default lockstep when the stages average
         self._batches_ahead = config.max_batches_ahead
         if self._batches_ahead is None:
-            self._batches_ahead = 0 if pipeline.steps.stages_average() else -1
-        # bounded ahead of averaging stages: keep what it takes to compute again the gradients of a replica that
-        # leaves before its stage steps (see swarm.trainer.holdings)
-        pipeline.holdings.enabled = self._batches_ahead >= 0 and pipeline.steps.stages_average()
+            self._batches_ahead = DEFAULT_BATCHES_AHEAD if pipeline.steps.stages_average() else -1
+        # Bounded ahead of averaging stages: each batch is pinned to the parameters of one step (see
+        # _param_steps), and the trainer keeps what it takes to compute again the gradients of a replica that
+        # leaves before its stage steps (see swarm.trainer.holdings).
+        self._pinned = self._batches_ahead >= 0 and pipeline.steps.stages_average()
+        pipeline.holdings.enabled = self._pinned
         # what the metrics endpoint shows: the last step's and validation's numbers, and the counts
         self.latest: dict[str, float] = dict(
             step=0, loss=math.nan, val_loss=math.nan, tokens_per_s=0.0, microbatches=0, samples=0
@@ -254,11 +264,12 @@ class Trainer:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     # A microbatch that exhausted its retries ends training here (task.result() raises).
-                    step_loss = tally.add(task.result())
-                    batches.completed(pending.pop(task))
+                    index = pending.pop(task)
+                    step_losses = tally.add(index, task.result())
+                    batches.completed(index)
                     self.latest.update(microbatches=tally.microbatches, samples=tally.samples)
-                    if step_loss is not None:
-                        await self._after_step(tally, step_loss, started)
+                    for step, step_loss in step_losses:
+                        await self._after_step(tally, step, step_loss, started)
         finally:
             for task in pending:
                 task.cancel()
@@ -282,9 +293,9 @@ class Trainer:
         if ahead < 0 or applied <= 0:
             return True
         targets = [first + applied for first in first_steps]
-        # Lockstep waits for every live replica: one still taking the last step would compute the next batch's
-        # microbatches on parameters one step old (the first replica done with it is not enough).
-        every = ahead == 0
+        # Pinned batches wait for every live replica: one that has not taken the step yet does not hold the
+        # parameters the batch is pinned to (the first replica done with it is not enough).
+        every = self._pinned
         steps = self.pipeline.steps.stage_steps(every_replica=every)
         if all(now >= target for now, target in zip(steps, targets)):
             return True
@@ -299,13 +310,25 @@ class Trainer:
         """The coroutine of microbatch ``index``: fresh training samples, tagged with each stage's step."""
         cfg = self.config
         tokens = self.data.feed.next_batch(cfg.microbatch_size, self.run.model.seq_len)
-        batch_steps = [first + index // self._per_step for first in first_steps]
-        return self.pipeline.train_microbatch(self._microbatch_id(), tokens, batch_steps)
+        batch = index // self._per_step
+        batch_steps = [first + batch for first in first_steps]
+        return self.pipeline.train_microbatch(
+            self._microbatch_id(), tokens, batch_steps, self._param_steps(batch, first_steps)
+        )
 
-    async def _after_step(self, tally: _Tally, step_loss: float, started: float) -> None:
-        """Report a finished global batch; validate every ``eval_every_steps`` (but the last, see _finish)."""
+    def _param_steps(self, batch: int, first_steps: list[int]) -> list[int] | None:
+        """The optimizer step of each stage whose parameters this trainer's global batch ``batch`` computes on:
+        the step on batch ``batch - max_batches_ahead - 1`` (0: the step just before it, lockstep), and for the
+        first batches the stages' step when the trainer started. The schedule fixes it, not the moment a call
+        reaches a replica, so the run trains what ``swarm.trainer.reference`` trains with the same delay. None:
+        not pinned (stages that do not average; no limit ahead)."""
+        if not self._pinned:
+            return None
+        return [first + max(batch - self._batches_ahead, 0) for first in first_steps]
+
+    async def _after_step(self, tally: _Tally, step: int, step_loss: float, started: float) -> None:
+        """Report finished global batch ``step``; validate every ``eval_every_steps`` (but the last, see _finish)."""
         cfg = self.config
-        step = len(tally.step_losses)
         elapsed = time.monotonic() - started
         tokens_per_s = tally.tokens / elapsed
         self._metric(

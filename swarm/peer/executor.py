@@ -371,6 +371,10 @@ class StageExecutor:
         refused naming ``reason``."""
         self._ledger.drop(microbatch_id, reason)
 
+    def release(self, microbatch_id: str) -> None:
+        """Forget what a forward kept for backward (the backward ran, or will not come: a push chain failed)."""
+        self._forget(microbatch_id)
+
     def drop_held(self, reason: str) -> int:
         """Drop every held gradient uncommitted (the replica leaves its stage): a late commit of one is refused
         naming ``reason``, so its caller computes it again elsewhere. How many were dropped."""

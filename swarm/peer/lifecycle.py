@@ -32,6 +32,7 @@ from swarm.peer.lies import install_lies
 from swarm.peer.members import apply_caller_list, follow_caller_list, load_allow_callers
 from swarm.peer.memory import check_fits, device_total_bytes, estimate_stage_memory, gib
 from swarm.peer.metrics import PeerMetrics
+from swarm.peer.push import PushHops
 from swarm.peer.rebalancer import (
     Rebalancer,
     choose_arrival_stage,
@@ -42,7 +43,8 @@ from swarm.peer.service import ServiceContext, StageService
 from swarm.peer.statesync import fetch_stage_state, serving_peers
 from swarm.peer.worker import PriorityWorker
 from swarm.states import PeerState
-from swarm.transport.callers import CallerCheck
+from swarm.transport.callers import CallerCheck, caller_token
+from swarm.transport.client import ClientPool
 from swarm.transport.security import PeerAddress, make_certificate, server_credentials
 from swarm.transport.server import start_server
 
@@ -392,6 +394,7 @@ class Peer:
             compute_urgent=self._worker.compute_urgent,
             submit_urgent=self._worker.submit_urgent,
             limits=self.config.limits,
+            push=await self._push_hops(),
         )
         service = StageService(context)
         if self.config.metrics_port is not None:
@@ -428,6 +431,16 @@ class Peer:
             raise ValueError(
                 "listening on 0.0.0.0 needs --announce-host: the address trainers should dial"
             )
+
+    async def _push_hops(self) -> PushHops:
+        """The client this peer calls the next stage of push calls with, signed with its own identity."""
+        hops = PushHops(
+            ClientPool(token=caller_token(self.identity)),
+            self.run_id,
+            activation_codec=self.run.codec,
+        )
+        self._stack.push_async_callback(hops.close)
+        return hops
 
     async def _start_heartbeat(self) -> None:
         self._background(self._announcer.run_forever(), "announce")

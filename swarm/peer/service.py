@@ -34,6 +34,7 @@ from swarm.peer.admission import Admission
 from swarm.peer.config import LimitsConfig
 from swarm.peer.executor import StageExecutor
 from swarm.peer.limits import CallLimits, Reservation, caller_address
+from swarm.peer.push import PushHops, check_route, serve_push
 from swarm.peer.queue import WorkQueue
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
@@ -63,6 +64,9 @@ class ServiceContext:
     compute_urgent: Callable[..., Awaitable[Any]]
     submit_urgent: Callable[..., None]  # queue a cheap fn(*args) ahead of compute, without waiting
     limits: LimitsConfig = LimitsConfig()  # memory, streams, queue and read deadlines
+    push: PushHops | None = (
+        None  # calls the next stage of push calls (None: push calls are refused)
+    )
 
 
 class StageService(pb_grpc.StagePeerServicer):
@@ -97,7 +101,9 @@ class StageService(pb_grpc.StagePeerServicer):
                 codec = codec_or_invalid(meta.codec)
                 stage = self.executor.stage_module
                 wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
-                names = {"input", "targets"} if wants_loss else {"input"}
+                if meta.route:
+                    check_route(meta, is_last=stage.is_last)
+                names = {"input", "targets"} if wants_loss or meta.route else {"input"}
                 tensors = await self._read_tensors(
                     reader, meta, names | _tokens(stage), reservation
                 )
@@ -111,6 +117,11 @@ class StageService(pb_grpc.StagePeerServicer):
                         work=dict(work, forward=True, backward=False),
                     )
                     yield self._reply(loss=loss, version=version)
+                elif meta.route:
+                    async for frame in serve_push(
+                        self, reader, frames, meta, codec, x, _require(tensors, "targets"), work
+                    ):
+                        yield frame
                 elif meta.compute_loss:
                     (loss, grad_input), version = await self._compute(
                         self._versioned(self.executor.forward_loss_backward),
@@ -228,12 +239,15 @@ class StageService(pb_grpc.StagePeerServicer):
         *,
         loss: float | None = None,
         version: tuple[int, str] | None = None,
+        push: dict | None = None,
     ) -> AsyncIterator[pb.Frame]:
-        """Send the reply, then wait for the caller's commit before counting the gradients. If the call ends
-        before any of the reply was sent, the caller cannot commit: the gradients are dropped now (it retries
-        elsewhere). If it ends later, the caller may have the reply and commit through the Commit RPC: the
-        gradients stay held until the hold runs out (see swarm.peer.ledger). Keeping them is always safe;
-        dropping them early only saves memory, so it is done only when the caller surely has nothing."""
+        """Send the reply (with ``push``: the push fields of ReplyMeta, hops and downstream_s), then wait for the
+        caller's commit before counting the gradients (with ``meta.defer_commit`` the call ends after the reply:
+        the trainer commits through the Commit RPC). If the call ends before any of the reply was sent, the
+        caller cannot commit: the gradients are dropped now (it retries elsewhere). If it ends later, the caller
+        may have the reply and commit through the Commit RPC: the gradients stay held until the hold runs out
+        (see swarm.peer.ledger). Keeping them is always safe; dropping them early only saves memory, so it is
+        done only when the caller surely has nothing."""
         replying = False
         try:
             grad_input = self.executor.stage_module.wire_grad(grad_input)
@@ -243,6 +257,9 @@ class StageService(pb_grpc.StagePeerServicer):
                 hold_s=self.executor.cache_config.commit_hold_s,
                 version=version,
             )
+            if push:
+                reply.reply.hops.extend(push["hops"])
+                reply.reply.downstream_s = push["downstream_s"]
             if grad_input is None:
                 yield reply
                 replying = True
@@ -250,6 +267,8 @@ class StageService(pb_grpc.StagePeerServicer):
                 async for frame in tensor_frames("grad_input", grad_input, codec, lead=[reply]):
                     yield frame
                     replying = True
+            if meta.defer_commit:
+                return  # held for commit_hold_s: the trainer commits through the Commit RPC
             # The commit comes once the caller has read the reply; after the hold it could not count anyway.
             frames.expect_within(self.executor.cache_config.commit_hold_s)
             commit = await reader.commit()

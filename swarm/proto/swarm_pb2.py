@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bswarm.proto\x12\x08swarm.v1\"\xff\x01\n\x0bRequestMeta\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x04 \x01(\t\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x14\n\x0c\x63ompute_loss\x18\x06 \x01(\x08\x12\x11\n\teval_only\x18\x07 \x01(\x08\x12\x16\n\x0einclude_inputs\x18\x08 \x01(\x08\x12\x13\n\x0bnum_samples\x18\t \x01(\r\x12\x13\n\x0bnum_tensors\x18\n \x01(\r\x12\x17\n\nbatch_step\x18\x0b \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_batch_step\"\xba\x01\n\tReplyMeta\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05state\x18\x05 \x01(\t\x12\x1b\n\x13samples_accumulated\x18\x06 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x07 \x01(\r\x12\x15\n\rcommit_hold_s\x18\x08 \x01(\x01\x12\x14\n\x0cparam_digest\x18\t \x01(\t\"\x1f\n\x06\x43ommit\x12\x15\n\rmicrobatch_id\x18\x01 \x01(\t\"\x87\x01\n\rCommitRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x04 \x01(\t\x12\x17\n\nbatch_step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_batch_step\"0\n\x0b\x43ommitReply\x12\x13\n\x0b\x61pplied_now\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\"r\n\x11\x43loseBatchRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nbatch_step\x18\x04 \x01(\x04\x12\x10\n\x08replicas\x18\x05 \x01(\r\"\x1f\n\x0f\x43loseBatchReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\"`\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x15\n\rsegment_numel\x18\x05 \x01(\x04\"\xe0\x01\n\x05\x46rame\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x15.swarm.v1.RequestMetaH\x00\x12$\n\x05reply\x18\x02 \x01(\x0b\x32\x13.swarm.v1.ReplyMetaH\x00\x12(\n\x06tensor\x18\x03 \x01(\x0b\x32\x16.swarm.v1.TensorHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x04 \x01(\x0cH\x00\x12\"\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x10.swarm.v1.CommitH\x00\x12 \n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x0f.swarm.v1.BatchH\x00\x42\x06\n\x04kind\"(\n\x05\x42\x61tch\x12\x1f\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x0f.swarm.v1.Frame\"5\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rinclude_grads\x18\x02 \x01(\x08\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xd7\x02\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x12\n\nthroughput\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x0c\n\x04step\x18\x08 \x01(\x04\x12\x1b\n\x13samples_accumulated\x18\t \x01(\x04\x12\x1c\n\x14microbatches_applied\x18\n \x01(\x04\x12\x0e\n\x06\x63odecs\x18\x0b \x03(\t\x12\x17\n\x0fsamples_applied\x18\x0c \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\r \x01(\x01\x12\x14\n\x0cparam_digest\x18\x0e \x01(\t\x12\x14\n\x0clate_commits\x18\x0f \x01(\x04\x12\x19\n\x11gradients_dropped\x18\x10 \x01(\x04\x32\xdc\x02\n\tStagePeer\x12/\n\x07\x46orward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x30\n\x08\x42\x61\x63kward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x35\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x16.swarm.v1.InfoResponse\x12\x35\n\x08GetState\x12\x16.swarm.v1.StateRequest\x1a\x0f.swarm.v1.Frame0\x01\x12\x38\n\x06\x43ommit\x12\x17.swarm.v1.CommitRequest\x1a\x15.swarm.v1.CommitReply\x12\x44\n\nCloseBatch\x12\x1b.swarm.v1.CloseBatchRequest\x1a\x19.swarm.v1.CloseBatchReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bswarm.proto\x12\x08swarm.v1\"\xba\x02\n\x0bRequestMeta\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x04 \x01(\t\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x14\n\x0c\x63ompute_loss\x18\x06 \x01(\x08\x12\x11\n\teval_only\x18\x07 \x01(\x08\x12\x16\n\x0einclude_inputs\x18\x08 \x01(\x08\x12\x13\n\x0bnum_samples\x18\t \x01(\r\x12\x13\n\x0bnum_tensors\x18\n \x01(\r\x12\x17\n\nbatch_step\x18\x0b \x01(\x04H\x00\x88\x01\x01\x12#\n\x05route\x18\x0c \x03(\x0b\x32\x14.swarm.v1.RouteStage\x12\x14\n\x0c\x64\x65\x66\x65r_commit\x18\r \x01(\x08\x42\r\n\x0b_batch_step\"S\n\tCandidate\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x10\n\x08tls_cert\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"l\n\nRouteStage\x12\r\n\x05stage\x18\x01 \x01(\r\x12\'\n\ncandidates\x18\x02 \x03(\x0b\x32\x13.swarm.v1.Candidate\x12\x17\n\nbatch_step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_batch_step\"\x95\x01\n\nHopOutcome\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\r\n\x05state\x18\x07 \x01(\t\x12\x15\n\rcommit_hold_s\x18\x08 \x01(\x01\"\x9f\x02\n\tReplyMeta\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05state\x18\x05 \x01(\t\x12\x1b\n\x13samples_accumulated\x18\x06 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x07 \x01(\r\x12\x15\n\rcommit_hold_s\x18\x08 \x01(\x01\x12\x14\n\x0cparam_digest\x18\t \x01(\t\x12\"\n\x04hops\x18\n \x03(\x0b\x32\x14.swarm.v1.HopOutcome\x12\x14\n\x0c\x64ownstream_s\x18\x0b \x01(\x01\x12)\n\x0b\x63hain_error\x18\x0c \x01(\x0b\x32\x14.swarm.v1.HopOutcome\"\x1f\n\x06\x43ommit\x12\x15\n\rmicrobatch_id\x18\x01 \x01(\t\"\x87\x01\n\rCommitRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x15\n\rmicrobatch_id\x18\x04 \x01(\t\x12\x17\n\nbatch_step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_batch_step\"0\n\x0b\x43ommitReply\x12\x13\n\x0b\x61pplied_now\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\"r\n\x11\x43loseBatchRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nbatch_step\x18\x04 \x01(\x04\x12\x10\n\x08replicas\x18\x05 \x01(\r\"\x1f\n\x0f\x43loseBatchReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\"`\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x15\n\rsegment_numel\x18\x05 \x01(\x04\"\xe0\x01\n\x05\x46rame\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x15.swarm.v1.RequestMetaH\x00\x12$\n\x05reply\x18\x02 \x01(\x0b\x32\x13.swarm.v1.ReplyMetaH\x00\x12(\n\x06tensor\x18\x03 \x01(\x0b\x32\x16.swarm.v1.TensorHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x04 \x01(\x0cH\x00\x12\"\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x10.swarm.v1.CommitH\x00\x12 \n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x0f.swarm.v1.BatchH\x00\x42\x06\n\x04kind\"(\n\x05\x42\x61tch\x12\x1f\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x0f.swarm.v1.Frame\"5\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rinclude_grads\x18\x02 \x01(\x08\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xd7\x02\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x12\n\nthroughput\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x0c\n\x04step\x18\x08 \x01(\x04\x12\x1b\n\x13samples_accumulated\x18\t \x01(\x04\x12\x1c\n\x14microbatches_applied\x18\n \x01(\x04\x12\x0e\n\x06\x63odecs\x18\x0b \x03(\t\x12\x17\n\x0fsamples_applied\x18\x0c \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\r \x01(\x01\x12\x14\n\x0cparam_digest\x18\x0e \x01(\t\x12\x14\n\x0clate_commits\x18\x0f \x01(\x04\x12\x19\n\x11gradients_dropped\x18\x10 \x01(\x04\x32\xdc\x02\n\tStagePeer\x12/\n\x07\x46orward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x30\n\x08\x42\x61\x63kward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x35\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x16.swarm.v1.InfoResponse\x12\x35\n\x08GetState\x12\x16.swarm.v1.StateRequest\x1a\x0f.swarm.v1.Frame0\x01\x12\x38\n\x06\x43ommit\x12\x17.swarm.v1.CommitRequest\x1a\x15.swarm.v1.CommitReply\x12\x44\n\nCloseBatch\x12\x1b.swarm.v1.CloseBatchRequest\x1a\x19.swarm.v1.CloseBatchReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUESTMETA']._serialized_start=26
-  _globals['_REQUESTMETA']._serialized_end=281
-  _globals['_REPLYMETA']._serialized_start=284
-  _globals['_REPLYMETA']._serialized_end=470
-  _globals['_COMMIT']._serialized_start=472
-  _globals['_COMMIT']._serialized_end=503
-  _globals['_COMMITREQUEST']._serialized_start=506
-  _globals['_COMMITREQUEST']._serialized_end=641
-  _globals['_COMMITREPLY']._serialized_start=643
-  _globals['_COMMITREPLY']._serialized_end=691
-  _globals['_CLOSEBATCHREQUEST']._serialized_start=693
-  _globals['_CLOSEBATCHREQUEST']._serialized_end=807
-  _globals['_CLOSEBATCHREPLY']._serialized_start=809
-  _globals['_CLOSEBATCHREPLY']._serialized_end=840
-  _globals['_TENSORHEADER']._serialized_start=842
-  _globals['_TENSORHEADER']._serialized_end=938
-  _globals['_FRAME']._serialized_start=941
-  _globals['_FRAME']._serialized_end=1165
-  _globals['_BATCH']._serialized_start=1167
-  _globals['_BATCH']._serialized_end=1207
-  _globals['_STATEREQUEST']._serialized_start=1209
-  _globals['_STATEREQUEST']._serialized_end=1262
-  _globals['_INFOREQUEST']._serialized_start=1264
-  _globals['_INFOREQUEST']._serialized_end=1293
-  _globals['_INFORESPONSE']._serialized_start=1296
-  _globals['_INFORESPONSE']._serialized_end=1639
-  _globals['_STAGEPEER']._serialized_start=1642
-  _globals['_STAGEPEER']._serialized_end=1990
+  _globals['_REQUESTMETA']._serialized_end=340
+  _globals['_CANDIDATE']._serialized_start=342
+  _globals['_CANDIDATE']._serialized_end=425
+  _globals['_ROUTESTAGE']._serialized_start=427
+  _globals['_ROUTESTAGE']._serialized_end=535
+  _globals['_HOPOUTCOME']._serialized_start=538
+  _globals['_HOPOUTCOME']._serialized_end=687
+  _globals['_REPLYMETA']._serialized_start=690
+  _globals['_REPLYMETA']._serialized_end=977
+  _globals['_COMMIT']._serialized_start=979
+  _globals['_COMMIT']._serialized_end=1010
+  _globals['_COMMITREQUEST']._serialized_start=1013
+  _globals['_COMMITREQUEST']._serialized_end=1148
+  _globals['_COMMITREPLY']._serialized_start=1150
+  _globals['_COMMITREPLY']._serialized_end=1198
+  _globals['_CLOSEBATCHREQUEST']._serialized_start=1200
+  _globals['_CLOSEBATCHREQUEST']._serialized_end=1314
+  _globals['_CLOSEBATCHREPLY']._serialized_start=1316
+  _globals['_CLOSEBATCHREPLY']._serialized_end=1347
+  _globals['_TENSORHEADER']._serialized_start=1349
+  _globals['_TENSORHEADER']._serialized_end=1445
+  _globals['_FRAME']._serialized_start=1448
+  _globals['_FRAME']._serialized_end=1672
+  _globals['_BATCH']._serialized_start=1674
+  _globals['_BATCH']._serialized_end=1714
+  _globals['_STATEREQUEST']._serialized_start=1716
+  _globals['_STATEREQUEST']._serialized_end=1769
+  _globals['_INFOREQUEST']._serialized_start=1771
+  _globals['_INFOREQUEST']._serialized_end=1800
+  _globals['_INFORESPONSE']._serialized_start=1803
+  _globals['_INFORESPONSE']._serialized_end=2146
+  _globals['_STAGEPEER']._serialized_start=2149
+  _globals['_STAGEPEER']._serialized_end=2497
 # @@protoc_insertion_point(module_scope)

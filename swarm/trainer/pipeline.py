@@ -17,7 +17,6 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +26,14 @@ from swarm.discovery.banreports import BanReport
 from swarm.discovery.callerlist import read_caller_list
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
-from swarm.errors import BadReply, GradientOutlier, InvalidRequest, StageUnavailable, SwarmError
+from swarm.errors import (
+    BadReply,
+    GradientOutlier,
+    InvalidRequest,
+    StageUnavailable,
+    SwarmError,
+    UsageError,
+)
 from swarm.identity import PEER_ID_HEX
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
 from swarm.routing.retry import failure_kind
@@ -37,29 +43,21 @@ from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
 from swarm.trainer.holdings import Holdings
+from swarm.trainer.push import PushChains
 from swarm.trainer.reports import ReportBook
 from swarm.trainer.spotcheck import CheckedCall, SpotChecker
 from swarm.trainer.stagesteps import StageSteps
+from swarm.trainer.work import BACKWARD_COST, FORWARD_COST, MicrobatchResult
 from swarm.transport.callers import caller_token
 from swarm.transport.client import ClientPool, Reply
 from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
 
-# Relative cost of the calls, in forward passes: backward costs about twice a forward (a recompute adds one).
-FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 # How many times the trainer computes one stage's gradient of a microbatch before it gives up on it.
 MAX_RECOMPUTES = 8
 # How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
 DRAINING_MEMORY_S = 30.0
-
-
-@dataclass
-class MicrobatchResult:
-    loss: float
-    samples: int
-    tokens: int
-    attempts_failed: int  # calls that failed and were retried elsewhere
 
 
 class Pipeline:
@@ -135,6 +133,14 @@ class Pipeline:
             grad_codec=self.grad_codec,
             gradients=self.gradients,
         )
+        if config.activations == "push" and any(
+            run.model.takes_tokens(s) for s in range(self.num_stages)
+        ):
+            raise UsageError(
+                "--activations push does not carry the token ids a subspace cut's stages take; train this "
+                "run with --activations relayed"
+            )
+        self.push = PushChains(self)  # push mode's microbatches (swarm.trainer.push)
         self._refreshed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
 
@@ -241,7 +247,14 @@ class Pipeline:
         self, microbatch_id: str, tokens: torch.Tensor, batch_steps: list[int] | None = None
     ) -> MicrobatchResult:
         """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss.
-        ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to."""
+        ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to.
+        In push mode a microbatch sampled for spot-checks (or with peers others reported in the run) goes relayed,
+        every stage of it checked: only the relayed path sees the activations."""
+        check_all = False
+        if self.config.activations == "push":
+            check_all = bool(self.reports.suspects) or self.spot_checks.sampled()
+            if not check_all:
+                return await self.push.train(microbatch_id, tokens, batch_steps)
         x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
         samples = x.shape[0]
         failures_before = self.failed_calls
@@ -282,7 +295,9 @@ class Pipeline:
                 h = stage_inputs[stage]
                 continue
             forward_peers.append(peer)
-            self._spot_check(stage, peer, reply, h, x, targets if stage == last else None)
+            self._spot_check(
+                stage, peer, reply, h, x, targets if stage == last else None, force=check_all
+            )
             if stage == last:
                 break
             h = _tensor(reply, "output", peer)
@@ -470,11 +485,13 @@ class Pipeline:
         h: torch.Tensor,
         tokens: torch.Tensor,
         targets: torch.Tensor | None,
+        *,
+        force: bool = False,
     ) -> None:
-        """Maybe have another replica of ``stage`` recompute this forward (its output, or at the last stage its
-        loss) and compare: see :mod:`swarm.trainer.spotcheck`."""
+        """Maybe (``force``: surely) have another replica of ``stage`` recompute this forward (its output, or at
+        the last stage its loss) and compare: see :mod:`swarm.trainer.spotcheck`."""
         # a peer others reported (too few to avoid it) is checked on every call: see swarm.trainer.reports
-        if not self.spot_checks.sampled() and peer not in self.reports.suspects:
+        if not force and not self.spot_checks.sampled() and peer not in self.reports.suspects:
             return
         if stage == self.num_stages - 1:
             result = torch.tensor([reply.meta.loss])
@@ -524,33 +541,7 @@ class Pipeline:
             try:
                 reply = await attempt(PeerAddress.of(record), timeout_s)
             except SwarmError as e:
-                now = time.monotonic()
-                kind = failure_kind(e)
-                if kind is not Failure.GIVE_UP:
-                    self.failed_calls += 1
-                    # A shed call is routine under load (the peer was busy, not faulty): not worth a line each.
-                    logger.log(
-                        logging.DEBUG if kind is Failure.SHED else logging.INFO,
-                        "stage %d peer %s failed (%s: %s); retrying elsewhere",
-                        stage,
-                        peer,
-                        type(e).__name__,
-                        e,
-                    )
-                if kind is Failure.AVOID:
-                    # Alive and honest: it is leaving or moved to another stage. Not banned (it may come back,
-                    # e.g. moved to this stage later); no new work here until the DHT says otherwise.
-                    self._draining_replies[(stage, peer)] = now
-                    self._update_router(stage, now)
-                if isinstance(e, BadReply):
-                    self._ban_for_run(
-                        stage, peer, e, "its reply failed the checks", report={"kind": "bad_reply"}
-                    )
-                # raises RetriesExhausted naming the stage when the budget is spent
-                request.failed(peer, e, now)
-                if kind is Failure.GIVE_UP:
-                    e.peer = peer
-                    raise
+                self._failed(request, stage, peer, e)  # raises when the budget is spent
                 continue
             except BaseException:
                 self.router.on_cancel(stage, peer, time.monotonic())
@@ -565,6 +556,47 @@ class Pipeline:
                 self._draining_replies[(stage, peer)] = now
                 self._update_router(stage, now)
             return reply, peer
+
+    def _failed(
+        self,
+        request: StageRequest,
+        stage: int,
+        peer: str,
+        error: SwarmError,
+        *,
+        reported: bool = False,
+    ) -> None:
+        """A call to ``peer`` of ``stage`` failed with ``error``: count it, mark a peer that is leaving, ban one
+        that sent a bad reply (for the run when this trainer saw the reply itself; ``reported``: another peer saw
+        it, a push hop, so only with back-off), and charge the request's budget. Raises ``error`` when retrying
+        elsewhere cannot help, RetriesExhausted when the budget is spent."""
+        now = time.monotonic()
+        kind = failure_kind(error)
+        if kind is not Failure.GIVE_UP:
+            self.failed_calls += 1
+            # A shed call is routine under load (the peer was busy, not faulty): not worth a line each.
+            logger.log(
+                logging.DEBUG if kind is Failure.SHED else logging.INFO,
+                "stage %d peer %s failed (%s: %s); retrying elsewhere",
+                stage,
+                peer,
+                type(error).__name__,
+                error,
+            )
+        if kind is Failure.AVOID:
+            # Alive and honest: it is leaving or moved to another stage. Not banned (it may come back, e.g.
+            # moved to this stage later); no new work here until the DHT says otherwise.
+            self._draining_replies[(stage, peer)] = now
+            self._update_router(stage, now)
+        if isinstance(error, BadReply) and not reported:
+            self._ban_for_run(
+                stage, peer, error, "its reply failed the checks", report={"kind": "bad_reply"}
+            )
+        # raises RetriesExhausted naming the stage when the budget is spent
+        request.failed(peer, error, now)
+        if kind is Failure.GIVE_UP:
+            error.peer = peer
+            raise error
 
     def _ban_for_run(
         self, stage: int, peer: str, error: SwarmError, why: str, *, report: dict | None = None

@@ -206,3 +206,40 @@ def test_push_training_survives_a_killed_replica_and_counts_every_microbatch_onc
     assert head.executor.microbatches_applied == n
     assert keep.executor.microbatches_applied + before == n
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_lost_push_commits_are_settled_and_each_stage_counts_each_microbatch_once(
+    peers, loop_thread
+):
+    """Both peers lose 60% of the first commits of push calls, a third each way (before applying them, the
+    confirmation after, or as if past the hold: dropped). The trainer asks again, or computes a dropped gradient
+    again with a fresh chain of which only that stage keeps its gradient: each stage counts each microbatch once."""
+    run_id, run = "push-lost", model_run(2)
+    lossy = dict(lose_commit_probability=0.6)
+    first, last = peers(run_id, 0, run=run, **lossy), peers(run_id, 1, run=run, **lossy)
+    n = 12
+
+    async def body():
+        async with push_pipeline(first.directory, run, [1, 1]) as pipeline:
+            for i in range(n):
+                await pipeline.train_microbatch(f"mb{i}", batch(i))
+            late = 0
+            for peer in (first, last):
+                client = PeerClient(peer.address)
+                try:
+                    late += (await client.info(run_id, timeout_s=10)).late_commits
+                finally:
+                    await client.close()
+            return (
+                pipeline.recomputed_gradients,
+                pipeline.unconfirmed_commits,
+                pipeline.failed_calls,
+                late,
+            )
+
+    recomputed, unconfirmed, failed, late = loop_thread.run(body(), timeout_s=300)
+    assert unconfirmed == 0 and failed == 0
+    assert [p.executor.microbatches_applied for p in (first, last)] == [n, n]
+    # Each way happened: with 24 first commits lost with probability 0.2 each way, none "late" has p = 0.8**24.
+    assert recomputed > 0
+    assert late > 0

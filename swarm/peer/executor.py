@@ -381,6 +381,11 @@ class StageExecutor:
         return self._ledger.drop_all(reason)
 
     @property
+    def awaiting_commit(self) -> int:
+        """Held gradients whose commit may still come (their hold has not run out)."""
+        return self._ledger.waiting()
+
+    @property
     def held_gradients(self) -> int:
         """Computed gradients waiting for their commit."""
         return len(self._ledger)

@@ -611,8 +611,11 @@ class Peer:
                 self._announcer.announce(), timeout=max(0.1, self.admission.drain_left_s)
             )
         # Trainers stop routing new forwards here once they see the draining state (in a reply or the
-        # DHT); until the cached microbatches are claimed by their backward, keep serving.
-        await self.admission.wait_until_drained(lambda: self.executor.cached_microbatches)
+        # DHT); until the cached microbatches are claimed by their backward, keep serving, and until the
+        # gradients held for a commit got it (a push call's comes after the call, through the Commit RPC).
+        await self.admission.wait_until_drained(
+            lambda: self.executor.cached_microbatches + self.executor.awaiting_commit
+        )
         await self._hand_in_samples()
 
     async def _hand_in_samples(self) -> None:

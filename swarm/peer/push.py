@@ -93,6 +93,7 @@ class PushHops:
                 num_samples=meta.num_samples,
                 compute_loss=not rest,
                 defer_commit=True,
+                discard_gradients=nxt.discard_gradients,
                 route=rest,
             )
             if nxt.HasField("batch_step"):

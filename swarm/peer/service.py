@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,8 +79,10 @@ class StageService(pb_grpc.StagePeerServicer):
             max_queue_wait_s=context.limits.max_queue_wait_s,
             enabled=context.limits.shed_late_work,
         )
-        # commits answered through the Commit RPC (the in-call one was not confirmed)
+        # commits answered through the Commit RPC (the in-call one, or a push call's first, was not confirmed)
         self.late_commits = 0
+        # push calls' microbatch ids whose first commit has not come yet (bounded: the oldest go first)
+        self._deferred: OrderedDict[str, None] = OrderedDict()
         # called as each call ends: (method, seconds, outcome); see swarm.transport.server
         self.observer: Callable[[str, float, str], None] | None = None
 
@@ -268,7 +271,13 @@ class StageService(pb_grpc.StagePeerServicer):
                     yield frame
                     replying = True
             if meta.defer_commit:
-                return  # held for commit_hold_s: the trainer commits through the Commit RPC
+                if meta.discard_gradients:  # computed for the stages before this one only
+                    self.ctx.submit_urgent(
+                        self.executor.abort, meta.microbatch_id, "the caller asked for no gradient"
+                    )
+                else:  # held for commit_hold_s: the trainer commits through the Commit RPC
+                    _bounded_add(self._deferred, meta.microbatch_id)
+                return
             # The commit comes once the caller has read the reply; after the hold it could not count anyway.
             frames.expect_within(self.executor.cache_config.commit_hold_s)
             commit = await reader.commit()
@@ -278,38 +287,46 @@ class StageService(pb_grpc.StagePeerServicer):
                     f"{meta.microbatch_id!r}"
                 )
             batch_step = meta.batch_step if meta.HasField("batch_step") else None
-            lose = self.ctx.admission.lose_commit()
-            if lose == "before":
-                raise TransportError(
-                    f"injected fault: the commit of microbatch {meta.microbatch_id} was lost before it was "
-                    f"applied (--lose-commit-probability); its gradients stay held for the Commit RPC"
-                )
-            if lose == "late":
-                await self.ctx.compute_urgent(
-                    self.executor.abort,
-                    meta.microbatch_id,
-                    "injected fault: a commit after the hold",
-                )
-            await self.ctx.compute_urgent(self.executor.commit, meta.microbatch_id, batch_step)
-            if lose == "after":
-                raise TransportError(
-                    f"injected fault: the commit of microbatch {meta.microbatch_id} was applied and its "
-                    f"confirmation lost (--lose-commit-probability)"
-                )
+            await self._apply_commit(
+                meta.microbatch_id, batch_step, self.ctx.admission.lose_commit()
+            )
         finally:
             if not replying:
                 self.ctx.submit_urgent(self.executor.abort, meta.microbatch_id)
 
+    async def _apply_commit(self, microbatch_id: str, batch_step: int | None, lose: str | None):
+        """Count a held gradient (True: this applied it), or lose the commit as fault injection says (``lose``,
+        see Admission.lose_commit)."""
+        if lose == "before":
+            raise TransportError(
+                f"injected fault: the commit of microbatch {microbatch_id} was lost before it was "
+                f"applied (--lose-commit-probability); its gradients stay held for the Commit RPC"
+            )
+        if lose == "late":
+            await self.ctx.compute_urgent(
+                self.executor.abort, microbatch_id, "injected fault: a commit after the hold"
+            )
+        applied_now = await self.ctx.compute_urgent(self.executor.commit, microbatch_id, batch_step)
+        if lose == "after":
+            raise TransportError(
+                f"injected fault: the commit of microbatch {microbatch_id} was applied and its "
+                f"confirmation lost (--lose-commit-probability)"
+            )
+        return applied_now
+
     @unary_handler
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitReply:
-        """The caller's commit, for a call that ended before the peer confirmed it (idempotent)."""
+        """The caller's commit: the first one of a push call's gradients (``defer_commit``), or the commit of a
+        call that ended before the peer confirmed it (idempotent). A push call's first commit may be lost as an
+        in-call commit may (fault injection), and is not counted late."""
         self._check_request(request)
+        first = self._deferred.pop(request.microbatch_id, False) is None
         async with self.ctx.admission.call(new_work=False, stage_index=request.stage):
             batch_step = request.batch_step if request.HasField("batch_step") else None
-            applied_now = await self.ctx.compute_urgent(
-                self.executor.commit, request.microbatch_id, batch_step
-            )
-        self.late_commits += 1
+            lose = self.ctx.admission.lose_commit() if first else None
+            applied_now = await self._apply_commit(request.microbatch_id, batch_step, lose)
+        if not first:
+            self.late_commits += 1
         return pb.CommitReply(applied_now=applied_now, step=self.executor.step)
 
     @unary_handler
@@ -490,6 +507,16 @@ class StageService(pb_grpc.StagePeerServicer):
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)
+
+
+# push calls remembered for their first commit; more in flight than this at once is not expected of one peer
+DEFERRED_IDS = 4096
+
+
+def _bounded_add(table: OrderedDict, key: str) -> None:
+    table[key] = None
+    while len(table) > DEFERRED_IDS:
+        table.popitem(last=False)
 
 
 def _work_deadline(context) -> float | None:

@@ -129,7 +129,9 @@ class PushChains:
         self, stage: int, microbatch_id: str, x, targets, tags
     ) -> tuple[Reply, str]:
         """``stage``'s gradient of this microbatch once more: a fresh chain of which only that stage is committed."""
-        chain = await self.complete(f"{microbatch_id}~redo{next(self._ids)}", x, targets, tags)
+        chain = await self.complete(
+            f"{microbatch_id}~redo{next(self._ids)}", x, targets, tags, only=stage
+        )
         if stage not in chain.held:
             raise SwarmError(
                 f"stage {stage} refused the gradient of microbatch {microbatch_id} computed again (an outlier)"
@@ -153,8 +155,9 @@ class PushChains:
 
     # ------------------------------------------------------------------ chains
 
-    async def complete(self, base_id: str, x, targets, tags) -> Chain:
-        """Push chains for these tokens until one finishes; raises RetriesExhausted (a stage's retry budget spent),
+    async def complete(self, base_id: str, x, targets, tags, *, only: int | None = None) -> Chain:
+        """Push chains for these tokens until one finishes (``only``: the one stage that keeps its gradient, the
+        others compute theirs and drop it); raises RetriesExhausted (a stage's retry budget spent),
         StageUnavailable, or the request's own error (e.g. stage 0 refused the tokens)."""
         p = self.p
         requests = [StageRequest(p.router, s) for s in range(p.num_stages)]
@@ -164,7 +167,9 @@ class PushChains:
         for n in range(limit):
             chain_id = base_id if n == 0 else f"{base_id}~{next(self._ids)}"
             route = await self._route(requests, cost)
-            chain, refused = await self._push(chain_id, route, x, targets, tags, requests, cost)
+            chain, refused = await self._push(
+                chain_id, route, x, targets, tags, requests, cost, only
+            )
             if chain is not None:
                 return chain
             if refused is None:
@@ -215,13 +220,21 @@ class PushChains:
             timed.append(here)
         return timed[::-1]
 
-    async def _push(self, chain_id, route, x, targets, tags, requests, cost):
+    async def _push(self, chain_id, route, x, targets, tags, requests, cost, only):
         """One chain. Returns (Chain, None) when it finished, (None, (stage, error)) when ``stage`` refused its
         input as invalid, (None, None) when it failed otherwise (the failures charged to the stages' budgets)."""
         p = self.p
-        meta = p.calls.meta(0, chain_id, x.shape[0], tags[0], codec=p.grad_codec, defer_commit=True)
+        meta = p.calls.meta(
+            0,
+            chain_id,
+            x.shape[0],
+            tags[0],
+            codec=p.grad_codec,
+            defer_commit=True,
+            discard_gradients=only not in (None, 0),
+        )
         for stage in range(1, p.num_stages):
-            hop = meta.route.add(stage=stage)
+            hop = meta.route.add(stage=stage, discard_gradients=only not in (None, stage))
             if tags[stage] is not None:
                 hop.batch_step = tags[stage]
             for peer, rec, timeout_s in route[stage]:
@@ -294,12 +307,14 @@ class PushChains:
                 ):
                     p._draining_replies[(hop.stage, hop.peer_id)] = now
                     p._update_router(hop.stage, now)
-                held[hop.stage] = Held(
-                    hop.peer_id, addresses[key], chain_id, now + hop.commit_hold_s
-                )
+                if only in (None, hop.stage):
+                    held[hop.stage] = Held(
+                        hop.peer_id, addresses[key], chain_id, now + hop.commit_hold_s
+                    )
             fault = answered.chain_error
             if not fault.error_class:
-                if sorted(held) != list(range(p.num_stages)) or not answered.has_loss:
+                wanted = list(range(p.num_stages)) if only is None else [only]
+                if sorted(held) != wanted or not answered.has_loss:
                     return self._untrusted(
                         requests, first, "a finished chain without every stage or a loss"
                     )

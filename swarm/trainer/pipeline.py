@@ -11,7 +11,6 @@ and recomputes, so no microbatch is lost to a failed peer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import random
@@ -23,7 +22,6 @@ import torch
 from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.banreports import BanReport
-from swarm.discovery.callerlist import read_caller_list
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
 from swarm.errors import (
@@ -34,7 +32,6 @@ from swarm.errors import (
     SwarmError,
     UsageError,
 )
-from swarm.identity import PEER_ID_HEX
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
 from swarm.routing.retry import failure_kind
 from swarm.states import PeerState
@@ -43,6 +40,7 @@ from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
 from swarm.trainer.holdings import Holdings
+from swarm.trainer.peerlists import PeerLists
 from swarm.trainer.push import PushChains
 from swarm.trainer.reports import ReportBook
 from swarm.trainer.spotcheck import CheckedCall, SpotChecker
@@ -56,11 +54,9 @@ logger = logging.getLogger(__name__)
 
 # How many times the trainer computes one stage's gradient of a microbatch before it gives up on it.
 MAX_RECOMPUTES = 8
-# How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
-DRAINING_MEMORY_S = 30.0
 
 
-class Pipeline:
+class Pipeline(PeerLists):
     """Routes calls for one run. Owns the peer lists (refreshed from the DHT) and one channel per peer."""
 
     def __init__(
@@ -157,85 +153,6 @@ class Pipeline:
             self._refresh_task.cancel()
             await asyncio.gather(self._refresh_task, return_exceptions=True)
         await self.clients.close()
-
-    async def refresh(self) -> None:
-        fingerprint = self.run.fingerprint()
-        stages, listed = await asyncio.gather(
-            self.directory.all_stages(self.num_stages), read_caller_list(self.directory)
-        )
-        # a run whose owner lists its callers: only listed peers get work (others cannot join its peers anyway)
-        admitted = None if listed is None else listed.admitted(self.directory.owner)
-        listed_ids = None if admitted is None else {entry[:PEER_ID_HEX] for entry in admitted}
-        try:
-            await self.reports.refresh(
-                admitted=None if listed_ids is None else frozenset(listed_ids)
-            )
-        except Exception as e:  # route on the last verdicts
-            logger.warning("reading the run's ban reports failed: %s", e)
-        now = time.monotonic()
-        for stage, found in enumerate(stages):
-            compatible = {
-                pid: r
-                for pid, r in found.items()
-                if r.config_hash == fingerprint and (listed_ids is None or pid in listed_ids)
-            }
-            self.records[stage] = compatible
-            self._update_router(stage, now)
-        self._refreshed.set()
-
-    def _update_router(self, stage: int, now: float) -> None:
-        """Route new work only to serving peers. A peer that said "draining" in a reply is left out for a
-        while even if its DHT record still says serving (the record may be a heartbeat behind). A draining
-        replica hands in the gradients it holds itself (its stage's all-reduce takes them before it leaves): the
-        trainer never computes them again."""
-        for k, peer in self._draining_replies:
-            if k == stage:
-                self.holdings.release(stage, peer)
-        for peer, record in self.records[stage].items():
-            if record.state == PeerState.DRAINING:
-                self.holdings.release(stage, peer)
-        self._draining_replies = {
-            k: t for k, t in self._draining_replies.items() if now - t < DRAINING_MEMORY_S
-        }
-        # Peers announce samples/s of forward + backward; routing counts in forward-sample units.
-        serving = {
-            pid: r.throughput * (FORWARD_COST + BACKWARD_COST)
-            for pid, r in self.records[stage].items()
-            if r.state == PeerState.SERVING
-            and (stage, pid) not in self._draining_replies
-            and pid not in self.banned_for_run
-            and pid not in self.reports.avoided
-        }
-        self.router.update_peers(stage, serving, now)
-
-    async def _next_refresh(self, *, timeout_s: float) -> None:
-        """Wait for the next refresh of the peer lists, at most ``timeout_s`` (no waiter is left behind)."""
-        self._refreshed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._refreshed.wait(), timeout=timeout_s)
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.refresh_s)
-            try:
-                await self.refresh()
-            except Exception as e:  # keep routing on the last known lists
-                logger.warning("refreshing peers from the DHT failed: %s", e)
-
-    async def wait_for_peers(self, *, timeout_s: float) -> None:
-        """Wait until every stage has at least one serving peer."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            empty = [s for s in range(self.num_stages) if not self.router.peers(s)]
-            if not empty:
-                return
-            if time.monotonic() > deadline:
-                raise StageUnavailable(
-                    f"no peer serves stage(s) {empty} of run '{self.run_id}' after "
-                    f"{timeout_s:.0f}s; start `swarm peer --run-id {self.run_id} --stage "
-                    f"{empty[0]}`"
-                )
-            await self._next_refresh(timeout_s=self.config.refresh_s * 2)
 
     @property
     def run_id(self) -> str:

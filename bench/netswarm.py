@@ -5,8 +5,13 @@ Prints markdown tables and writes them, with the environment, to bench/results/n
 
 Topology (deploy/netns/): 4 emulated hosts on one bridge — a bootstrap DHT node, one peer per stage of the
 2-stage model, and the trainer — each with its own address and a tbf limit on its uplink and its downlink.
-The trainer relays every hop (tokens -> stage 0 -> trainer -> stage 1 -> trainer, gradients back the same
-way), so its link carries the most: about 2 activations up and 2 down per microbatch.
+Relayed (the default), the trainer relays every hop (tokens -> stage 0 -> trainer -> stage 1 -> trainer,
+gradients back the same way), so its link carries the most: about 2 activations up and 2 down per microbatch.
+With ``--activations relayed,push`` every config also runs with activations pushed peer to peer (the trainer
+sends tokens to stage 0, which sends its output to stage 1 and gets the gradient back), and the report adds push
+vs relayed at each rate and every host's link traffic (``--repeat 2`` runs each config twice in alternating
+order and reports the medians):  .venv/bin/python bench/netswarm.py --configs int8 --activations relayed,push
+--rates 5,20,100,0 --repeat 2 --out bench/results/netswarm_push.md
 
 Protocol: for each configuration (codec, bottleneck) the swarm starts once; the trainer runs until stopped.
 For each rate, slowest first, every host's link is set to that rate, the swarm warms up (at least

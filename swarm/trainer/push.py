@@ -211,9 +211,18 @@ class PushChains:
             route.append(picked)
         below = 0.0  # worst case of the stages after: every candidate tried, each to its deadline
         timed = []
+        # A stage's own part: what a relayed forward and backward call to it would get, each (a push call waits for
+        # the peer's compute twice, forward then backward, as the two relayed calls do).
+        forward = cost * FORWARD_COST / (FORWARD_COST + BACKWARD_COST)
         for stage in reversed(range(len(route))):
             here = [
-                (peer, rec, p.call_timeout_s(stage, rec, cost) + below)
+                (
+                    peer,
+                    rec,
+                    p.call_timeout_s(stage, rec, forward)
+                    + p.call_timeout_s(stage, rec, cost - forward)
+                    + below,
+                )
                 for peer, rec in route[stage]
             ]
             below = sum(t for _, _, t in here)

@@ -32,8 +32,9 @@ process and p2pd) is sampled every 50 ms. At the end, a normal trainer call (``c
 commit, W1's microbatch of 8) must still be served.
 
 The bound checked. The budget bounds request tensors held at once; one compute thread adds one call's
-working set; so a phase's peak rise over rest should stay under budget + the ``one max call`` rise, plus
-slack for gRPC buffers and the allocator (``SLACK_MIB``). The per-caller stream limit (64 by default) also
+working set; gRPC buffers up to a receive window for each call it keeps open, refused or not, and keeps at most
+``--max-open-calls``; so a phase's peak rise over rest should stay under budget + the ``one max call`` rise +
+open calls x window, plus slack for the allocator (``SLACK_MIB``). The per-caller stream limit (64 by default) also
 binds: every client runs on 127.0.0.1, so all clients are one caller, as one attacking host would be.
 """
 
@@ -56,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpc  # noqa: E402
 from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
 
+from swarm.peer.config import LimitsConfig  # noqa: E402
 from swarm.proto import PROTOCOL_VERSION  # noqa: E402
 from swarm.proto import swarm_pb2 as pb  # noqa: E402
 from swarm.transport.channel import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: E402
@@ -363,6 +365,7 @@ class Phase:
 @dataclass
 class BudgetRun:
     budget_bytes: int
+    windows_mib: float  # the peer's --max-open-calls x --stream-window-bytes: what gRPC may buffer for open calls
     rest_mib: float = 0.0
     tree_rest_mib: float = 0.0
     phases: list[Phase] = field(default_factory=list)
@@ -377,7 +380,7 @@ class BudgetRun:
         return next(p.peak_rise_mib for p in self.phases if p.name == "one max call")
 
     def allowance_mib(self) -> float:
-        return self.budget_mib + self.one_call_mib + SLACK_MIB
+        return self.budget_mib + self.one_call_mib + self.windows_mib + SLACK_MIB
 
 
 async def normal_call(address, run_id: str, microbatch_id: str) -> str:
@@ -468,6 +471,8 @@ def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
             budget_bytes,
             "--read-idle-s",
             args.read_idle_s,
+            "--stream-window-bytes",
+            args.window_bytes,
         ),
     ]
     peer = start_peer(
@@ -475,7 +480,8 @@ def run_budget(group, addr_file: Path, budget_bytes: int, args) -> BudgetRun:
     )
     endpoint = wait_ready(peer)
     address = address_by_handshake(endpoint)  # the bench's own peer: certificate from the handshake
-    result = BudgetRun(budget_bytes)
+    limits = LimitsConfig()
+    result = BudgetRun(budget_bytes, windows_mib=limits.max_open_calls * args.window_bytes / MiB)
     print(
         f"budget {budget_bytes / MiB:.0f} MiB: peer {peer.pid} serves stage {STAGE} at {endpoint}",
         flush=True,
@@ -614,7 +620,7 @@ HEADERS = [
     "peak RSS rise MiB (peer process)",
     "tree peak rise MiB (sampled)",
     "RSS kept after MiB",
-    "allowance MiB (budget + one call + slack)",
+    "allowance MiB (budget + one call + windows + slack)",
     "within?",
 ]
 
@@ -686,7 +692,9 @@ def report(runs: list[BudgetRun], args) -> tuple[str, list[str]]:
         "draining it, and drains a refused request for at most 2 s; the peer's own status was INVALID_ARGUMENT "
         "or RESOURCE_EXHAUSTED. `RESOURCE_EXHAUSTED (message cap)`: gRPC's own 16 MiB message limit.",
         f"allowance = budget + the `one max call` rise (one admitted call: its request and the compute's working "
-        f"set; the peer computes one call at a time) + {SLACK_MIB} MiB for gRPC buffers and the allocator.",
+        f"set; the peer computes one call at a time) + the receive windows gRPC may hold for open calls "
+        f"(--max-open-calls {LimitsConfig().max_open_calls} x --stream-window-bytes {args.window_bytes}) + "
+        f"{SLACK_MIB} MiB for the allocator.",
         f"Normal call after the flood (compute_loss Forward of 8 sequences, with commit): {after}.",
         *extras,
     ]
@@ -720,6 +728,12 @@ def main() -> None:
         "--flood-s", type=float, default=20.0, help="seconds phase (b) keeps sending"
     )
     parser.add_argument("--read-idle-s", type=float, default=5.0, help="the peer's --read-idle-s")
+    parser.add_argument(
+        "--window-bytes",
+        type=int,
+        default=LimitsConfig().stream_window_bytes,
+        help="the peer's --stream-window-bytes",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "peer_flood.md")
     parser.add_argument(
         "--client", help=argparse.SUPPRESS

@@ -398,13 +398,16 @@ def _dht(args) -> int:
 
 def _peer(args) -> int:
     from swarm.peer.config import PeerConfig
+    from swarm.peer.heap import bound_heap, trim_heap_forever
     from swarm.peer.lifecycle import Peer
 
     config = config_from_args(PeerConfig, args)
     run = run_config_from_args(args, config.pretrained)
+    bound_heap()  # what callers make this process allocate goes back to the system when freed
 
     async def main() -> int:
         peer = await Peer.create(config, run=run)
+        trimming = asyncio.create_task(trim_heap_forever())
         try:
             print(
                 f"peer {peer.peer_id} serves stage {peer.stage_index} of run '{config.run_id}' at {peer.endpoint}",
@@ -416,6 +419,7 @@ def _peer(args) -> int:
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, peer.request_move)
             await _until_signal(on_first=peer.drain)
         finally:
+            trimming.cancel()
             await peer.shutdown()
         return 0
 

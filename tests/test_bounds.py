@@ -40,8 +40,10 @@ ROOMY = LimitsConfig(
     read_total_s=240.0,
     max_streams_per_caller=3,
     max_queued_calls=1,
-    request_memory_bytes=132
-    << 10,  # fits one (64, T, D) float input (128 KiB), not its targets too
+    # every open call reserves its receive window (64 KiB here, the least there is): the budget holds three idle
+    # calls, or one with a (64, T, D) float input (128 KiB) but not its targets too
+    stream_window_bytes=64 << 10,
+    request_memory_bytes=(64 + 132) << 10,
 )
 
 
@@ -179,7 +181,7 @@ def test_a_header_is_refused_before_its_payload_is_sent_or_allocated(
     got, details = loop_thread.run(body())
     if code is None:
         assert got == grpc.StatusCode.RESOURCE_EXHAUSTED, details
-        assert "--request-memory-bytes=135168" in details, details
+        assert "--request-memory-bytes=200704" in details, details
     else:
         assert got == code, details
         assert needle in details, details

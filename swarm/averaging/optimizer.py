@@ -301,6 +301,13 @@ class HivemindStageOptimizer:
             # without it, and the check above then loads the peers' state (a missed group costs this replica's
             # samples of the batch, never a stalled stage or a replica out of step).
             return False
+        if alone and self.local_samples == 0 and tracker.global_progress.samples_accumulated:
+            # Told to step alone, with none of the batch's samples, while another replica holds them: a replica that
+            # just joined (or came back) after the trainer last counted the stage. Stepping here would move its
+            # parameters on the optimizer's momentum and decay alone (a zero gradient): the same step as the replica
+            # that stepped on the batch, other parameters. Wait: that replica steps, and the check above then
+            # loads its state.
+            return False
         self._begin_step(alone)
         if self._pending is not None:
             return False  # the all-reduce runs; a later check finishes the step

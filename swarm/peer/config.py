@@ -71,6 +71,14 @@ class LimitsConfig:
     # bytes of request tensors all calls together may hold, reserved from each tensor's header before any
     # of it is allocated (and the parameters a GetState copies); past it: RESOURCE_EXHAUSTED
     request_memory_bytes: int = 1 << 30
+    # bytes gRPC buffers per open call before the peer reads them (its receive window, fixed: no growth by
+    # bandwidth probing); every open call reserves it from --request-memory-bytes, and a flood's streams hold
+    # one each (bench/results/peer_flood.md). 1 MiB fills a 100 Mbit/s link at 80 ms of round trip per call; a
+    # trainer keeps several calls in flight to a peer, whose windows add up
+    stream_window_bytes: int = 1 << 20
+    # calls gRPC keeps open at once, refused or not (each can hold a receive window before any handler runs, so
+    # a flood holds at most this many windows); past it gRPC itself answers RESOURCE_EXHAUSTED
+    max_open_calls: int = 128
     # calls one caller (IP address) may have open at once; more are refused with RESOURCE_EXHAUSTED
     max_streams_per_caller: int = 64
     # calls queued for or running on the compute thread; more are refused with RESOURCE_EXHAUSTED
@@ -87,10 +95,23 @@ class LimitsConfig:
     read_total_s: float = 600.0
 
     def __post_init__(self):
+        if (
+            self.stream_window_bytes < 1 << 16
+            or self.stream_window_bytes >= self.request_memory_bytes
+        ):
+            raise ValueError(
+                f"stream_window_bytes ({self.stream_window_bytes}) must be at least 65536 and below "
+                f"request_memory_bytes ({self.request_memory_bytes}): every open call reserves its window from it"
+            )
         if min(self.request_memory_bytes, self.max_streams_per_caller, self.max_queued_calls) < 1:
             raise ValueError(
                 f"request_memory_bytes ({self.request_memory_bytes}), max_streams_per_caller "
                 f"({self.max_streams_per_caller}) and max_queued_calls ({self.max_queued_calls}) must be >= 1"
+            )
+        if self.max_open_calls < self.max_streams_per_caller:
+            raise ValueError(
+                f"max_open_calls ({self.max_open_calls}) must be at least max_streams_per_caller "
+                f"({self.max_streams_per_caller}): one caller could not open what it is allowed"
             )
         if not self.max_queue_wait_s >= 0:
             raise ValueError(

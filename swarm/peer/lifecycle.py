@@ -424,6 +424,8 @@ class Peer:
             port=self.config.port,
             credentials=credentials,
             interceptors=[self.caller_check],
+            window_bytes=self.config.limits.stream_window_bytes,
+            max_calls=self.config.limits.max_open_calls,
         )
         self._stack.push_async_callback(server.stop, 1.0)
         self.endpoint = f"{self.config.announce_host or self.config.host}:{port}"

@@ -2,7 +2,9 @@
 
 :class:`CallLimits` admits each streaming call: at most ``max_streams_per_caller`` open calls per caller
 address, and every byte a call's request will allocate reserved from one shared ``request_memory_bytes``
-budget, from the tensor headers, before any payload is received. A call that does not fit is refused with
+budget: the call's receive window first (what gRPC buffers for an open stream before the peer reads a frame,
+``stream_window_bytes``), then its tensors from their headers, before any payload is
+received. So the streams a flood holds open count against the budget too. A call that does not fit is refused with
 :class:`PeerOverloaded` (RESOURCE_EXHAUSTED), the status trainers answer by retrying at another peer. Pure
 bookkeeping on the event loop (no locks: one loop per process).
 """
@@ -47,8 +49,9 @@ class CallLimits:
                 f"{caller} already has {open_now} calls open at this peer "
                 f"(--max-streams-per-caller={self.config.max_streams_per_caller}); finish some first"
             )
-        self._streams[caller] = open_now + 1
         reservation = Reservation(self)
+        reservation.reserve(self.config.stream_window_bytes, "the call's receive window")
+        self._streams[caller] = open_now + 1
         try:
             yield reservation
         finally:

@@ -22,13 +22,22 @@ logger = logging.getLogger(__name__)
 # A server's receive windows: gRPC grows each stream's flow-control window to the bandwidth-delay product it
 # measures (its BDP probe), which on loopback reached tens of MiB per stream: memory a caller makes the peer hold
 # before the request-memory budget sees a byte (bench/results/peer_flood.md: 3.6 GiB over rest with a 128 MiB
-# budget). A fixed window per stream bounds it; 4 MiB still fills a 100 Mbit/s link at 300 ms of round trip.
-STREAM_WINDOW_BYTES = 4 << 20
-SERVER_OPTIONS = [
-    *GRPC_OPTIONS,
-    ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
-]
+# budget). A fixed window per stream bounds it. The default; a peer's is LimitsConfig.stream_window_bytes.
+STREAM_WINDOW_BYTES = 1 << 20
+
+
+def server_options(window_bytes: int = STREAM_WINDOW_BYTES) -> list[tuple[str, object]]:
+    """gRPC server options with each stream's receive window fixed at ``window_bytes``."""
+    return [
+        *GRPC_OPTIONS,
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", window_bytes),
+    ]
+
+
+# Refused requests drained at once, per process (see drain_request): each holds up to a receive window while it is
+# read, and a flood of refused calls must not buy memory past the budgets; past it, a refused call ends at once.
+MAX_DRAINS = 8
 
 # At most one log line per this many seconds about garbage frames; the lines in between are counted.
 GARBAGE_LOG_EVERY_S = 10.0
@@ -64,11 +73,19 @@ async def start_server(
     port: int,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    window_bytes: int = STREAM_WINDOW_BYTES,
+    max_calls: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving on ``host:port`` (port 0 picks a free one); return the server and the bound port. With
     ``credentials`` (see :mod:`swarm.transport.security`) it serves TLS only; ``interceptors`` see every call
-    before its handler (e.g. :class:`swarm.transport.callers.CallerCheck`)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    before its handler (e.g. :class:`swarm.transport.callers.CallerCheck`). ``window_bytes``: each call's receive
+    window; ``max_calls``: calls open at once, past which gRPC itself refuses new ones (RESOURCE_EXHAUSTED) before
+    they reach a handler (None: no limit)."""
+    server = grpc.aio.server(
+        options=server_options(window_bytes),
+        interceptors=list(interceptors),
+        maximum_concurrent_rpcs=max_calls,
+    )
     add_stage_servicer(servicer, server)
     address = f"{host}:{port}"
     if credentials is None:
@@ -183,10 +200,12 @@ async def drain_request(
     caller finish its writes first makes it see our status and sentence. Bounded in time and bytes:
     a caller streaming more than that gets the error regardless. Stops once nothing came for ``idle_s``:
     a caller that sent its whole request and now waits for the reply (its commit frame comes only after
-    one) writes nothing more, and must not wait out ``timeout_s`` for its error.
+    one) writes nothing more, and must not wait out ``timeout_s`` for its error. At most :data:`MAX_DRAINS`
+    calls drain at once: past that (a flood of refused calls) the error goes out at once, undrained.
     """
-    if not hasattr(request_iterator, "__aiter__"):
-        return  # unary request: nothing left to read
+    global _draining
+    if not hasattr(request_iterator, "__aiter__") or _draining >= MAX_DRAINS:
+        return  # unary request: nothing left to read; or too many drains already
 
     async def consume() -> None:
         seen = 0
@@ -198,10 +217,16 @@ async def drain_request(
                 return
             seen += frame.ByteSize()
 
+    _draining += 1
     try:
         await asyncio.wait_for(consume(), timeout_s)
     except Exception:
         pass  # best effort: the error goes out either way
+    finally:
+        _draining -= 1
+
+
+_draining = 0  # calls drain_request is reading now (one event loop per process: no lock)
 
 
 def unary_handler(fn: Callable[..., Awaitable]):

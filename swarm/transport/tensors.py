@@ -55,6 +55,10 @@ def segment_numel_for(codec: Codec, dtype: torch.dtype, segment_bytes: int) -> i
     return max(align, (segment_bytes // element_size) // align * align)
 
 
+# Chunks of one tensor waiting for a decoder thread at once (see FrameReader._read_tensor).
+MAX_PENDING_DECODES = 4
+
+
 def _offloads(segment_bytes: int, total_bytes: int) -> bool:
     """Whether a tensor's codec work goes to worker threads: only when it has several segments (so the work
     overlaps the transfer) and they are large enough to pay for the thread hops."""
@@ -223,7 +227,7 @@ class FrameReader:
             check(header.name, shape, dtype, codec.name)
         flat = torch.empty(numel, dtype=dtype)
         offload = _offloads(seg * flat.element_size(), numel * flat.element_size())
-        decodes = []
+        decodes: deque[asyncio.Future] = deque()
         try:
             for index, start in enumerate(range(0, numel, seg)):
                 payload = (
@@ -233,6 +237,10 @@ class FrameReader:
                 if not offload:
                     _decode_into(codec, payload, flat, start, count)
                     continue
+                if len(decodes) >= MAX_PENDING_DECODES:
+                    # each pending decode holds its chunk: a sender faster than the decoders must not make this
+                    # call hold a second copy of its tensor beyond the memory reserved for it
+                    await decodes.popleft()
                 decodes.append(_offload(_decode_into, codec, payload, flat, start, count))
             await asyncio.gather(*decodes)
         except CodecError as e:

@@ -5,8 +5,13 @@ Prints markdown tables and writes them, with the environment, to bench/results/n
 
 Topology (deploy/netns/): 4 emulated hosts on one bridge — a bootstrap DHT node, one peer per stage of the
 2-stage model, and the trainer — each with its own address and a tbf limit on its uplink and its downlink.
-The trainer relays every hop (tokens -> stage 0 -> trainer -> stage 1 -> trainer, gradients back the same
-way), so its link carries the most: about 2 activations up and 2 down per microbatch.
+Relayed (the default), the trainer relays every hop (tokens -> stage 0 -> trainer -> stage 1 -> trainer,
+gradients back the same way), so its link carries the most: about 2 activations up and 2 down per microbatch.
+With ``--activations relayed,push`` every config also runs with activations pushed peer to peer (the trainer
+sends tokens to stage 0, which sends its output to stage 1 and gets the gradient back), and the report adds push
+vs relayed at each rate and every host's link traffic (``--repeat 2`` runs each config twice in alternating
+order and reports the medians):  .venv/bin/python bench/netswarm.py --configs int8 --activations relayed,push
+--rates 5,20,100,0 --repeat 2 --out bench/results/netswarm_push.md
 
 Protocol: for each configuration (codec, bottleneck) the swarm starts once; the trainer runs until stopped.
 For each rate, slowest first, every host's link is set to that rate, the swarm warms up (at least
@@ -66,6 +71,9 @@ class SwarmSetup:
     bottleneck_dim: int | None = None  # learned compression width at the stage cut; None = off
     bottleneck_init: str = "random"  # how the bottleneck pair starts (ModelConfig.bottleneck_init)
     grad_codec: str = "same"  # wire codec of gradients ("same" = codec)
+    activations: str = (
+        "relayed"  # how activations travel (the trainer's --activations: relayed or push)
+    )
     rates_mbit: tuple[float | None, ...] = (5, 20, 100, None)  # slowest first; None = unlimited
 
     def run_config(self):
@@ -101,6 +109,12 @@ class Window:
     sent_mbit_per_s: float  # trainer's uplink, Ethernet bytes (what tbf counts) per second
     received_mbit_per_s: float  # trainer's downlink
     load: float  # 1-minute load average at the end of the window
+    # every host's (sent, received) Mbit/s over the window, by host name (boot, peer-s0, peer-s1, trainer)
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def busiest(self) -> str:
+        """The host whose link's busier direction carried the most."""
+        return max(self.links, key=lambda name: max(self.links[name]))
 
     def utilisation(self) -> float:
         """Busier direction of the trainer's link as a share of the rate (nan when unlimited)."""
@@ -147,7 +161,7 @@ def _wait_progress(metrics: Path, *, after_step: int, trainer, timeout_s: float)
 
 
 def measure_window(
-    host: EmulatedHost,
+    hosts: dict[str, EmulatedHost],
     metrics: Path,
     trainer,
     *,
@@ -157,7 +171,8 @@ def measure_window(
     min_steps: int,
     timeout_s: float,
 ) -> Window:
-    """Warm up at the current rate, then tokens/s and link bytes between two step boundaries."""
+    """Warm up at the current rate, then tokens/s and every host's link bytes between two step boundaries
+    (``hosts``: by name; "trainer" is the trainer's)."""
     begun = time.monotonic()
     now = read_metrics(metrics).progress()
     # Warmup: at least one step completed entirely at the new rate, and at least warmup_s.
@@ -167,20 +182,25 @@ def measure_window(
     # a measuring period, not a wait for an event
     time.sleep(max(0.0, warmup_s - (time.monotonic() - begun)))
     start = _wait_progress(metrics, after_step=after.step, trainer=trainer, timeout_s=timeout_s)
-    tx0, rx0, t0 = *_link_bytes(host), time.monotonic()
+    before, t0 = {name: _link_bytes(h) for name, h in hosts.items()}, time.monotonic()
     end = start
     while end.step < start.step + min_steps or time.monotonic() - t0 < seconds:
         end = _wait_progress(metrics, after_step=end.step, trainer=trainer, timeout_s=timeout_s)
-    tx1, rx1, t1 = *_link_bytes(host), time.monotonic()
+    after, t1 = {name: _link_bytes(h) for name, h in hosts.items()}, time.monotonic()
+    links = {
+        name: tuple((after[name][i] - before[name][i]) * 8 / (t1 - t0) / 1e6 for i in (0, 1))
+        for name in hosts
+    }
     # Byte counters are read at our clock, steps at the trainer's: both span the same steps to within a poll.
     return Window(
         rate_mbit=rate_mbit,
         tokens_per_s=end.tokens_per_s_since(start),
         seconds=end.time_s - start.time_s,
         steps=end.step - start.step,
-        sent_mbit_per_s=(tx1 - tx0) * 8 / (t1 - t0) / 1e6,
-        received_mbit_per_s=(rx1 - rx0) * 8 / (t1 - t0) / 1e6,
+        sent_mbit_per_s=links["trainer"][0],
+        received_mbit_per_s=links["trainer"][1],
         load=load_average(),
+        links=links,
     )
 
 
@@ -234,6 +254,7 @@ def measure_setup(
             eval_batches=1,
             log_every_s=10,
             max_bytes=MAX_DATA_BYTES,
+            activations=setup.activations,
         )
         _wait_progress(metrics, after_step=0, trainer=trainer, timeout_s=timeout_s)
         print(
@@ -244,7 +265,7 @@ def measure_setup(
             for host in net.hosts:
                 host.set_rate(rate)
             window = measure_window(
-                trainer_host,
+                dict(zip(("boot", "peer-s0", "peer-s1", "trainer"), net.hosts)),
                 metrics,
                 trainer,
                 rate_mbit=rate,
@@ -257,7 +278,8 @@ def measure_setup(
             print(
                 f"  {setup.name} @ {_rate_label(rate)}: {window.tokens_per_s:,.0f} tokens/s over "
                 f"{window.seconds:.0f}s ({window.steps} steps); trainer link up {window.sent_mbit_per_s:.1f} / "
-                f"down {window.received_mbit_per_s:.1f} Mbit/s; load {window.load:.1f}",
+                f"down {window.received_mbit_per_s:.1f} Mbit/s; busiest link {window.busiest()}; "
+                f"load {window.load:.1f}",
                 flush=True,
             )
         group.stop("trainer", sig=signal.SIGINT, timeout_s=30)
@@ -399,6 +421,101 @@ def scheme_setups(schemes: str, rates: tuple[float | None, ...]) -> list[SwarmSe
     return setups
 
 
+def median_windows(results: list[SetupResult]) -> list[SetupResult]:
+    """One result per config: at each rate, the window of median tokens/s among its repeats (the lower middle one
+    of an even count)."""
+    merged: dict[str, SetupResult] = {}
+    for res in results:
+        merged.setdefault(res.setup.name, SetupResult(res.setup))
+    for name, out in merged.items():
+        for rate in out.setup.rates_mbit:
+            windows = sorted(
+                (
+                    res.windows[rate]
+                    for res in results
+                    if res.setup.name == name and rate in res.windows
+                ),
+                key=lambda w: w.tokens_per_s,
+            )
+            if windows:
+                out.windows[rate] = windows[(len(windows) - 1) // 2]
+    return list(merged.values())
+
+
+def activation_variants(setups: list[SwarmSetup], modes: list[str]) -> list[SwarmSetup]:
+    """Each setup once per activation mode, side by side; a push variant is named NAME-push."""
+    import dataclasses
+
+    return [
+        dataclasses.replace(
+            s, activations=mode, name=s.name if mode == "relayed" else f"{s.name}-{mode}"
+        )
+        for s in setups
+        for mode in modes
+    ]
+
+
+PUSH_SPEEDUP_AT_20 = 1.5  # target: push >= this many times relayed's tokens/s at 20 Mbit/s, int8
+
+
+def push_tables(results: list[SetupResult]) -> tuple[str, str, list[str]]:
+    """(push / relayed ratios, per-link traffic, target verdicts) for the setups run in both modes."""
+    by_name = {res.setup.name: res for res in results}
+    rates = list(dict.fromkeys(r for res in results for r in res.setup.rates_mbit))
+    ratio_rows, link_rows, verdicts = [], [], []
+    for res in results:
+        if res.setup.activations != "push":
+            continue
+        relayed = by_name.get(res.setup.name.removesuffix("-push"))
+        if relayed is None:
+            continue
+        ratio_rows.append(
+            [f"{res.setup.name} / {relayed.setup.name}", *_ratio_cells(res, relayed, rates)]
+        )
+        for pair in (relayed, res):
+            for rate, w in pair.windows.items():
+                tokens = w.tokens_per_s
+                cells = [
+                    f"{max(w.links[h]):.1f} ({(w.links[h][0] + w.links[h][1]) * 1e6 / 8 / tokens:,.0f})"
+                    for h in ("trainer", "peer-s0", "peer-s1", "boot")
+                ]
+                link_rows.append(
+                    [
+                        f"{pair.setup.name} @ {_rate_label(rate)}",
+                        f"{tokens:,.0f}",
+                        *cells,
+                        w.busiest(),
+                    ]
+                )
+        fast = res.windows.get(20)
+        slow = relayed.windows.get(20)
+        if fast is not None and slow is not None and res.setup.codec == "int8":
+            ratio = fast.tokens_per_s / slow.tokens_per_s
+            verdicts.append(
+                f"{res.setup.name} at 20 Mbit/s: {ratio:.2f}x relayed's tokens/s (target >= "
+                f"{PUSH_SPEEDUP_AT_20:g}x): {'met' if ratio >= PUSH_SPEEDUP_AT_20 else '**missed**'}"
+            )
+        for rate, w in res.windows.items():
+            verdicts.append(
+                f"{res.setup.name} at {_rate_label(rate)}: the busiest link is {w.busiest()}'s"
+                + (" (target: not the trainer's): **missed**" if w.busiest() == "trainer" else "")
+            )
+    ratios = markdown_table(["ratio of tokens/s"] + [_rate_label(r) for r in rates], ratio_rows)
+    links = markdown_table(
+        [
+            "config @ rate",
+            "tokens/s",
+            "trainer",
+            "stage-0 peer",
+            "stage-1 peer",
+            "bootstrap",
+            "busiest",
+        ],
+        link_rows,
+    )
+    return ratios, links, verdicts
+
+
 def versus(results: list[SetupResult], baseline: str) -> str:
     """Tokens/s of every setup divided by ``baseline``'s at the same rate, measured in this run."""
     reference = next((r for r in results if r.setup.name == baseline), None)
@@ -442,6 +559,18 @@ def main() -> None:
         default="int8+bottleneck32",
         help="config every other one is also compared with (tokens/s ratio at each rate)",
     )
+    parser.add_argument(
+        "--activations",
+        default="relayed",
+        help="activation modes to run each config in, comma-separated (relayed, push); with both, a push vs "
+        "relayed table and every host's link traffic are reported",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of every config, in alternating order; medians reported",
+    )
     parser.add_argument("--seconds", type=float, default=12.0, help="least measured time per rate")
     parser.add_argument(
         "--min-steps", type=int, default=3, help="least global batches measured per rate"
@@ -467,30 +596,37 @@ def main() -> None:
         wanted = set(args.configs.split(","))
         setups = [s for s in setups if s.name in wanted]
     setups += scheme_setups(args.schemes, _parse_rates(args.rates))
+    setups = activation_variants(setups, args.activations.split(","))
     info = RunInfo(
         command="sudo .venv/bin/python bench/netswarm.py" + "".join(f" {a}" for a in sys.argv[1:])
     )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-netbench-"))
     print(f"logs in {workdir}", flush=True)
-    results = [
-        measure_setup(
-            s,
-            workdir / f"{s.preset}-{s.name}".replace("/", "-"),
-            warmup_s=args.warmup_seconds,
-            seconds=args.seconds,
-            min_steps=args.min_steps,
-            timeout_s=args.timeout_s,
-        )
-        for s in setups
-    ]
+    # Repeats alternate the order (A B, B A, ...), so a load that drifts during the run weighs on every config alike.
+    order = [(r, s) for r in range(args.repeat) for s in (setups if r % 2 == 0 else setups[::-1])]
+    results = median_windows(
+        [
+            measure_setup(
+                s,
+                workdir / f"{s.preset}-{s.name}-{r}".replace("/", "-"),
+                warmup_s=args.warmup_seconds,
+                seconds=args.seconds,
+                min_steps=args.min_steps,
+                timeout_s=args.timeout_s,
+            )
+            for r, s in order
+        ]
+    )
     info.finish()
     throughput, ratios, verdicts = tables(results)
+    push_ratios, links, push_verdicts = push_tables(results)
     info.extra += [
         "topology: 4 network namespaces on one bridge (deploy/netns/) — bootstrap DHT node, stage-0 peer, "
         "stage-1 peer, trainer; every host's uplink and downlink limited by tbf to the rate of the column",
         f"swarm: 2 stages x 1 peer (`--threads 1`), trainer OMP_NUM_THREADS=1, microbatch {MICROBATCH}, "
         f"in flight {IN_FLIGHT}, target batch {TARGET_BATCH}; per rate (slowest first) >= {args.warmup_seconds:g}s "
-        f"and 1 step of warmup, then >= {args.seconds:g}s and >= {args.min_steps} steps measured",
+        f"and 1 step of warmup, then >= {args.seconds:g}s and >= {args.min_steps} steps measured; each config "
+        f"run {args.repeat} time(s) in alternating order, the median window per rate reported",
     ]
     body = "\n".join(
         [
@@ -510,6 +646,23 @@ def main() -> None:
             "Targets:",
             "",
             *(f"- {v}" for v in verdicts),
+            *(
+                [
+                    "",
+                    "Push (activations peer to peer) against relayed (through the trainer), same codec and rate:",
+                    "",
+                    push_ratios,
+                    "",
+                    "Every host's link: the busier direction in Mbit/s (in brackets: bytes sent plus received per "
+                    "token trained), and the busiest host:",
+                    "",
+                    links,
+                    "",
+                    *(f"- {v}" for v in push_verdicts),
+                ]
+                if push_verdicts
+                else []
+            ),
         ]
     )
     path = write_result(
@@ -521,7 +674,8 @@ def main() -> None:
         + "\n\n"
         + ratios
         + "\n\n"
-        + "\n".join(verdicts)
+        + "\n".join(verdicts + push_verdicts)
+        + (f"\n\n{push_ratios}\n\n{links}" if push_verdicts else "")
         + f"\n\nwritten to {path}"
     )
 

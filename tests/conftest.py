@@ -331,7 +331,8 @@ def peers(loop_thread, boot):
 
     started: list[Peer] = []
 
-    def start(run_id: str, stage: int, **fields) -> Peer:
+    def start(run_id: str, stage: int, *, run=None, **fields) -> Peer:
+        """``run``: the run to serve, default ``livepeers.RUN``."""
         fields = {
             "heartbeat_s": HEARTBEAT_S,
             "ttl_s": TTL_S,
@@ -340,7 +341,7 @@ def peers(loop_thread, boot):
             **fields,
         }
         config = PeerConfig(run_id=run_id, stage=stage, dht=DHTConfig(initial_peers=boot), **fields)
-        peer = loop_thread.run(Peer.create(config, run=RUN))
+        peer = loop_thread.run(Peer.create(config, run=run or RUN))
         started.append(peer)
         return peer
 

@@ -33,7 +33,7 @@ def start_peers(swarm, run_id, layout: dict[str, list[str]]) -> dict[str, str]:
     return {name: swarm.wait_ready(proc) for name, proc in procs.items()}
 
 
-def start_trainer(swarm, run_id, *, steps, in_flight=4):
+def start_trainer(swarm, run_id, *, steps, in_flight=4, activations="relayed"):
     return swarm.trainer(
         f"{run_id}-trainer",
         run_id=run_id,
@@ -41,7 +41,13 @@ def start_trainer(swarm, run_id, *, steps, in_flight=4):
         steps=steps,
         in_flight=in_flight,
         eval_batches=2,
+        activations=activations,
     )
+
+
+# Every fault test runs with activations relayed through the trainer and pushed peer to peer (swarm.trainer.push):
+# the same faults, the same guarantees.
+ACTIVATIONS = pytest.mark.parametrize("activations", ["relayed", "push"])
 
 
 def infos(endpoints, run_id):
@@ -53,10 +59,11 @@ def infos(endpoints, run_id):
     )
 
 
-def test_kill_and_freeze_mid_run(swarm):
-    run_id = "killfreeze"
+@ACTIVATIONS
+def test_kill_and_freeze_mid_run(swarm, activations):
+    run_id = f"killfreeze-{activations}"
     endpoints = start_peers(swarm, run_id, {"s0-a": [], "s0-b": [], "s1-a": [], "s1-b": []})
-    trainer = start_trainer(swarm, run_id, steps=40)
+    trainer = start_trainer(swarm, run_id, steps=40, activations=activations)
     trainer.wait_for(r"^step 5/", timeout_s=300)
     swarm.group.procs[f"{run_id}-s0-b"].signal(signal.SIGKILL)  # gone, with its cached microbatches
     trainer.wait_for(r"^step 12/", timeout_s=300)
@@ -88,13 +95,17 @@ def test_kill_and_freeze_mid_run(swarm):
     assert infos({"s0-a": endpoints["s0-a"]}, run_id)["s0-a"].microbatches_applied <= 80
 
 
-def test_commits_lost_in_every_way_count_exactly_once(swarm):
-    run_id = "lostcommit"
-    # Both peers lose 60% of the commits sent in calls, a third each way: before applying them (a broken
-    # stream), after (the confirmation lost), or as if they came after the hold (the gradients dropped).
+@ACTIVATIONS
+def test_commits_lost_in_every_way_count_exactly_once(swarm, activations):
+    run_id = f"lostcommit-{activations}"
+    # Both peers lose 60% of the commits sent in calls (push: of the first commits, sent by the Commit RPC), a third
+    # each way: before applying them (a broken stream), after (the confirmation lost), or as if they came after the
+    # hold (the gradients dropped).
     lossy = ["--lose-commit-probability", "0.6"]
     endpoints = start_peers(swarm, run_id, {"s0-a": lossy, "s1-a": lossy})
-    result = finished(start_trainer(swarm, run_id, steps=24), timeout_s=600)
+    result = finished(
+        start_trainer(swarm, run_id, steps=24, activations=activations), timeout_s=600
+    )
     assert result.microbatches == result.microbatches_started == 48
     # Every lost commit was settled by asking the peer again: none stayed unknown.
     assert result.unconfirmed_commits == 0 and result.failed_calls == 0
@@ -107,15 +118,16 @@ def test_commits_lost_in_every_way_count_exactly_once(swarm):
     assert all(final[name].gradients_dropped > 0 for name in final), final
 
 
-def test_slow_peer_gets_less_work_and_no_microbatch_is_lost(swarm):
-    run_id = "slow"
+@ACTIVATIONS
+def test_slow_peer_gets_less_work_and_no_microbatch_is_lost(swarm, activations):
+    run_id = f"slow-{activations}"
     # Stage 0 has a peer at a quarter speed and one 4x slower than it. Slowdown sleeps a multiple of each call's
     # CPU time, so the ratio of the two peers' speeds holds on a loaded machine, where absolute speeds do not.
     endpoints = start_peers(
         swarm, run_id, {"s0-fast": ["--slowdown", "4"], "s0-slow": ["--slowdown", "16"], "s1-a": []}
     )
     # Enough microbatches in flight that both stage-0 peers always have work queued.
-    trainer = start_trainer(swarm, run_id, steps=60, in_flight=16)
+    trainer = start_trainer(swarm, run_id, steps=60, in_flight=16, activations=activations)
     result = finished(trainer, timeout_s=600)
     assert result.microbatches == result.microbatches_started == 120
     final = infos(endpoints, run_id)
@@ -132,10 +144,11 @@ def test_slow_peer_gets_less_work_and_no_microbatch_is_lost(swarm):
     assert share < even_split_lower_bound(sum(applied.values())), applied
 
 
-def test_sigterm_drains_without_failed_requests(swarm):
-    run_id = "drain"
+@ACTIVATIONS
+def test_sigterm_drains_without_failed_requests(swarm, activations):
+    run_id = f"drain-{activations}"
     start_peers(swarm, run_id, {"s0-a": [], "s0-b": [], "s1-a": [], "s1-b": []})
-    trainer = start_trainer(swarm, run_id, steps=30)
+    trainer = start_trainer(swarm, run_id, steps=30, activations=activations)
     trainer.wait_for(r"^step 5/", timeout_s=300)
     leaving = swarm.group.procs[f"{run_id}-s0-b"]
     drain_peer(leaving)

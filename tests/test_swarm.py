@@ -121,3 +121,37 @@ def test_two_stages_two_peers_each_train_and_loss_falls(swarm, tmp_path):
     for proc in procs:
         assert proc.popen.returncode == 0, proc.log_path.read_text()[-2000:]
     assert all(not re.search("Traceback", p.log_path.read_text()) for p in procs)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_push_mode_trains_and_loss_falls(swarm, num_stages):
+    """Activations pushed peer to peer (`swarm train --activations push`), one peer process per stage: the loss
+    falls, each stage counts every microbatch once, and all processes exit cleanly."""
+    run_id = f"push{num_stages}"
+    flags = [*SOLO_PEER_FLAGS, "--num-stages", str(num_stages)]
+    procs = [
+        swarm.peer(f"{run_id}-s{k}", k, *flags, run_id=run_id, wait=False)
+        for k in range(num_stages)
+    ]
+    endpoints = [swarm.wait_ready(p) for p in procs]
+    trainer = swarm.trainer(
+        f"{run_id}-trainer",
+        run_id=run_id,
+        **TEST_TRAINER,
+        steps=30,
+        in_flight=4,
+        eval_batches=2,
+        activations="push",
+    )
+    summary = finished(trainer, timeout_s=400)
+    assert summary.microbatches == summary.microbatches_started == 60
+    assert (
+        summary.final_loss < 0.8 * summary.initial_loss
+        and summary.val_loss < 0.85 * summary.initial_loss
+    )
+    infos = ask_peers(endpoints, lambda client: client.info(run_id, timeout_s=10))
+    assert [info.microbatches_applied for info in infos] == [60] * num_stages
+    swarm.group.stop_all([proc.name for proc in procs], timeout_s=40)
+    for proc in procs:
+        assert proc.popen.returncode == 0, proc.log_path.read_text()[-2000:]
+    assert all(not re.search("Traceback", p.log_path.read_text()) for p in procs)

@@ -414,10 +414,19 @@ class StageExecutor:
         refused naming ``reason``."""
         self._ledger.drop(microbatch_id, reason)
 
+    def release(self, microbatch_id: str) -> None:
+        """Forget what a forward kept for backward (the backward ran, or will not come: a push chain failed)."""
+        self._forget(microbatch_id)
+
     def drop_held(self, reason: str) -> int:
         """Drop every held gradient uncommitted (the replica leaves its stage): a late commit of one is refused
         naming ``reason``, so its caller computes it again elsewhere. How many were dropped."""
         return self._ledger.drop_all(reason)
+
+    @property
+    def awaiting_commit(self) -> int:
+        """Held gradients whose commit may still come (their hold has not run out)."""
+        return self._ledger.waiting()
 
     @property
     def held_gradients(self) -> int:

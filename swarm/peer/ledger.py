@@ -64,6 +64,12 @@ class CommitLedger:
         """Gradients held for a commit (expired ones until the next call drops them)."""
         return len(self._held)
 
+    def waiting(self) -> int:
+        """Held gradients whose hold has not run out: commits that may still come. Read from another thread too
+        (the drain): a snapshot, it changes nothing."""
+        now = time.monotonic()
+        return sum(held.expires_at > now for held in list(self._held.values()))
+
     def known_reply(self, microbatch_id: str):
         """The reply of a microbatch computed before (a retry of a call whose reply was lost), else
         :data:`UNKNOWN`. Raises AlreadyApplied if it was applied and its reply is no longer kept."""

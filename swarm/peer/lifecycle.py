@@ -32,6 +32,7 @@ from swarm.peer.lies import install_lies
 from swarm.peer.members import apply_caller_list, follow_caller_list, load_allow_callers
 from swarm.peer.memory import check_fits, device_total_bytes, estimate_stage_memory, gib
 from swarm.peer.metrics import PeerMetrics
+from swarm.peer.push import PushHops
 from swarm.peer.reachability import Verdict, advice, check_reachability
 from swarm.peer.rebalancer import (
     Rebalancer,
@@ -44,6 +45,7 @@ from swarm.peer.statesync import fetch_stage_state, serving_peers
 from swarm.peer.worker import PriorityWorker
 from swarm.states import PeerState, Reachability
 from swarm.transport.callers import CallerCheck, caller_token
+from swarm.transport.client import ClientPool
 from swarm.transport.security import PeerAddress, make_certificate, server_credentials
 from swarm.transport.server import start_server
 
@@ -400,6 +402,7 @@ class Peer:
             compute_urgent=self._worker.compute_urgent,
             submit_urgent=self._worker.submit_urgent,
             limits=self.config.limits,
+            push=await self._push_hops(),
         )
         service = StageService(context)
         if self.config.metrics_port is not None:
@@ -457,6 +460,16 @@ class Peer:
             logger.info("%s", line)
         else:
             logger.warning("%s", line)
+
+    async def _push_hops(self) -> PushHops:
+        """The client this peer calls the next stage of push calls with, signed with its own identity."""
+        hops = PushHops(
+            ClientPool(token=caller_token(self.identity)),
+            self.run_id,
+            activation_codec=self.run.codec,
+        )
+        self._stack.push_async_callback(hops.close)
+        return hops
 
     async def _start_heartbeat(self) -> None:
         self._background(self._announcer.run_forever(), "announce")
@@ -628,8 +641,11 @@ class Peer:
                 self._announcer.announce(), timeout=max(0.1, self.admission.drain_left_s)
             )
         # Trainers stop routing new forwards here once they see the draining state (in a reply or the
-        # DHT); until the cached microbatches are claimed by their backward, keep serving.
-        await self.admission.wait_until_drained(lambda: self.executor.cached_microbatches)
+        # DHT); until the cached microbatches are claimed by their backward, keep serving, and until the
+        # gradients held for a commit got it (a push call's comes after the call, through the Commit RPC).
+        await self.admission.wait_until_drained(
+            lambda: self.executor.cached_microbatches + self.executor.awaiting_commit
+        )
         await self._hand_in_samples()
 
     async def _hand_in_samples(self) -> None:

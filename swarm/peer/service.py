@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from swarm.peer.admission import Admission
 from swarm.peer.config import LimitsConfig
 from swarm.peer.executor import StageExecutor
 from swarm.peer.limits import CallLimits, Reservation, caller_address
+from swarm.peer.push import PushHops, check_route, serve_push
 from swarm.peer.queue import WorkQueue
 from swarm.peer.reachability import DialBacks
 from swarm.proto import PROTOCOL_VERSION
@@ -64,6 +66,9 @@ class ServiceContext:
     compute_urgent: Callable[..., Awaitable[Any]]
     submit_urgent: Callable[..., None]  # queue a cheap fn(*args) ahead of compute, without waiting
     limits: LimitsConfig = LimitsConfig()  # memory, streams, queue and read deadlines
+    push: PushHops | None = (
+        None  # calls the next stage of push calls (None: push calls are refused)
+    )
 
 
 class StageService(pb_grpc.StagePeerServicer):
@@ -76,8 +81,10 @@ class StageService(pb_grpc.StagePeerServicer):
             enabled=context.limits.shed_late_work,
         )
         self.dial_backs = DialBacks(context.run_id, timeout_s=context.limits.dial_back_timeout_s)
-        # commits answered through the Commit RPC (the in-call one was not confirmed)
+        # commits answered through the Commit RPC (the in-call one, or a push call's first, was not confirmed)
         self.late_commits = 0
+        # push calls' microbatch ids whose first commit has not come yet (bounded: the oldest go first)
+        self._deferred: OrderedDict[str, None] = OrderedDict()
         # called as each call ends: (method, seconds, outcome); see swarm.transport.server
         self.observer: Callable[[str, float, str], None] | None = None
 
@@ -99,7 +106,9 @@ class StageService(pb_grpc.StagePeerServicer):
                 codec = codec_or_invalid(meta.codec)
                 stage = self.executor.stage_module
                 wants_loss = meta.compute_loss or (meta.eval_only and stage.is_last)
-                names = {"input", "targets"} if wants_loss else {"input"}
+                if meta.route:
+                    check_route(meta, is_last=stage.is_last)
+                names = {"input", "targets"} if wants_loss or meta.route else {"input"}
                 tensors = await self._read_tensors(
                     reader, meta, names | _tokens(stage), reservation
                 )
@@ -115,6 +124,11 @@ class StageService(pb_grpc.StagePeerServicer):
                         work=dict(work, forward=True, backward=False),
                     )
                     yield self._reply(loss=loss, version=version)
+                elif meta.route:
+                    async for frame in serve_push(
+                        self, reader, frames, meta, codec, x, _require(tensors, "targets"), work
+                    ):
+                        yield frame
                 elif meta.compute_loss:
                     (loss, grad_input), version = await self._compute(
                         self._versioned(self.executor.forward_loss_backward, params_step),
@@ -235,12 +249,15 @@ class StageService(pb_grpc.StagePeerServicer):
         *,
         loss: float | None = None,
         version: tuple[int, str, int | None] | None = None,
+        push: dict | None = None,
     ) -> AsyncIterator[pb.Frame]:
-        """Send the reply, then wait for the caller's commit before counting the gradients. If the call ends
-        before any of the reply was sent, the caller cannot commit: the gradients are dropped now (it retries
-        elsewhere). If it ends later, the caller may have the reply and commit through the Commit RPC: the
-        gradients stay held until the hold runs out (see swarm.peer.ledger). Keeping them is always safe;
-        dropping them early only saves memory, so it is done only when the caller surely has nothing."""
+        """Send the reply (with ``push``: the push fields of ReplyMeta, hops and downstream_s), then wait for the
+        caller's commit before counting the gradients (with ``meta.defer_commit`` the call ends after the reply:
+        the trainer commits through the Commit RPC). If the call ends before any of the reply was sent, the
+        caller cannot commit: the gradients are dropped now (it retries elsewhere). If it ends later, the caller
+        may have the reply and commit through the Commit RPC: the gradients stay held until the hold runs out
+        (see swarm.peer.ledger). Keeping them is always safe; dropping them early only saves memory, so it is
+        done only when the caller surely has nothing."""
         replying = False
         try:
             grad_input = self.executor.stage_module.wire_grad(grad_input)
@@ -250,6 +267,9 @@ class StageService(pb_grpc.StagePeerServicer):
                 hold_s=self.executor.cache_config.commit_hold_s,
                 version=version,
             )
+            if push:
+                reply.reply.hops.extend(push["hops"])
+                reply.reply.downstream_s = push["downstream_s"]
             if grad_input is None:
                 yield reply
                 replying = True
@@ -257,6 +277,14 @@ class StageService(pb_grpc.StagePeerServicer):
                 async for frame in tensor_frames("grad_input", grad_input, codec, lead=[reply]):
                     yield frame
                     replying = True
+            if meta.defer_commit:
+                if meta.discard_gradients:  # computed for the stages before this one only
+                    self.ctx.submit_urgent(
+                        self.executor.abort, meta.microbatch_id, "the caller asked for no gradient"
+                    )
+                else:  # held for commit_hold_s: the trainer commits through the Commit RPC
+                    _bounded_add(self._deferred, meta.microbatch_id)
+                return
             # The commit comes once the caller has read the reply; after the hold it could not count anyway.
             frames.expect_within(self.executor.cache_config.commit_hold_s)
             commit = await reader.commit()
@@ -266,38 +294,46 @@ class StageService(pb_grpc.StagePeerServicer):
                     f"{meta.microbatch_id!r}"
                 )
             batch_step = meta.batch_step if meta.HasField("batch_step") else None
-            lose = self.ctx.admission.lose_commit()
-            if lose == "before":
-                raise TransportError(
-                    f"injected fault: the commit of microbatch {meta.microbatch_id} was lost before it was "
-                    f"applied (--lose-commit-probability); its gradients stay held for the Commit RPC"
-                )
-            if lose == "late":
-                await self.ctx.compute_urgent(
-                    self.executor.abort,
-                    meta.microbatch_id,
-                    "injected fault: a commit after the hold",
-                )
-            await self.ctx.compute_urgent(self.executor.commit, meta.microbatch_id, batch_step)
-            if lose == "after":
-                raise TransportError(
-                    f"injected fault: the commit of microbatch {meta.microbatch_id} was applied and its "
-                    f"confirmation lost (--lose-commit-probability)"
-                )
+            await self._apply_commit(
+                meta.microbatch_id, batch_step, self.ctx.admission.lose_commit()
+            )
         finally:
             if not replying:
                 self.ctx.submit_urgent(self.executor.abort, meta.microbatch_id)
 
+    async def _apply_commit(self, microbatch_id: str, batch_step: int | None, lose: str | None):
+        """Count a held gradient (True: this applied it), or lose the commit as fault injection says (``lose``,
+        see Admission.lose_commit)."""
+        if lose == "before":
+            raise TransportError(
+                f"injected fault: the commit of microbatch {microbatch_id} was lost before it was "
+                f"applied (--lose-commit-probability); its gradients stay held for the Commit RPC"
+            )
+        if lose == "late":
+            await self.ctx.compute_urgent(
+                self.executor.abort, microbatch_id, "injected fault: a commit after the hold"
+            )
+        applied_now = await self.ctx.compute_urgent(self.executor.commit, microbatch_id, batch_step)
+        if lose == "after":
+            raise TransportError(
+                f"injected fault: the commit of microbatch {microbatch_id} was applied and its "
+                f"confirmation lost (--lose-commit-probability)"
+            )
+        return applied_now
+
     @unary_handler
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitReply:
-        """The caller's commit, for a call that ended before the peer confirmed it (idempotent)."""
+        """The caller's commit: the first one of a push call's gradients (``defer_commit``), or the commit of a
+        call that ended before the peer confirmed it (idempotent). A push call's first commit may be lost as an
+        in-call commit may (fault injection), and is not counted late."""
         self._check_request(request)
+        first = self._deferred.pop(request.microbatch_id, False) is None
         async with self.ctx.admission.call(new_work=False, stage_index=request.stage):
             batch_step = request.batch_step if request.HasField("batch_step") else None
-            applied_now = await self.ctx.compute_urgent(
-                self.executor.commit, request.microbatch_id, batch_step
-            )
-        self.late_commits += 1
+            lose = self.ctx.admission.lose_commit() if first else None
+            applied_now = await self._apply_commit(request.microbatch_id, batch_step, lose)
+        if not first:
+            self.late_commits += 1
         return pb.CommitReply(applied_now=applied_now, step=self.executor.step)
 
     @unary_handler
@@ -495,6 +531,16 @@ class StageService(pb_grpc.StagePeerServicer):
 def _params_step(meta: pb.RequestMeta) -> int | None:
     """The optimizer step whose parameters the call asks for (None: the current ones)."""
     return meta.params_step if meta.HasField("params_step") else None
+
+
+# push calls remembered for their first commit; more in flight than this at once is not expected of one peer
+DEFERRED_IDS = 4096
+
+
+def _bounded_add(table: OrderedDict, key: str) -> None:
+    table[key] = None
+    while len(table) > DEFERRED_IDS:
+        table.popitem(last=False)
 
 
 def _work_deadline(context) -> float | None:

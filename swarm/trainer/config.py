@@ -8,6 +8,9 @@ from swarm.data.config import DataConfig
 from swarm.discovery.config import DHTConfig
 from swarm.routing.config import RoutingConfig
 
+# How activations travel between stages (see PipelineConfig.activations and swarm.trainer.push).
+ACTIVATIONS = ("relayed", "push")
+
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
@@ -29,8 +32,21 @@ class PipelineConfig:
     # a peer reported by fewer is spot-checked on every forward call instead
     ban_report_quorum: int = 2
     ban_report_ttl_s: float = 3600.0  # seconds this trainer's ban reports live in the DHT
+    # how activations travel: "relayed" (the trainer sends every stage its input and the gradients back) or "push"
+    # (the trainer sends tokens to stage 0 with the route; each stage sends its output straight to the next stage's
+    # peer, the gradients come straight back, and the trainer receives the loss and the outcome of every hop)
+    activations: str = field(default="relayed", metadata={"choices": ACTIVATIONS})
+    # push mode: peers named per stage, the first the one routing picked, the others tried in turn by the stage
+    # before it when a call fails (no microbatch restarts from stage 0 while one of them answers)
+    push_candidates: int = 2
 
     def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(
+                f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
+            )
+        if not 1 <= self.push_candidates <= 8:
+            raise ValueError(f"push_candidates must be in 1..8, got {self.push_candidates}")
         if self.ban_report_quorum < 1 or self.ban_report_ttl_s <= 0:
             raise ValueError(
                 f"need ban_report_quorum >= 1 and ban_report_ttl_s > 0; got {self.ban_report_quorum}, "

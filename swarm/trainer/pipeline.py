@@ -11,58 +11,52 @@ and recomputes, so no microbatch is lost to a failed peer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import torch
 
 from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.banreports import BanReport
-from swarm.discovery.callerlist import read_caller_list
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
-from swarm.errors import BadReply, GradientOutlier, InvalidRequest, StageUnavailable, SwarmError
-from swarm.identity import PEER_ID_HEX
+from swarm.errors import (
+    BadReply,
+    GradientOutlier,
+    InvalidRequest,
+    StageUnavailable,
+    SwarmError,
+    UsageError,
+)
 from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, StageRequest, wake_at
 from swarm.routing.retry import failure_kind
-from swarm.states import PeerState, Reachability
+from swarm.states import PeerState
 from swarm.trainer.calls import StageCalls
 from swarm.trainer.commits import Outcome, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
 from swarm.trainer.holdings import Holdings
+from swarm.trainer.peerlists import PeerLists
+from swarm.trainer.push import PushChains
 from swarm.trainer.reports import ReportBook
 from swarm.trainer.spotcheck import CheckedCall, SpotChecker
 from swarm.trainer.stagesteps import StageSteps
+from swarm.trainer.work import BACKWARD_COST, FORWARD_COST, MicrobatchResult
 from swarm.transport.callers import caller_token
 from swarm.transport.client import ClientPool, Reply
 from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
 
-# Relative cost of the calls, in forward passes: backward costs about twice a forward (a recompute adds one).
-FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 # How many times the trainer computes one stage's gradient of a microbatch before it gives up on it.
 MAX_RECOMPUTES = 8
-# How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
-DRAINING_MEMORY_S = 30.0
 
 
-@dataclass
-class MicrobatchResult:
-    loss: float
-    samples: int
-    tokens: int
-    attempts_failed: int  # calls that failed and were retried elsewhere
-
-
-class Pipeline:
+class Pipeline(PeerLists):
     """Routes calls for one run. Owns the peer lists (refreshed from the DHT) and one channel per peer."""
 
     def __init__(
@@ -137,6 +131,14 @@ class Pipeline:
             grad_codec=self.grad_codec,
             gradients=self.gradients,
         )
+        if config.activations == "push" and any(
+            run.model.takes_tokens(s) for s in range(self.num_stages)
+        ):
+            raise UsageError(
+                "--activations push does not carry the token ids a subspace cut's stages take; train this "
+                "run with --activations relayed"
+            )
+        self.push = PushChains(self)  # push mode's microbatches (swarm.trainer.push)
         self._refreshed = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
 
@@ -154,103 +156,6 @@ class Pipeline:
             await asyncio.gather(self._refresh_task, return_exceptions=True)
         await self.clients.close()
 
-    async def refresh(self) -> None:
-        fingerprint = self.run.fingerprint()
-        stages, listed = await asyncio.gather(
-            self.directory.all_stages(self.num_stages), read_caller_list(self.directory)
-        )
-        # a run whose owner lists its callers: only listed peers get work (others cannot join its peers anyway)
-        admitted = None if listed is None else listed.admitted(self.directory.owner)
-        listed_ids = None if admitted is None else {entry[:PEER_ID_HEX] for entry in admitted}
-        try:
-            await self.reports.refresh(
-                admitted=None if listed_ids is None else frozenset(listed_ids)
-            )
-        except Exception as e:  # route on the last verdicts
-            logger.warning("reading the run's ban reports failed: %s", e)
-        now = time.monotonic()
-        for stage, found in enumerate(stages):
-            compatible = {
-                pid: r
-                for pid, r in found.items()
-                if r.config_hash == fingerprint
-                and (listed_ids is None or pid in listed_ids)
-                and self._dialable(r)
-            }
-            self.records[stage] = compatible
-            self._update_router(stage, now)
-        self._refreshed.set()
-
-    def _dialable(self, record: StageRecord) -> bool:
-        """Whether this trainer can call the peer: a relayed one (behind NAT, no inbound connections) is left out,
-        said once per peer."""
-        if record.reachability == Reachability.DIRECT:
-            return True
-        if record.peer_id not in self._unreachable:
-            self._unreachable.add(record.peer_id)
-            logger.info(
-                "peer %s of stage %d announces itself relayed (nobody could dial %s): this trainer calls peers "
-                "directly only and sends it no work",
-                record.peer_id,
-                record.stage,
-                record.endpoint,
-            )
-        return False
-
-    def _update_router(self, stage: int, now: float) -> None:
-        """Route new work only to serving peers. A peer that said "draining" in a reply is left out for a
-        while even if its DHT record still says serving (the record may be a heartbeat behind). A draining
-        replica hands in the gradients it holds itself (its stage's all-reduce takes them before it leaves): the
-        trainer never computes them again."""
-        for k, peer in self._draining_replies:
-            if k == stage:
-                self.holdings.release(stage, peer)
-        for peer, record in self.records[stage].items():
-            if record.state == PeerState.DRAINING:
-                self.holdings.release(stage, peer)
-        self._draining_replies = {
-            k: t for k, t in self._draining_replies.items() if now - t < DRAINING_MEMORY_S
-        }
-        # Peers announce samples/s of forward + backward; routing counts in forward-sample units.
-        serving = {
-            pid: r.throughput * (FORWARD_COST + BACKWARD_COST)
-            for pid, r in self.records[stage].items()
-            if r.state == PeerState.SERVING
-            and (stage, pid) not in self._draining_replies
-            and pid not in self.banned_for_run
-            and pid not in self.reports.avoided
-        }
-        self.router.update_peers(stage, serving, now)
-
-    async def _next_refresh(self, *, timeout_s: float) -> None:
-        """Wait for the next refresh of the peer lists, at most ``timeout_s`` (no waiter is left behind)."""
-        self._refreshed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._refreshed.wait(), timeout=timeout_s)
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.refresh_s)
-            try:
-                await self.refresh()
-            except Exception as e:  # keep routing on the last known lists
-                logger.warning("refreshing peers from the DHT failed: %s", e)
-
-    async def wait_for_peers(self, *, timeout_s: float) -> None:
-        """Wait until every stage has at least one serving peer."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            empty = [s for s in range(self.num_stages) if not self.router.peers(s)]
-            if not empty:
-                return
-            if time.monotonic() > deadline:
-                raise StageUnavailable(
-                    f"no peer serves stage(s) {empty} of run '{self.run_id}' after "
-                    f"{timeout_s:.0f}s; start `swarm peer --run-id {self.run_id} --stage "
-                    f"{empty[0]}`"
-                )
-            await self._next_refresh(timeout_s=self.config.refresh_s * 2)
-
     @property
     def run_id(self) -> str:
         return self.directory.run_id
@@ -266,7 +171,14 @@ class Pipeline:
     ) -> MicrobatchResult:
         """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss.
         ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to;
-        ``params_steps[k]``: the step whose parameters stage k computes it with (None: each replica's current)."""
+        ``params_steps[k]``: the step whose parameters stage k computes it with (None: each replica's current).
+        In push mode a microbatch sampled for spot-checks (or with peers others reported in the run) goes relayed,
+        every stage of it checked: only the relayed path sees the activations."""
+        check_all = False
+        if self.config.activations == "push":
+            check_all = bool(self.reports.suspects) or self.spot_checks.sampled()
+            if not check_all:
+                return await self.push.train(microbatch_id, tokens, batch_steps)
         x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
         samples = x.shape[0]
         failures_before = self.failed_calls
@@ -317,7 +229,14 @@ class Pipeline:
                 continue
             forward_peers.append(peer)
             self._spot_check(
-                stage, peer, reply, h, x, targets if stage == last else None, pinned=pins[stage]
+                stage,
+                peer,
+                reply,
+                h,
+                x,
+                targets if stage == last else None,
+                pinned=pins[stage],
+                force=check_all,
             )
             if stage == last:
                 break
@@ -509,12 +428,13 @@ class Pipeline:
         targets: torch.Tensor | None,
         *,
         pinned: int | None = None,
+        force: bool = False,
     ) -> None:
-        """Maybe have another replica of ``stage`` recompute this forward (its output, or at the last stage its
-        loss) and compare: see :mod:`swarm.trainer.spotcheck`. A call ``pinned`` to a step's parameters is
-        recomputed on the parameters of the step it ran on."""
+        """Maybe (``force``: surely) have another replica of ``stage`` recompute this forward (its output, or at
+        the last stage its loss) and compare: see :mod:`swarm.trainer.spotcheck`. A call ``pinned`` to a step's
+        parameters is recomputed on the parameters of the step it ran on."""
         # a peer others reported (too few to avoid it) is checked on every call: see swarm.trainer.reports
-        if not self.spot_checks.sampled() and peer not in self.reports.suspects:
+        if not force and not self.spot_checks.sampled() and peer not in self.reports.suspects:
             return
         if stage == self.num_stages - 1:
             result = torch.tensor([reply.meta.loss])
@@ -570,33 +490,7 @@ class Pipeline:
             try:
                 reply = await attempt(PeerAddress.of(record), timeout_s)
             except SwarmError as e:
-                now = time.monotonic()
-                kind = failure_kind(e)
-                if kind is not Failure.GIVE_UP:
-                    self.failed_calls += 1
-                    # A shed call is routine under load (the peer was busy, not faulty): not worth a line each.
-                    logger.log(
-                        logging.DEBUG if kind is Failure.SHED else logging.INFO,
-                        "stage %d peer %s failed (%s: %s); retrying elsewhere",
-                        stage,
-                        peer,
-                        type(e).__name__,
-                        e,
-                    )
-                if kind is Failure.AVOID:
-                    # Alive and honest: it is leaving or moved to another stage. Not banned (it may come back,
-                    # e.g. moved to this stage later); no new work here until the DHT says otherwise.
-                    self._draining_replies[(stage, peer)] = now
-                    self._update_router(stage, now)
-                if isinstance(e, BadReply):
-                    self._ban_for_run(
-                        stage, peer, e, "its reply failed the checks", report={"kind": "bad_reply"}
-                    )
-                # raises RetriesExhausted naming the stage when the budget is spent
-                request.failed(peer, e, now)
-                if kind is Failure.GIVE_UP:
-                    e.peer = peer
-                    raise
+                self._failed(request, stage, peer, e)  # raises when the budget is spent
                 continue
             except BaseException:
                 self.router.on_cancel(stage, peer, time.monotonic())
@@ -611,6 +505,47 @@ class Pipeline:
                 self._draining_replies[(stage, peer)] = now
                 self._update_router(stage, now)
             return reply, peer
+
+    def _failed(
+        self,
+        request: StageRequest,
+        stage: int,
+        peer: str,
+        error: SwarmError,
+        *,
+        reported: bool = False,
+    ) -> None:
+        """A call to ``peer`` of ``stage`` failed with ``error``: count it, mark a peer that is leaving, ban one
+        that sent a bad reply (for the run when this trainer saw the reply itself; ``reported``: another peer saw
+        it, a push hop, so only with back-off), and charge the request's budget. Raises ``error`` when retrying
+        elsewhere cannot help, RetriesExhausted when the budget is spent."""
+        now = time.monotonic()
+        kind = failure_kind(error)
+        if kind is not Failure.GIVE_UP:
+            self.failed_calls += 1
+            # A shed call is routine under load (the peer was busy, not faulty): not worth a line each.
+            logger.log(
+                logging.DEBUG if kind is Failure.SHED else logging.INFO,
+                "stage %d peer %s failed (%s: %s); retrying elsewhere",
+                stage,
+                peer,
+                type(error).__name__,
+                error,
+            )
+        if kind is Failure.AVOID:
+            # Alive and honest: it is leaving or moved to another stage. Not banned (it may come back, e.g.
+            # moved to this stage later); no new work here until the DHT says otherwise.
+            self._draining_replies[(stage, peer)] = now
+            self._update_router(stage, now)
+        if isinstance(error, BadReply) and not reported:
+            self._ban_for_run(
+                stage, peer, error, "its reply failed the checks", report={"kind": "bad_reply"}
+            )
+        # raises RetriesExhausted naming the stage when the budget is spent
+        request.failed(peer, error, now)
+        if kind is Failure.GIVE_UP:
+            error.peer = peer
+            raise error
 
     def _ban_for_run(
         self, stage: int, peer: str, error: SwarmError, why: str, *, report: dict | None = None

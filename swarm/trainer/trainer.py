@@ -158,6 +158,12 @@ class Trainer:
         # _param_steps), and the trainer keeps what it takes to compute again the gradients of a replica that
         # leaves before its stage steps (see swarm.trainer.holdings).
         self._pinned = self._batches_ahead >= 0 and pipeline.steps.stages_average()
+        if self._pinned and self._batches_ahead > 0 and config.pipeline.activations == "push":
+            raise ValueError(
+                "--activations push does not carry a pinned parameter step to the stages after the first yet, so "
+                f"--max-batches-ahead {self._batches_ahead} would compute them on whatever step they hold; use "
+                "--max-batches-ahead 0 (lockstep) or --activations relayed"
+            )
         pipeline.holdings.enabled = self._pinned
         # what the metrics endpoint shows: the last step's and validation's numbers, and the counts
         self.latest: dict[str, float] = dict(

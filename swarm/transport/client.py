@@ -102,7 +102,7 @@ class PeerClient:
             tensors,
             codec,
             timeout_s,
-            commit=meta.compute_loss and not meta.eval_only,
+            commit=meta.compute_loss and not meta.eval_only and not meta.defer_commit,
             expect=expect,
             judge=judge,
         )

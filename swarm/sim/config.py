@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from swarm.balance import RebalanceConfig
 from swarm.routing import RoutingConfig
+from swarm.sim.links import LinkConfig
 
 __all__ = ["Preemption", "SimConfig"]
 
@@ -102,6 +103,7 @@ class SimConfig:
     seed: int = 0
     balance: RebalanceConfig = field(default_factory=RebalanceConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    links: LinkConfig = field(default_factory=LinkConfig)
 
     def __post_init__(self) -> None:
         positive_ints = ("num_stages", "num_trainers", "microbatches_in_flight", "microbatch_size")

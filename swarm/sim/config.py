@@ -94,7 +94,7 @@ class SimConfig:
     skip_expired: bool = True
     # A peer refuses a request arriving behind more than this many seconds of queued compute (0 = unbounded);
     # the daemon's --max-queue-wait-s.
-    max_queue_wait_s: float = 30.0
+    max_queue_wait_s: float = 120.0
     # A trainer whose request ran out of attempts or found no peer waits this long, seconds.
     retry_wait_s: float = 1.0
     # Width of one sample of the output time series, seconds.

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, RunInfo, markdown_table, write_result  # noqa: E402
+from faults import PEER_FLAGS  # noqa: E402
 
 from swarm.balance import RebalanceConfig  # noqa: E402
 from swarm.coordinator.localswarm import LocalSwarm, finished, read_metrics  # noqa: E402
@@ -40,16 +41,7 @@ COMMAND = ".venv/bin/python bench/calibrate_sim.py"
 TOKENS_PER_SAMPLE = 128  # the tiny preset's seq_len
 MICROBATCH = 8
 IN_FLIGHT = 8
-BASE_FLAGS = [
-    "--preset",
-    "tiny",
-    "--target-batch-size",
-    "32",
-    "--heartbeat-s",
-    "0.5",
-    "--ttl-s",
-    "3",
-]
+BASE_FLAGS = [flag for flag in PEER_FLAGS if flag != "--no-rebalance"]  # tiny, fast heartbeats
 # Rebalancing of the move scenario, live and simulated alike.
 BALANCE = RebalanceConfig(period_s=10.0, min_gain=0.1, cooldown_periods=1)
 

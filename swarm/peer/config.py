@@ -97,8 +97,11 @@ class LimitsConfig:
     # calls queued for or running on the compute thread; more are refused with RESOURCE_EXHAUSTED
     max_queued_calls: int = 32
     # seconds of compute (predicted from the measured per-sample times) that may wait ahead of a new call; a
-    # call arriving behind more is refused at once (RESOURCE_EXHAUSTED, DeadlineUnmet); 0 = unbounded
-    max_queue_wait_s: float = 30.0
+    # call arriving behind more is refused at once (RESOURCE_EXHAUSTED, DeadlineUnmet); 0 = unbounded. The
+    # default is the longest deadline a trainer gives (RoutingConfig.max_timeout_s): a tighter bound refuses
+    # work its caller would wait for, and the refused microbatches bounce instead of keeping slow peers
+    # busy (30 s held a simulated swarm at 84% of its bottleneck, bench/results/scale_sim.md)
+    max_queue_wait_s: float = 120.0
     # load shedding: refuse work whose caller's deadline has passed, or that the queue ahead would finish
     # after it (DeadlineUnmet: the caller retries elsewhere at once, no ban); --no-shed-late-work computes it
     shed_late_work: bool = True

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from swarm.balance import RebalanceConfig
 from swarm.routing import RoutingConfig
+from swarm.sim.links import LinkConfig
 
 __all__ = ["Preemption", "SimConfig"]
 
@@ -93,7 +94,7 @@ class SimConfig:
     skip_expired: bool = True
     # A peer refuses a request arriving behind more than this many seconds of queued compute (0 = unbounded);
     # the daemon's --max-queue-wait-s.
-    max_queue_wait_s: float = 30.0
+    max_queue_wait_s: float = 120.0
     # A trainer whose request ran out of attempts or found no peer waits this long, seconds.
     retry_wait_s: float = 1.0
     # Width of one sample of the output time series, seconds.
@@ -102,6 +103,7 @@ class SimConfig:
     seed: int = 0
     balance: RebalanceConfig = field(default_factory=RebalanceConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    links: LinkConfig = field(default_factory=LinkConfig)
 
     def __post_init__(self) -> None:
         positive_ints = ("num_stages", "num_trainers", "microbatches_in_flight", "microbatch_size")

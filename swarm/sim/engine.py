@@ -20,6 +20,8 @@ Model:
 * Trainers learn the serving peers every ``discovery_period_s``; until then they may pick a peer
   that died (the request fails after one round trip) or stopped serving.
 * A peer that dies fails its unfinished requests after one round trip (connection reset).
+* Links (``config.links.model_links``, :mod:`swarm.sim.links`): every request and reply crosses the
+  trainer's and the peer's links (and a relay's), sized by the codec; else a flat ``latency_s`` each way.
 * A moving peer announces "draining" on its old stage and "starting" on the new one, keeps
   serving until ``drain_s`` has passed and its queue is empty, then spends ``load_s`` starting.
 """
@@ -54,6 +56,7 @@ from swarm.sim.entities import (
     PREEMPT,
     READY,
     REBALANCE,
+    REPLY,
     RETRY,
     SAMPLE,
     SERVING,
@@ -62,6 +65,7 @@ from swarm.sim.entities import (
     SimPeer,
     SimRequest,
 )
+from swarm.sim.links import Link, draw_peer_link, hop_bytes, transfer
 from swarm.sim.result import Move, SimResult
 
 __all__ = ["simulate"]
@@ -80,6 +84,9 @@ class _Simulation:
         self.cfg = config
         self.rng = random.Random(config.seed)
         self.route_rng = random.Random(config.seed + 1)
+        self.link_rng = random.Random(
+            config.seed + 2
+        )  # apart, so links leave the other draws as they were
         self.now = 0.0
         self.heap: list[tuple] = []
         self.seq = 0
@@ -87,6 +94,14 @@ class _Simulation:
         self.next_pid = 0
         self.costs = [config.stage_cost(s) for s in range(config.num_stages)]
         self.routers = [Router(config.routing) for _ in range(config.num_trainers)]
+        links = config.links
+        # Links (when modelled): one per trainer, per relay node, per peer (drawn when it is added).
+        self.trainer_links = [
+            Link(links.trainer_mbit_s, links.trainer_latency_s) for _ in range(config.num_trainers)
+        ]
+        self.relays = [
+            Link(links.relay_mbit_s, links.relay_latency_s) for _ in range(links.num_relays)
+        ]
         # What the trainers were told at their last refresh (the same for all of them).
         self.discovered: list[dict[str, float]] = [{} for _ in range(config.num_stages)]
         self.dirty = [True] * config.num_stages
@@ -159,6 +174,8 @@ class _Simulation:
             self.events += 1
             if kind == DONE:
                 self._on_done(item)
+            elif kind == REPLY:
+                self._on_reply(item)
             elif kind == FAIL:
                 self._on_fail(item)
             elif kind == RETRY:
@@ -216,6 +233,8 @@ class _Simulation:
         pid = f"p{self.next_pid}"
         self.next_pid += 1
         peer = SimPeer(pid, speed, stage, state)
+        if self.cfg.links.model_links:
+            peer.link = draw_peer_link(self.cfg.links, self.link_rng, self.relays)
         self.peers[pid] = peer
         self.dirty[stage] = True
         if self.cfg.mean_lifetime_s > 0:
@@ -267,7 +286,16 @@ class _Simulation:
         )
         if recompute:
             share = 1.0  # the inputs travel along and the forward is recomputed
-        arrive = now + latency
+        in_bytes = out_bytes = 0.0
+        if cfg.links.model_links:
+            in_bytes, out_bytes = hop_bytes(
+                cfg.links, cfg.microbatch_size, stage, cfg.num_stages, mb.backward, recompute
+            )
+            trainer_link = self.trainer_links[mb.trainer]
+            arrive = transfer(now, in_bytes, trainer_link, peer.link)
+            latency = peer.link.latency_s + trainer_link.latency_s  # a refusal is a small message
+        else:
+            arrive = now + latency
         start = max(arrive, peer.free_at)
         cost = share * size / (peer.speed / self.costs[stage])
         if cfg.skip_expired and (
@@ -291,10 +319,30 @@ class _Simulation:
         peer.free_at = request.finish
         peer.outstanding[request] = None
         self.busy_s[stage] += cost
-        reply_at = request.finish + latency
-        if reply_at - now > deadline:
+        request.deadline_at = now + deadline
+        if cfg.links.model_links and request.finish <= request.deadline_at:
+            request.reply_bytes = out_bytes
+            self._push(request.finish, REPLY, request)  # the reply then queues on the links
+            return
+        if request.finish + latency > request.deadline_at:
             self.late_s[stage] += cost
-            self._push(now + deadline, FAIL, request)  # the peer still spends the time
+            self._push(request.deadline_at, FAIL, request)  # the peer still spends the time
+        else:
+            self._push(request.finish + latency, DONE, request)
+
+    def _on_reply(self, request: SimRequest) -> None:
+        """A peer finished computing ``request``: its reply crosses the links back to the trainer."""
+        if request.done:
+            return
+        peer = self.peers.get(request.pid)
+        if peer is None:
+            return  # it died before sending: _kill failed the request
+        reply_at = transfer(
+            self.now, request.reply_bytes, peer.link, self.trainer_links[request.mb.trainer]
+        )
+        if reply_at > request.deadline_at:
+            self.late_s[request.stage] += request.finish - request.sent_at  # at most; a diagnostic
+            self._push(request.deadline_at, FAIL, request)
         else:
             self._push(reply_at, DONE, request)
 

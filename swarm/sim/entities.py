@@ -28,11 +28,22 @@ DEAD = "dead"  # the simulator's own: a killed peer, never announced
     DISCOVER,
     REBALANCE,
     SAMPLE,
-) = range(12)
+    REPLY,  # a peer finished a request; its reply starts over the links (only when links are modelled)
+) = range(13)
 
 
 class SimPeer:
-    __slots__ = ("pid", "speed", "stage", "state", "target", "free_at", "outstanding", "generation")
+    __slots__ = (
+        "pid",
+        "speed",
+        "stage",
+        "state",
+        "target",
+        "free_at",
+        "outstanding",
+        "generation",
+        "link",
+    )
 
     def __init__(self, pid: str, speed: float, stage: int, state: PeerState | str) -> None:
         self.pid = pid
@@ -46,6 +57,7 @@ class SimPeer:
         self.outstanding: dict[SimRequest, None] = {}
         # Bumps on each stage change: activations of an older generation are gone.
         self.generation = 0
+        self.link = None  # its swarm.sim.links.Link when links are modelled
 
 
 class SimMicrobatch:
@@ -70,7 +82,17 @@ class SimMicrobatch:
 
 
 class SimRequest:
-    __slots__ = ("mb", "pid", "stage", "sent_at", "finish", "done", "error")
+    __slots__ = (
+        "mb",
+        "pid",
+        "stage",
+        "sent_at",
+        "finish",
+        "done",
+        "error",
+        "deadline_at",
+        "reply_bytes",
+    )
 
     def __init__(self, mb: SimMicrobatch, pid: str, stage: int, sent_at: float) -> None:
         self.mb = mb
@@ -80,3 +102,5 @@ class SimRequest:
         self.finish = math.inf  # when the peer finishes computing it
         self.done = False
         self.error: Exception | None = None  # how it fails, if it does; None: a transport failure
+        self.deadline_at = math.inf  # when the trainer stops waiting for the reply
+        self.reply_bytes = 0.0  # wire bytes of the reply (when links are modelled)

@@ -77,6 +77,9 @@ def test_refused_requests_are_drained_only_up_to_max_drains_at_once():
         assert all(d.done() for d in late)  # answered at once, nothing read
         assert reads[server.MAX_DRAINS :] == [0, 0, 0]
         assert all(not d.done() for d in drains[: server.MAX_DRAINS])
+        # a refusal before any handler (an unauthenticated caller) is drained all the same: its client reads
+        # UNAUTHENTICATED, not INTERNAL
+        assert await _drained_frames(server, counted=False) == 1
         release.set()
         await asyncio.wait_for(asyncio.gather(*drains), 10)
         assert server._draining == 0
@@ -91,7 +94,7 @@ class _Frame:
         return 1
 
 
-async def _drained_frames(srv) -> int:
+async def _drained_frames(srv, *, counted: bool = True) -> int:
     read = 0
 
     async def frames():
@@ -99,5 +102,5 @@ async def _drained_frames(srv) -> int:
         read += 1
         yield _Frame()
 
-    await srv.drain_request(frames(), timeout_s=5, idle_s=1)
+    await srv.drain_request(frames(), timeout_s=5, idle_s=1, counted=counted)
     return read

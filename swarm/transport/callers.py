@@ -198,7 +198,7 @@ def _refusal(handler: grpc.RpcMethodHandler, error: SwarmError) -> grpc.RpcMetho
     async def refuse_unary(request, context):
         if kind.startswith("stream"):
             # read a little of what the caller sends, so its client sees our status (see drain_request)
-            await drain_request(request, timeout_s=1.0, max_bytes=1 << 20)
+            await drain_request(request, timeout_s=1.0, max_bytes=1 << 20, counted=False)
         await abort_with(context, error)
 
     async def refuse_stream(request, context):

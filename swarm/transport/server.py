@@ -191,7 +191,12 @@ def _observe(servicer, method: str, seconds: float, outcome: str) -> None:
 
 
 async def drain_request(
-    request_iterator, *, timeout_s: float = 2.0, idle_s: float = 0.25, max_bytes: int = 64 << 20
+    request_iterator,
+    *,
+    timeout_s: float = 2.0,
+    idle_s: float = 0.25,
+    max_bytes: int = 64 << 20,
+    counted: bool = True,
 ) -> None:
     """Read (and drop) what the caller is still sending before answering with an error.
 
@@ -201,10 +206,13 @@ async def drain_request(
     a caller streaming more than that gets the error regardless. Stops once nothing came for ``idle_s``:
     a caller that sent its whole request and now waits for the reply (its commit frame comes only after
     one) writes nothing more, and must not wait out ``timeout_s`` for its error. At most :data:`MAX_DRAINS`
-    calls drain at once: past that (a flood of refused calls) the error goes out at once, undrained.
+    ``counted`` calls drain at once: past that (a flood of refused requests) the error goes out at once,
+    undrained. A refusal before any handler (an unauthenticated caller: 1 s, 1 MiB at most) is not counted, so a
+    caller without a valid token always reads UNAUTHENTICATED; every draining call is an open call all the same,
+    bounded by the server's open calls (``--max-open-calls``).
     """
     global _draining
-    if not hasattr(request_iterator, "__aiter__") or _draining >= MAX_DRAINS:
+    if not hasattr(request_iterator, "__aiter__") or (counted and _draining >= MAX_DRAINS):
         return  # unary request: nothing left to read; or too many drains already
 
     async def consume() -> None:
@@ -217,13 +225,13 @@ async def drain_request(
                 return
             seen += frame.ByteSize()
 
-    _draining += 1
+    _draining += counted
     try:
         await asyncio.wait_for(consume(), timeout_s)
     except Exception:
         pass  # best effort: the error goes out either way
     finally:
-        _draining -= 1
+        _draining -= counted
 
 
 _draining = 0  # calls drain_request is reading now (one event loop per process: no lock)

@@ -189,7 +189,11 @@ def error_from_status(
     code; the details text never chooses the class."""
     where = f"peer {peer}: " if peer else ""
     cls = _BY_NAME.get(name or "") or _BY_CODE.get(code, TransportError)
-    error = cls(f"{where}{details or code.name}")
+    text = details or code.name
+    if name is None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        # the caller's own deadline ran out (grpc says just "Deadline Exceeded"): say it as a late reply reads
+        text = f"no reply within the call's deadline ({text})"
+    error = cls(f"{where}{text}")
     error.status = (
         code  # the status the call ended with (a deadline and a refused connection differ)
     )

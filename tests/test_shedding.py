@@ -121,3 +121,11 @@ def test_when_every_peer_shed_a_request_it_waits_before_trying_one_again():
     assert request.budget.attempts_left == router.config.max_attempts - 1
     # Other requests are not held back: the peer itself is neither banned nor penalised.
     assert StageRequest(router, 0).choose(0.5, random.Random(0)) == "a"
+
+
+def test_a_call_past_its_own_deadline_reads_as_a_late_reply_and_a_peer_cut_stream_keeps_its_name():
+    late = error_from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", peer="p:1")
+    assert str(late) == "peer p:1: no reply within the call's deadline (Deadline Exceeded)"
+    assert late.status == grpc.StatusCode.DEADLINE_EXCEEDED
+    cut = error_from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "idle 2s", name="StreamTimeout")
+    assert type(cut).__name__ == "StreamTimeout" and str(cut) == "idle 2s"

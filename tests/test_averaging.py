@@ -229,7 +229,7 @@ def test_a_replica_moved_and_one_drained_mid_run_leave_one_model_per_stage_and_n
     # (its gradient dropped where it was late, which the counts below check), but none fails because its peer was
     # draining or had moved (PeerDraining, WrongPeer).
     retried = [line for line in trainer.lines if "retrying elsewhere" in line]
-    assert all("no reply within" in line for line in retried), retried  # a deadline, never a refusal
+    assert all("no reply within" in line for line in retried), retried  # deadlines, no refusal
     assert not [line for line in trainer.lines if "stopped short" in line], trainer.lines[-20:]
     missed = [line for line in stayer.lines[stayer_from:] if any(m in line for m in MISSED)]
     assert not missed, missed

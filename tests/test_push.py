@@ -3,7 +3,9 @@ peers in this process, a real DHT, real gRPC over TLS; swarm.peer.push and swarm
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 import time
 
 import pytest
@@ -63,6 +65,17 @@ async def state(peer, *, grads: bool = False):
         await client.close()
 
 
+async def dialable_from(sender, peer, timeout_s: float = 30.0) -> None:
+    """Wait until ``sender`` would push to ``peer``: a record of its stage has reached ``sender``'s DHT view."""
+    check, address = sender.push_hops.route_check, peer.address
+    deadline = time.monotonic() + timeout_s
+    while refusal := await check.refusal(
+        peer.stage_index, peer.peer_id, address.endpoint, address.tls_cert
+    ):
+        assert time.monotonic() < deadline, refusal
+        await asyncio.sleep(0.2)  # the check re-reads the DHT at most once a second
+
+
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_a_pushed_microbatch_matches_one_process_and_counts_once_per_stage(
     peers, loop_thread, num_stages
@@ -110,6 +123,11 @@ def test_a_dead_downstream_peer_is_replaced_within_the_call_and_commits_count_on
         peers(run_id, 1, run=run),
         peers(run_id, 2, run=run),
     )
+    # stage 0 dials only peers a record of stage 1 announces; it read `dead`'s while it lived (it stays known a
+    # while after its record expires: a route a few heartbeats old gets a dead peer's failure, not a refusal)
+    # stage 0 dials only peers a record of stage 1 announces: it reads `dead`'s while it lives (a peer stays known a
+    # while after its record expires: a route a few heartbeats old gets a dead peer's failure, not a refusal)
+    loop_thread.run(dialable_from(first, dead))
     loop_thread.run(dead.shutdown())
     tokens = batch(5)
     codec = get_codec("none")
@@ -142,7 +160,7 @@ def test_a_dead_downstream_peer_is_replaced_within_the_call_and_commits_count_on
                 expect={},
             )
             applied = []
-            for peer in (first, alive, last):
+            for peer in (last, alive, first):  # the last stage held its gradients the longest
                 other = PeerClient(peer.address)
                 try:
                     applied.append(
@@ -243,3 +261,59 @@ def test_lost_push_commits_are_settled_and_each_stage_counts_each_microbatch_onc
     # Each way happened: with 24 first commits lost with probability 0.2 each way, none "late" has p = 0.8**24.
     assert recomputed > 0
     assert late > 0
+
+
+def test_a_route_naming_an_address_no_record_announces_is_never_dialed(peers, loop_thread):
+    """A caller names the stage-1 peer's id at another address (a port of the peer's host it wants probed), then a
+    peer id no record announces: stage 0 dials neither (no connection reaches the listener), answers with a
+    WrongPeer hop for each, and takes the next candidate, the real one."""
+    run_id, run = "push-route", model_run(2)
+    first, last = peers(run_id, 0, run=run), peers(run_id, 1, run=run)
+    probe = socket.create_server(("127.0.0.1", 0))
+    probe.setblocking(False)
+    lure = f"127.0.0.1:{probe.getsockname()[1]}"
+    real = last.address
+    loop_thread.run(dialable_from(first, last))
+    tokens = batch(9)
+
+    async def push(microbatch_id, *candidates):
+        meta = pb.RequestMeta(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=run_id,
+            stage=0,
+            microbatch_id=microbatch_id,
+            codec="none",
+            num_samples=B,
+            defer_commit=True,
+        )
+        meta.route.add(stage=1).candidates.extend(
+            pb.Candidate(endpoint=e, peer_id=p, tls_cert=real.tls_cert, timeout_s=20.0)
+            for e, p in candidates
+        )
+        client = PeerClient(first.address)
+        try:
+            return await client.forward(
+                meta,
+                [("input", tokens[:, :-1]), ("targets", tokens[:, 1:])],
+                get_codec("none"),
+                timeout_s=60,
+                expect={},
+            )
+        finally:
+            await client.close()
+
+    try:
+        redirected = loop_thread.run(
+            push("mb-lure", (lure, real.peer_id), (real.endpoint, real.peer_id))
+        )
+        unknown = loop_thread.run(push("mb-unknown", (lure, "ab" * 8)))
+        with pytest.raises(BlockingIOError):
+            probe.accept()  # nothing connected to the lure
+    finally:
+        probe.close()
+    hops = [(h.stage, h.peer_id, h.error_class) for h in redirected.meta.hops]
+    assert hops == [(1, real.peer_id, "WrongPeer"), (1, real.peer_id, "")], redirected.meta.hops
+    assert f"announces endpoint {real.endpoint}, not {lure}" in redirected.meta.hops[0].error
+    assert redirected.meta.has_loss and not redirected.meta.chain_error.error_class
+    assert unknown.meta.chain_error.error_class == "WrongPeer"
+    assert "no record of stage 1" in unknown.meta.chain_error.error

@@ -40,6 +40,7 @@ from swarm.peer.rebalancer import (
     neediest_other_stage,
     stage_costs,
 )
+from swarm.peer.routecheck import RouteCheck
 from swarm.peer.service import ServiceContext, StageService
 from swarm.peer.statesync import fetch_stage_state, serving_peers
 from swarm.peer.worker import PriorityWorker
@@ -85,6 +86,7 @@ class Peer:
         self._device_memory_bytes = 0  # all the memory of its device (0 = not known)
         self.dht = None
         self.directory: RunDirectory | None = None
+        self.push_hops: PushHops | None = None  # calls the next stage of push calls (set once it serves)
         self.rebalancer: Rebalancer | None = None
         self.metrics: PeerMetrics | None = None  # with --metrics-port
         self.metrics_port: int | None = None  # the port they are served on
@@ -467,8 +469,12 @@ class Peer:
             ClientPool(token=caller_token(self.identity)),
             self.run_id,
             activation_codec=self.run.codec,
+            route_check=RouteCheck(
+                self.directory.stage_records, config_hash=self.run.fingerprint()
+            ),
         )
         self._stack.push_async_callback(hops.close)
+        self.push_hops = hops
         return hops
 
     async def _start_heartbeat(self) -> None:

@@ -28,7 +28,8 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.compression.base import all_finite
-from swarm.errors import BadReply, InvalidRequest, SwarmError, wire_name
+from swarm.errors import BadReply, InvalidRequest, SwarmError, WrongPeer, wire_name
+from swarm.peer.routecheck import RouteCheck
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.routing.retry import Failure, failure_kind
@@ -66,10 +67,19 @@ def hop_failure(stage: int, peer_id: str, error: BaseException, seconds: float) 
 class PushHops:
     """Calls the next stage of a push chain for this peer: one client per callee, signed with this peer's token."""
 
-    def __init__(self, clients: ClientPool, run_id: str, *, activation_codec: str):
+    def __init__(
+        self,
+        clients: ClientPool,
+        run_id: str,
+        *,
+        activation_codec: str,
+        route_check: RouteCheck | None = None,
+    ):
         self.clients = clients
         self.run_id = run_id
         self.codec = get_codec(activation_codec)  # the run's codec for activations
+        # which candidates may be dialed (swarm.peer.routecheck); None: any (tests that build no DHT)
+        self.route_check = route_check
 
     async def close(self) -> None:
         await self.clients.close()
@@ -99,6 +109,16 @@ class PushHops:
             if nxt.HasField("batch_step"):
                 request.batch_step = nxt.batch_step
             address = PeerAddress(candidate.endpoint, candidate.peer_id, candidate.tls_cert)
+            if self.route_check is not None:
+                refusal = await self.route_check.refusal(
+                    nxt.stage, candidate.peer_id, candidate.endpoint, candidate.tls_cert
+                )
+                if refusal is not None:  # never dialed: the next candidate, as for a dead one
+                    result.error = hop_failure(
+                        nxt.stage, candidate.peer_id, WrongPeer(refusal), 0.0
+                    )
+                    result.hops.append(result.error)
+                    continue
             started = time.monotonic()
             try:
                 reply = await self.clients.get(address).forward(

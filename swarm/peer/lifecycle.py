@@ -86,7 +86,8 @@ class Peer:
         self._device_memory_bytes = 0  # all the memory of its device (0 = not known)
         self.dht = None
         self.directory: RunDirectory | None = None
-        self.push_hops: PushHops | None = None  # calls the next stage of push calls (set once it serves)
+        # calls the next stage of push calls (set once it serves)
+        self.push_hops: PushHops | None = None
         self.rebalancer: Rebalancer | None = None
         self.metrics: PeerMetrics | None = None  # with --metrics-port
         self.metrics_port: int | None = None  # the port they are served on

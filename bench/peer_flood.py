@@ -263,9 +263,10 @@ async def client_main(spec: dict) -> dict:
         )  # idle streams: the peer should have cut them long before
         hold.set()
 
-    async with asyncio.TaskGroup() as tasks:
-        releaser = tasks.create_task(release())
+    releaser = asyncio.ensure_future(release())
+    try:
         await asyncio.gather(*(stream(i) for i in range(streams)))
+    finally:
         releaser.cancel()
     hold.set()
     for c in channels:

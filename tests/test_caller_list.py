@@ -11,6 +11,7 @@ import pytest
 from hivemind.utils import get_dht_time
 from livepeers import RUN
 
+from swarm.deadline import timeout
 from swarm.discovery.callerlist import (
     CallerList,
     caller_list_key,
@@ -85,7 +86,7 @@ def test_the_owners_list_decides_who_the_runs_peers_admit(peers, loop_thread):
             follow_caller_list(other.directory, other.caller_check, every_s=0.1)
         )
         try:
-            async with asyncio.timeout(30):
+            async with timeout(30):
                 while other.caller_check.run_allowed is not None:
                     await asyncio.sleep(0.1)  # the loop's period: it re-reads the list
         finally:

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from swarm.deadline import timeout
+
 RELAY_PORT = 7100
 HANDLER = "swarm-echo"
 PAYLOAD_BYTES = 4 << 20
@@ -76,7 +78,7 @@ async def _node(role: str, host: str, relay: str, server_id: str, wait_s: float)
     p2p = await P2P.create(**common)
     start = time.monotonic()
     try:
-        async with asyncio.timeout(60):
+        async with timeout(60):
             _, reader, writer = await p2p.call_binary_stream_handler(
                 PeerID.from_base58(server_id), HANDLER
             )

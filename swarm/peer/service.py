@@ -16,7 +16,6 @@ deadline can still be met (:class:`WorkQueue`, load shedding).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ import torch
 
 from swarm.compression import CODEC_NAMES
 from swarm.compression.base import all_finite
+from swarm.deadline import timeout
 from swarm.errors import InvalidRequest, StreamTimeout, SwarmError, TransportError, WrongPeer
 from swarm.model.subspace import token_wire_dtype
 from swarm.peer.admission import Admission
@@ -362,7 +362,7 @@ class StageService(pb_grpc.StagePeerServicer):
                 )
 
             try:
-                async with asyncio.timeout(total_s):
+                async with timeout(total_s):
                     step, samples, tensors = await self.ctx.compute_urgent(take)
                     reply = pb.Frame(
                         reply=pb.ReplyMeta(

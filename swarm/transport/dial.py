@@ -7,9 +7,9 @@ channel, after an HTTP/2 connection. Nothing is sent in a call: the dialed peer 
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 
+from swarm.deadline import timeout
 from swarm.transport.security import PeerAddress, open_channel
 
 
@@ -17,7 +17,7 @@ async def dial(address: PeerAddress, *, timeout_s: float) -> str:
     """ "" if a channel to ``address`` became ready within ``timeout_s``, else why not (a sentence)."""
     channel = open_channel(address)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with timeout(timeout_s):
             await channel.channel_ready()
         return ""
     except TimeoutError:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
+from swarm.deadline import timeout
 from swarm.errors import ERROR_METADATA_KEY, StreamTimeout, SwarmError, wire_name
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
@@ -135,7 +136,7 @@ class DeadlineFrames:
             )
         try:
             # a timeout scope, not wait_for: no task per frame
-            async with asyncio.timeout(max(timeout_s, 0.0)):
+            async with timeout(max(timeout_s, 0.0)):
                 return await self._frames.__anext__()
         except TimeoutError:
             raise StreamTimeout(

@@ -93,6 +93,8 @@ class HivemindStageOptimizer:
         self._hold_s = 0.0
         # global batch -> its stage's replicas the trainer reached
         self._replicas: dict[int, int] = {}
+        # the trainer's latest count of the stage's replicas, whatever the batch
+        self._last_count = 0
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
         self._handed = 0  # samples this replica put into the step under way
@@ -109,6 +111,8 @@ class HivemindStageOptimizer:
         with hp.keep_sigint_handler():
             self.opt = self._build(groups, dht, run_id, private_key)
         self.opt.grad_averager.step_key = lambda: step_group_bits(self.step)
+        self.opt.grad_averager.group_size = self._expected_group
+        self.opt.grad_averager.group_wait_s = config.group_wait_s
 
         # hivemind creates Adam's moments with one virtual step on zero gradients. At lr 0 it moved nothing
         # (no decay either); undo its step count, or every later step's bias correction would be off by one.
@@ -222,6 +226,7 @@ class HivemindStageOptimizer:
         self._closed_through = max(self._closed_through, batch_step)
         if replicas:  # the latest count wins: a trainer closes again while it waits
             self._replicas[batch_step] = replicas
+            self._last_count = replicas
 
     def _catch_up(self) -> None:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
@@ -267,7 +272,11 @@ class HivemindStageOptimizer:
         control = opt.scheduled_grads
         self._replicas = {k: n for k, n in self._replicas.items() if k >= self.step}
         replicas = self._replicas.get(self.step, 0)
-        alone = replicas == 1 or (replicas == 0 and tracker.global_progress.num_peers <= 1)
+        # Unknown for this batch yet: the progress records, unless the trainer last counted more replicas (records
+        # read while the DHT is slow to answer can show none, and a replica stepping alone then drifts apart).
+        alone = replicas == 1 or (
+            replicas == 0 and tracker.global_progress.num_peers <= 1 and self._last_count <= 1
+        )
         if not alone and (control is None or control.done()):
             # The batch filled before any group was scheduled.
             opt.scheduled_grads = control = opt.grad_averager.schedule_step(
@@ -314,11 +323,26 @@ class HivemindStageOptimizer:
         self._catch_up()
         return True
 
+    def _expected_group(self) -> int:
+        """The replicas this step's all-reduce group should hold: the trainer's count of the stage's replicas that
+        answered it (``close_batch``; it leaves out one just killed, whose progress record outlives it), else the
+        replicas whose progress records stand at this step (a frozen one among them: the group waits for it up to
+        ``group_wait_s``). Under 2: not known."""
+        counted = self._replicas.get(self.step, 0)
+        if counted:
+            return counted
+        # Before this batch's count: the records, or the trainer's last count if higher (a replica still finishing
+        # the last step's all-reduce reports this step a moment later; a group sized without it would start at once,
+        # leaving it out). A count too high costs at most group_wait_s, and the batch's close corrects it.
+        tracker = self.opt.tracker
+        at_step = tracker.peers_at_epoch if tracker.global_epoch == self.step else 0
+        return max(at_step, self._last_count)
+
     def _size_group(self, replicas: int) -> None:
-        """Tell the group forming for this step how many replicas to expect: the trainer's count of the stage's
-        replicas (``close_batch``). The group then assembles once they have all joined, not ``matchmaking_s`` after
-        the first looked for it: in lockstep training that wait was most of each step. Unknown or alone: hivemind's
-        own rule (assemble at the end of the matchmaking time)."""
+        """Tell the group forming for this step how many replicas to expect once the trainer counted them
+        (``close_batch``; the group was scheduled with the count known then, see ``_expected_group``). The group
+        assembles once they have all joined, not at the end of its wait: in lockstep training that wait was most
+        of each step. Unknown or alone: the size it was scheduled with stands."""
         if replicas >= 2 and self._group_sized != (self.step, replicas):
             self._group_sized = (self.step, replicas)
             self.opt.grad_averager.set_group_size(replicas)

@@ -86,3 +86,26 @@ async def wait_for_records(directory: RunDirectory, stage: int, want, timeout_s:
         assert time.monotonic() < deadline, records
         await asyncio.sleep(0.05)  # the DHT has no watch: poll a real condition with a deadline
     return records
+
+
+async def until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition()`` (state another thread or process updates) until it holds, failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def one_microbatch(peer: Peer, seed: int, batch_step: int = 0) -> None:
+    """One committed loss call of B samples to a last-stage peer, toward global batch ``batch_step``."""
+    client = PeerClient(peer.address)
+    try:
+        reply = await client.forward(
+            meta(peer, f"{peer.peer_id}-mb{seed}", compute_loss=True, batch_step=batch_step),
+            [("input", hidden(seed)), ("targets", tokens(seed))],
+            NONE,
+            timeout_s=30,
+        )
+        await reply.committed
+    finally:
+        await client.close()

@@ -9,18 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 
 import pytest
 from hivemind.averaging.control import AveragingStage
-from livepeers import MODEL, NONE, B, assert_same_tensors, get_state, hidden, meta, params, tokens
+from livepeers import MODEL, B, assert_same_tensors, get_state, one_microbatch, params, until
 
 from swarm.averaging.config import AveragingConfig
 from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig
 from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
-from swarm.transport.client import PeerClient
 
 pytestmark = pytest.mark.integration
 
@@ -28,27 +26,6 @@ pytestmark = pytest.mark.integration
 RUN = RunConfig(model=MODEL, target_batch_size=64 * B, warmup_steps=0)
 MATCHMAKING_S = 1.0
 STEP_LINE = re.compile(r"stage 1 step 0: (.+?), (\d+) samples in")
-
-
-async def _until(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.05)  # state another thread or process updates: poll with a deadline
-
-
-async def _one_microbatch(peer: Peer, seed: int) -> None:
-    client = PeerClient(peer.address)
-    try:
-        reply = await client.forward(
-            meta(peer, f"mb{seed}", compute_loss=True, batch_step=0),
-            [("input", hidden(seed)), ("targets", tokens(seed))],
-            NONE,
-            timeout_s=30,
-        )
-        await reply.committed
-    finally:
-        await client.close()
 
 
 def _looking_for_group(peer: Peer) -> bool:
@@ -77,10 +54,10 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
         early, late = replicas[:2], replicas[2]
         try:
             for seed, peer in enumerate(replicas):
-                await _one_microbatch(peer, seed)
+                await one_microbatch(peer, seed)
             for peer in early:
                 peer.executor.close_batch(0, replicas=3)
-            await _until(
+            await until(
                 lambda: all(_looking_for_group(p) for p in early), "the early two look for a group"
             )
             # The late replica hears of the close well after the early two's matchmaking time: deliberate lateness,
@@ -88,7 +65,7 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
             await asyncio.sleep(3 * MATCHMAKING_S)
             assert all(p.executor.step == 0 for p in early), "the early two stepped without it"
             late.executor.close_batch(0, replicas=3)
-            await _until(lambda: all(p.executor.step == 1 for p in replicas), "all three step")
+            await until(lambda: all(p.executor.step == 1 for p in replicas), "all three step")
             states = [params(await get_state(p)) for p in replicas]
             for state in states[1:]:
                 assert_same_tensors(state, states[0])

@@ -281,7 +281,11 @@ def begin_global_step(opt: GlobalBatchOptimizer) -> bool:
     with opt.tracker.pause_updates():
         try:
             opt.scheduled_grads = opt.grad_averager.step(
-                control=control, reset_accumulators=True, wait=False
+                # the sums stay until the step is taken (finish_global_step resets them): an all-reduce that fails
+                # can be run again with another group on the same gradients
+                control=control,
+                reset_accumulators=False,
+                wait=False,
             )
             return True
         except Exception:
@@ -290,6 +294,11 @@ def begin_global_step(opt: GlobalBatchOptimizer) -> bool:
                 tag_along_with_zero_weight(opt, control)
             opt.scheduled_grads = None
             return False
+
+
+def forget_averaged(opt: GlobalBatchOptimizer) -> None:
+    """An all-reduce's result is dropped (it is run again): tell the averager, or it warns at the next one."""
+    opt.grad_averager.notify_used_averaged_gradients()
 
 
 def finish_global_step(opt: GlobalBatchOptimizer, began: bool) -> None:

@@ -98,6 +98,8 @@ class HivemindStageOptimizer:
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
         self._handed = 0  # samples this replica put into the step under way
+        self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
+        self._beside_others = False  # see _begin_step
         # (step, when this replica first saw its batch closed): for the step's log line
         self._closed_at = (-1, 0.0)
         self.step_pause_s = (
@@ -224,6 +226,9 @@ class HivemindStageOptimizer:
         averages, although the records may not show its peers yet (stepping alone, it would drift apart). Any
         thread: the next ``maybe_step`` reads it."""
         self._closed_through = max(self._closed_through, batch_step)
+        logger.debug(
+            "stage %d: batch %d closed, %d replicas counted", self.stage_index, batch_step, replicas
+        )
         if replicas:  # the latest count wins: a trainer closes again while it waits
             self._replicas[batch_step] = replicas
             self._last_count = replicas
@@ -247,12 +252,14 @@ class HivemindStageOptimizer:
                     return False
                 # hivemind bounds a round it scheduled itself only when someone waits for its result
                 logger.warning(
-                    "stage %d: the all-reduce of step %d did not end within %.0fs; stepping without it",
+                    "stage %d: the all-reduce of step %d did not end within %.0fs; abandoning it",
                     self.stage_index,
                     self.step,
                     self.config.averaging_timeout_s,
                 )
                 self._pending.cancel()
+            if self._regroup():
+                return False
             self._finish_step()
             self._catch_up()
             return True
@@ -295,10 +302,13 @@ class HivemindStageOptimizer:
             # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
             # Take their state now, in time to look for the next step's group.
             logger.warning(
-                "stage %d replica is behind its peers (step %d < %d): loading their state",
+                "stage %d replica is behind its peers (step %d < %d): loading their state (%d samples of its "
+                "own left out of step %d)",
                 self.stage_index,
                 self.step,
                 tracker.global_epoch,
+                self.local_samples,
+                self.step,
             )
             self._load_from_peers(tracker.global_epoch)
             self._catch_up()
@@ -356,6 +366,15 @@ class HivemindStageOptimizer:
             time.perf_counter(),
             alone,
         )
+        # Alone, while the stage's records show samples of this batch beyond this replica's own: another replica
+        # holds part of the batch and steps on it (the trainer's count missed it: it answered late or wrongly on a
+        # loaded machine), or it left and the trainer computed its part again here. Either way this replica's step
+        # may differ from a peer's: it reloads after the step (one that left is no donor, see _load_from_peers).
+        tracker = self.opt.tracker
+        self._beside_others = alone and (
+            tracker.global_epoch == self.step
+            and tracker.global_progress.samples_accumulated > self.local_samples
+        )
         set_learning_rate(self.opt.opt, self.run, self.step)
         self.opt.used_local_gradients = False
         self._handed = self.local_samples
@@ -364,6 +383,32 @@ class HivemindStageOptimizer:
         self._pending = self.opt.scheduled_grads if began else None
         if self._pending is None:
             self._finish_step()
+
+    def _regroup(self) -> bool:
+        """The step's all-reduce ended without the whole average: it failed (a groupmate frozen or killed in it), or
+        a groupmate's part never came (hivemind keeps this replica's own values there). Once per step, drop that
+        result and look for a new group for the same step with the same gradients (they stay accumulated until the
+        step): the groupmates left do the same and average their samples together, instead of each stepping on
+        what it has, reloading, and losing its samples of the batch. True if it will look again."""
+        pending, (_, partial, _, alone) = self._pending, self._step_started
+        failed = pending.cancelled() or pending.exception() is not None
+        if (
+            alone
+            or self._regrouped == self.step
+            or not (failed or self._partial.count.value > partial)
+        ):
+            return False
+        self._regrouped = self.step
+        logger.warning(
+            "stage %d: the all-reduce of step %d %s; looking for a new group with the same %d samples",
+            self.stage_index,
+            self.step,
+            "failed" if failed else "returned part of the average only",
+            self._handed,
+        )
+        self._pending = self.opt.scheduled_grads = None
+        hp.forget_averaged(self.opt)
+        return True
 
     def _finish_step(self) -> None:
         """The all-reduce is done (or none began): load its result, step, count the step."""
@@ -389,6 +434,8 @@ class HivemindStageOptimizer:
             if self.opt.used_local_gradients and not alone
             else "received part of the all-reduce only"
             if self._partial.count.value > partial
+            else "stepped alone beside a replica holding samples"
+            if self._beside_others
             else None
         )
         # One line per step (bench/soak.py sums the samples each stage averaged from these): how the step went,

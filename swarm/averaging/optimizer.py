@@ -335,27 +335,26 @@ class HivemindStageOptimizer:
 
     def _expected_group(self) -> int:
         """The replicas this step's all-reduce group should hold: the trainer's count of the stage's replicas that
-        answered it (``close_batch``; it leaves out one just killed, whose progress record outlives it), else the
-        replicas whose progress records stand at this step (a frozen one among them: the group waits for it up to
-        ``group_wait_s``). Under 2: not known."""
-        counted = self._replicas.get(self.step, 0)
-        if counted:
-            return counted
-        # Before this batch's count: the records, or the trainer's last count if higher (a replica still finishing
-        # the last step's all-reduce reports this step a moment later; a group sized without it would start at once,
-        # leaving it out). A count too high costs at most group_wait_s, and the batch's close corrects it.
+        answered it (``close_batch``; before this batch's close, its last count) or the replicas whose progress
+        records stand at this step (a frozen one among them: the group waits for it up to ``group_wait_s``),
+        whichever is higher. Under 2: not known."""
+        # Whichever is higher: a group sized below the replicas that hold samples of the batch starts at once and
+        # leaves one out (the trainer's records of a live replica expire between heartbeats on a loaded machine, and
+        # a replica still finishing the last step reports this one a moment later). A count too high (a killed
+        # replica's progress record outlives it by up to progress_ttl_s) costs at most group_wait_s.
         tracker = self.opt.tracker
         at_step = tracker.peers_at_epoch if tracker.global_epoch == self.step else 0
-        return max(at_step, self._last_count)
+        return max(at_step, self._replicas.get(self.step, 0) or self._last_count)
 
     def _size_group(self, replicas: int) -> None:
         """Tell the group forming for this step how many replicas to expect once the trainer counted them
         (``close_batch``; the group was scheduled with the count known then, see ``_expected_group``). The group
         assembles once they have all joined, not at the end of its wait: in lockstep training that wait was most
         of each step. Unknown or alone: the size it was scheduled with stands."""
-        if replicas >= 2 and self._group_sized != (self.step, replicas):
-            self._group_sized = (self.step, replicas)
-            self.opt.grad_averager.set_group_size(replicas)
+        size = self._expected_group() if replicas >= 2 else 0
+        if size >= 2 and self._group_sized != (self.step, size):
+            self._group_sized = (self.step, size)
+            self.opt.grad_averager.set_group_size(size)
 
     def _begin_step(self, alone: bool) -> None:
         """Start the stage's step: hand this replica's gradients to the group's all-reduce (hivemind's averager runs

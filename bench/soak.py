@@ -254,10 +254,10 @@ def main() -> int:
                 thread.join(timeout=args.freeze_s + 180)
         print(f"soak: {result.describe()}", flush=True)
         verdict, agreement_line = None, ""
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 400  # a status process takes minutes at load 30+
         while verdict is None and time.monotonic() < deadline:
             try:
-                verdict, agreement_line = settled_verdict(swarm.status(run_id))
+                verdict, agreement_line = settled_verdict(swarm.status(run_id, timeout_s=300))
             except RuntimeError as e:
                 agreement_line = str(e)
             if verdict is None:

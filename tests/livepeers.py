@@ -2,14 +2,17 @@
 (tests/test_live_peers.py, tests/test_live_replicas.py)."""
 
 import asyncio
+import socket
 import time
 
 import torch
 
+from swarm.averaging.config import AveragingConfig
 from swarm.compression import get_codec
 from swarm.config import RunConfig
-from swarm.discovery.dht import RunDirectory
+from swarm.discovery.dht import DHTConfig, RunDirectory
 from swarm.model import ModelConfig
+from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
@@ -109,3 +112,23 @@ async def one_microbatch(peer: Peer, seed: int, batch_step: int = 0) -> None:
         await reply.committed
     finally:
         await client.close()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed): connecting to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def averaging_replica(run_id: str, boot, **averaging) -> PeerConfig:
+    """A replica of stage 1 that averages with its stage (``averaging``: AveragingConfig fields), on DHT ``boot``."""
+    return PeerConfig(
+        run_id=run_id,
+        stage=1,
+        rebalance=False,
+        heartbeat_s=HEARTBEAT_S,
+        ttl_s=TTL_S,
+        averaging=AveragingConfig(average=True, **averaging),
+        dht=DHTConfig(initial_peers=boot),
+    )

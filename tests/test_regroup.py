@@ -12,12 +12,18 @@ import threading
 
 import pytest
 from hivemind.averaging.control import AveragingStage
-from livepeers import MODEL, B, assert_same_tensors, get_state, one_microbatch, params, until
+from livepeers import (
+    MODEL,
+    B,
+    assert_same_tensors,
+    averaging_replica,
+    get_state,
+    one_microbatch,
+    params,
+    until,
+)
 
-from swarm.averaging.config import AveragingConfig
 from swarm.config import RunConfig
-from swarm.discovery.dht import DHTConfig
-from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
 
 pytestmark = pytest.mark.integration
@@ -37,25 +43,21 @@ def test_replicas_whose_groupmate_stalls_mid_all_reduce_average_again_without_it
 ):
     caplog.set_level(logging.DEBUG, logger="swarm.averaging.optimizer")
 
-    def config() -> PeerConfig:
-        return PeerConfig(
-            run_id="regroup0",
-            stage=1,
-            rebalance=False,
-            heartbeat_s=0.3,
-            ttl_s=2.0,
-            averaging=AveragingConfig(
-                average=True,
-                matchmaking_s=1.0,
-                group_wait_s=3.0,
-                chunk_timeout_s=2.0,
-                averaging_timeout_s=20.0,
-            ),
-            dht=DHTConfig(initial_peers=boot),
-        )
-
     async def body():
-        replicas = [await Peer.create(config(), run=RUN) for _ in range(3)]
+        replicas = [
+            await Peer.create(
+                averaging_replica(
+                    "regroup0",
+                    boot,
+                    matchmaking_s=1.0,
+                    group_wait_s=3.0,
+                    chunk_timeout_s=2.0,
+                    averaging_timeout_s=20.0,
+                ),
+                run=RUN,
+            )
+            for _ in range(3)
+        ]
         *pair, stalled = replicas
         release = threading.Event()
         held = threading.Event()

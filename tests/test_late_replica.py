@@ -77,7 +77,7 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
             for peer in replicas:
                 await peer.shutdown()
 
-    loop_thread.run(body())
+    loop_thread.run(body(), timeout_s=300)  # three averaging peers start slowly at load 40+
     steps = [m.groups() for m in map(STEP_LINE.search, caplog.messages) if m]
     # each replica took step 0 in the group with its own samples: the step averaged all 3 microbatches
     assert sorted(steps) == [("averaged", str(B))] * 3, steps

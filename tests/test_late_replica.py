@@ -59,6 +59,10 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
                 await one_microbatch(peer, seed)
             # The trainer's count misses the late replica (its record expired in the trainer's view between two
             # heartbeats): the stage's progress records, where it reported its samples, still count it.
+            await until(
+                lambda: all(p.executor.optimizer.opt.tracker.peers_at_epoch == 3 for p in early),
+                "the early two see the late replica's progress record",
+            )
             for peer in early:
                 peer.executor.close_batch(0, replicas=2)
             await until(

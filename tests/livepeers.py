@@ -2,6 +2,7 @@
 (tests/test_live_peers.py, tests/test_live_replicas.py)."""
 
 import asyncio
+import re
 import socket
 import time
 
@@ -132,3 +133,9 @@ def averaging_replica(run_id: str, boot, **averaging) -> PeerConfig:
         averaging=AveragingConfig(average=True, **averaging),
         dht=DHTConfig(initial_peers=boot),
     )
+
+
+# A run whose batch never fills by samples: only the trainer's close (CloseBatch) makes a stage step.
+CLOSE_DRIVEN_RUN = RunConfig(model=MODEL, target_batch_size=64 * B, warmup_steps=0)
+# an averaging replica's log line of stage 1's step 0: how it went and the samples it put in
+STEP0_LINE = re.compile(r"stage 1 step 0: (.+?), (\d+) samples in")

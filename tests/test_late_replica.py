@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 
 import pytest
 from hivemind.averaging.control import AveragingStage
 from livepeers import (
-    MODEL,
+    CLOSE_DRIVEN_RUN,
+    STEP0_LINE,
     B,
     assert_same_tensors,
     averaging_replica,
@@ -24,15 +24,11 @@ from livepeers import (
     until,
 )
 
-from swarm.config import RunConfig
 from swarm.peer.lifecycle import Peer
 
 pytestmark = pytest.mark.integration
 
-# The batch never fills by samples: only the trainer's close (CloseBatch) makes the stage step.
-RUN = RunConfig(model=MODEL, target_batch_size=64 * B, warmup_steps=0)
 MATCHMAKING_S = 1.0
-STEP_LINE = re.compile(r"stage 1 step 0: (.+?), (\d+) samples in")
 
 
 def _looking_for_group(peer: Peer) -> bool:
@@ -49,7 +45,7 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
         replicas = [
             await Peer.create(
                 averaging_replica("late0", boot, matchmaking_s=MATCHMAKING_S, group_wait_s=20.0),
-                run=RUN,
+                run=CLOSE_DRIVEN_RUN,
             )
             for _ in range(3)
         ]
@@ -82,7 +78,7 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
                 await peer.shutdown()
 
     loop_thread.run(body(), timeout_s=300)  # three averaging peers start slowly at load 40+
-    steps = [m.groups() for m in map(STEP_LINE.search, caplog.messages) if m]
+    steps = [m.groups() for m in map(STEP0_LINE.search, caplog.messages) if m]
     # each replica took step 0 in the group with its own samples: the step averaged all 3 microbatches
     assert sorted(steps) == [("averaged", str(B))] * 3, steps
     assert not [m for m in caplog.messages if "behind its peers" in m]

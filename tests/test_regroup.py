@@ -7,13 +7,13 @@ process, on a real DHT; the groupmate stalls because its compute thread is held,
 from __future__ import annotations
 
 import logging
-import re
 import threading
 
 import pytest
 from hivemind.averaging.control import AveragingStage
 from livepeers import (
-    MODEL,
+    CLOSE_DRIVEN_RUN,
+    STEP0_LINE,
     B,
     assert_same_tensors,
     averaging_replica,
@@ -23,14 +23,9 @@ from livepeers import (
     until,
 )
 
-from swarm.config import RunConfig
 from swarm.peer.lifecycle import Peer
 
 pytestmark = pytest.mark.integration
-
-# The batch never fills by samples: only the trainer's close (CloseBatch) makes the stage step.
-RUN = RunConfig(model=MODEL, target_batch_size=64 * B, warmup_steps=0)
-STEP_LINE = re.compile(r"stage 1 step 0: (.+?), (\d+) samples in")
 
 
 def _stage(peer: Peer):
@@ -54,7 +49,7 @@ def test_replicas_whose_groupmate_stalls_mid_all_reduce_average_again_without_it
                     chunk_timeout_s=2.0,
                     averaging_timeout_s=20.0,
                 ),
-                run=RUN,
+                run=CLOSE_DRIVEN_RUN,
             )
             for _ in range(3)
         ]
@@ -93,7 +88,7 @@ def test_replicas_whose_groupmate_stalls_mid_all_reduce_average_again_without_it
                 await peer.shutdown()
 
     loop_thread.run(body(), timeout_s=300)  # three averaging peers start slowly at load 40+
-    steps = [m.groups() for m in map(STEP_LINE.search, caplog.messages) if m]
+    steps = [m.groups() for m in map(STEP0_LINE.search, caplog.messages) if m]
     assert any("looking for a new group" in m for m in caplog.messages), caplog.messages
     # the pair's step averaged both their microbatches; the stalled replica's part is the one left out
     assert sorted(steps)[:2] == [("averaged", str(B))] * 2, steps

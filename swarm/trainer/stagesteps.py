@@ -231,8 +231,9 @@ class StageSteps:
             # One replica tells it to step alone. Only say so when another replica of the stage is known to have
             # left (its address refused): on a loaded machine the others' records expire between heartbeats, and a
             # replica told it is alone while they average drifts apart from them.
-            if live[stage] == 1 and not any(
-                peer in self._gone for (k, peer) in self._polled_steps if k == stage
+            refused = any(ok == "refused" for (k, _), ok in zip(targets, answered) if k == stage)
+            if live[stage] == 1 and not (
+                refused or any(peer in self._gone for (k, peer) in self._polled_steps if k == stage)
             ):
                 live[stage] = 0
 

@@ -55,9 +55,22 @@ PEER_FLAGS = [
 ]
 STEP_LINE = re.compile(
     r"stage (\d+) step (\d+): (averaged|stepped alone|skipped its step|stepped without its peers' gradients|"
-    r"received part of the all-reduce only), (\d+) samples in"
+    r"received part of the all-reduce only|stepped alone beside a replica holding samples), (\d+) samples in"
 )
 CONTRIBUTED = ("averaged", "stepped alone")  # a replica's samples reached its stage's step
+BEHIND_LINE = re.compile(
+    r"stage (\d+) replica is behind its peers \(step (\d+) < \d+\): loading their state \((\d+) samples"
+)
+# why a replica's samples missed its stage's step, by its log line
+CAUSES = {
+    "behind": "missed its group (its peers' group assembled without it; it loaded their state)",
+    "stepped without its peers' gradients": "found no group within --averaging-timeout-s (stepped on its own, "
+    "then reloaded)",
+    "received part of the all-reduce only": "a groupmate's part missing (frozen or killed mid all-reduce; reloaded)",
+    "skipped its step": "non-finite average: a group holding none of the batch's samples (reloaded)",
+    "stepped alone beside a replica holding samples": "told it was alone while the records showed another "
+    "replica's samples of the batch (reloaded)",
+}
 
 
 class Soak:
@@ -130,6 +143,22 @@ def step_contributions(workdir: Path) -> dict[int, dict[int, list[tuple[str, int
             stage, step, outcome, samples = match.groups()
             out[int(stage)][int(step)].append((outcome, int(samples)))
     return out
+
+
+def miss_rows(workdir: Path) -> list[list[object]]:
+    """Why replicas' samples missed their stage's step: per cause, the replica-steps and the samples left out."""
+    found: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for log in workdir.glob("s*-*.log"):
+        text = log.read_text(errors="replace")
+        for match in STEP_LINE.finditer(text):
+            _, _, outcome, samples = match.groups()
+            if outcome not in CONTRIBUTED:
+                found[outcome][0] += 1
+                found[outcome][1] += int(samples)
+        for match in BEHIND_LINE.finditer(text):
+            found["behind"][0] += 1
+            found["behind"][1] += int(match.group(3))
+    return [[CAUSES[k], n, samples] for k, (n, samples) in sorted(found.items())]
 
 
 def stage_rows(contributions, steps: int) -> list[list[object]]:
@@ -225,10 +254,10 @@ def main() -> int:
                 thread.join(timeout=args.freeze_s + 180)
         print(f"soak: {result.describe()}", flush=True)
         verdict, agreement_line = None, ""
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 400  # a status process takes minutes at load 30+
         while verdict is None and time.monotonic() < deadline:
             try:
-                verdict, agreement_line = settled_verdict(swarm.status(run_id))
+                verdict, agreement_line = settled_verdict(swarm.status(run_id, timeout_s=300))
             except RuntimeError as e:
                 agreement_line = str(e)
             if verdict is None:
@@ -315,6 +344,14 @@ def main() -> int:
                     "replica steps reloaded",
                 ],
                 rows,
+            ),
+            "",
+            "Why samples missed a step (every replica's log, calm and soak; a killed replica's part is computed "
+            "again by the trainer and is not listed):",
+            "",
+            markdown_table(
+                ["cause", "replica steps", "samples left out"],
+                miss_rows(workdir) or [["none", 0, 0]],
             ),
             "",
             f"- soak tokens/s / calm tokens/s: {result.tokens_per_s / calm.tokens_per_s:.2f}; time-weighted share "

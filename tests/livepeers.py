@@ -2,14 +2,18 @@
 (tests/test_live_peers.py, tests/test_live_replicas.py)."""
 
 import asyncio
+import re
+import socket
 import time
 
 import torch
 
+from swarm.averaging.config import AveragingConfig
 from swarm.compression import get_codec
 from swarm.config import RunConfig
-from swarm.discovery.dht import RunDirectory
+from swarm.discovery.dht import DHTConfig, RunDirectory
 from swarm.model import ModelConfig
+from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
@@ -86,3 +90,52 @@ async def wait_for_records(directory: RunDirectory, stage: int, want, timeout_s:
         assert time.monotonic() < deadline, records
         await asyncio.sleep(0.05)  # the DHT has no watch: poll a real condition with a deadline
     return records
+
+
+async def until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition()`` (state another thread or process updates) until it holds, failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def one_microbatch(peer: Peer, seed: int, batch_step: int = 0) -> None:
+    """One committed loss call of B samples to a last-stage peer, toward global batch ``batch_step``."""
+    client = PeerClient(peer.address)
+    try:
+        reply = await client.forward(
+            meta(peer, f"{peer.peer_id}-mb{seed}", compute_loss=True, batch_step=batch_step),
+            [("input", hidden(seed)), ("targets", tokens(seed))],
+            NONE,
+            timeout_s=30,
+        )
+        await reply.committed
+    finally:
+        await client.close()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed): connecting to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def averaging_replica(run_id: str, boot, **averaging) -> PeerConfig:
+    """A replica of stage 1 that averages with its stage (``averaging``: AveragingConfig fields), on DHT ``boot``."""
+    return PeerConfig(
+        run_id=run_id,
+        stage=1,
+        rebalance=False,
+        heartbeat_s=HEARTBEAT_S,
+        ttl_s=TTL_S,
+        averaging=AveragingConfig(average=True, **averaging),
+        dht=DHTConfig(initial_peers=boot),
+    )
+
+
+# A run whose batch never fills by samples: only the trainer's close (CloseBatch) makes a stage step.
+CLOSE_DRIVEN_RUN = RunConfig(model=MODEL, target_batch_size=64 * B, warmup_steps=0)
+# an averaging replica's log line of stage 1's step 0: how it went and the samples it put in
+STEP0_LINE = re.compile(r"stage 1 step 0: (.+?), (\d+) samples in")

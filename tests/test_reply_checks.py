@@ -157,7 +157,9 @@ def test_closing_a_batch_counts_a_replica_that_is_gone_but_not_one_that_is_only_
     try:
         assert loop_thread.run(body({"gone": gone})) == 1
         assert loop_thread.run(body({"gone": gone, "silent": silent})) == 0
-        assert loop_thread.run(body({})) == 1
+        # the only record: no sign another replica left (records expire between heartbeats on a loaded machine), so
+        # no count; the replica goes by its own view of the stage (tests/test_alone_count.py)
+        assert loop_thread.run(body({})) == 0
     finally:
         stagesteps_module.CLOSE_BATCH_TIMEOUT_S = old_timeout
         gone.close()

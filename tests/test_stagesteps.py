@@ -4,11 +4,10 @@ call for, and which stages a limit on batches ahead cannot count."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 from conftest import record_wire
-from livepeers import step_last
+from livepeers import closed_port, step_last
 
 from swarm.discovery.records import StageRecord
 from swarm.states import PeerState
@@ -73,13 +72,6 @@ def test_one_replica_that_does_not_average_makes_the_stages_not_average():
     assert not _steps([]).stages_average()
 
 
-def _closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed): connecting to it is refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.integration
 def test_a_replica_gone_before_its_stage_stepped_has_its_gradients_computed_again(
     peers, loop_thread
@@ -97,11 +89,11 @@ def test_a_replica_gone_before_its_stage_stepped_has_its_gradients_computed_agai
         tls_cert=live_peer.address.tls_cert,
     )
     gone = dataclasses.replace(
-        _record("gone", 1, step=1, averaging=True), endpoint=f"127.0.0.1:{_closed_port()}"
+        _record("gone", 1, step=1, averaging=True), endpoint=f"127.0.0.1:{closed_port()}"
     )
     drained = dataclasses.replace(
         _record("drained", 1, step=0, averaging=True, state=PeerState.DRAINING),
-        endpoint=f"127.0.0.1:{_closed_port()}",
+        endpoint=f"127.0.0.1:{closed_port()}",
     )
     holdings = Holdings(num_stages=2)
     holdings.enabled = True

@@ -20,6 +20,10 @@ class AveragingConfig:
     matchmaking_s: float = 2.0
     # an all-reduce that takes longer is abandoned (the step uses local grads)
     averaging_timeout_s: float = 30.0
+    # The longest a step's all-reduce group waits for every replica of the stage at that step (the trainer's count,
+    # else the stage's progress records) before it averages without the missing ones; it starts at once when they
+    # are all in. A replica that misses its group loses its samples of the batch (it loads its peers' state).
+    group_wait_s: float = 10.0
     # A groupmate silent this long mid all-reduce is dropped from it (the replicas that miss its part reload: see
     # HivemindStageOptimizer._finish_step). Long enough for a groupmate whose view of the stage lags (its DHT reads
     # stall for seconds on a loaded machine).
@@ -47,6 +51,7 @@ class AveragingConfig:
                 self.load_state_timeout_s,
                 self.progress_ttl_s,
                 self.step_check_s,
+                self.group_wait_s,
             )
             <= 0
         ):
@@ -55,5 +60,12 @@ class AveragingConfig:
                 f"averaging_timeout_s ({self.averaging_timeout_s}), "
                 f"chunk_timeout_s ({self.chunk_timeout_s}), load_state_timeout_s "
                 f"({self.load_state_timeout_s}), progress_ttl_s ({self.progress_ttl_s}) and "
-                f"step_check_s ({self.step_check_s}) must be > 0"
+                f"step_check_s ({self.step_check_s}) and group_wait_s ({self.group_wait_s}) must be > 0"
+            )
+        if not self.matchmaking_s <= self.group_wait_s < self.averaging_timeout_s:
+            raise ValueError(
+                f"group_wait_s ({self.group_wait_s}) must be at least matchmaking_s ({self.matchmaking_s}) and "
+                f"below averaging_timeout_s ({self.averaging_timeout_s}): a group that waits longer than the "
+                f"all-reduce may take is abandoned before it starts; lower --group-wait-s or raise "
+                f"--averaging-timeout-s"
             )

@@ -39,6 +39,7 @@ from hivemind.averaging.partition import TensorPartReducer  # noqa: E402
 from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
 from hivemind.optim.progress_tracker import ProgressTracker  # noqa: E402
 from hivemind.optim.state_averager import TrainingStateAverager  # noqa: E402
+from hivemind.utils import get_dht_time  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +74,26 @@ class SampleSumGradientAverager(GradientAverager):
 
     # group key bits of the next all-reduce (see keys.step_group_bits)
     step_key: Callable[[], str] | None = None
+    # the replicas the next all-reduce group should hold (None or under 2: not known), and the longest it waits for
+    # them (see schedule_step)
+    group_size: Callable[[], int | None] | None = None
+    group_wait_s: float | None = None
 
-    def schedule_step(self, *args, **kwargs):
+    def schedule_step(self, scheduled_time=None, **kwargs):
         # Every new all-reduce starts here (step() without a pre-scheduled group comes here too). hivemind
         # rewrites the key bits after each group it assembles, so set them for every one.
         if self.step_key is not None:
             self.set_group_bits(self.step_key(), wait=False)
-        return super().schedule_step(*args, **kwargs)
+        # hivemind's leader assembles its group at the time it declared (``scheduled_time``), with whoever joined by
+        # then: a replica that looked for the group a moment later (its compute thread was busy, its view of the
+        # stage's progress lagged) missed it and lost its samples of the batch. Told how many replicas to expect,
+        # the group assembles as soon as they are all in, and waits for them up to ``group_wait_s``.
+        size = self.group_size() if self.group_size is not None else None
+        size = size if size is not None and size >= 2 else None
+        self.set_group_size(size)
+        if size is not None and scheduled_time is None and self.group_wait_s is not None:
+            scheduled_time = get_dht_time() + self.group_wait_s
+        return super().schedule_step(scheduled_time=scheduled_time, **kwargs)
 
     def set_group_size(self, size: int | None) -> None:
         """Expect ``size`` replicas in the group forming now (None: unknown): it assembles as soon as they have all
@@ -128,6 +142,20 @@ class BatchTracker(ProgressTracker):
     step on part of a batch and split the rest over the next step."""
 
     batch_closed = False
+    # the stage's replicas (not clients) whose records stand at the stage's step, this replica's own included
+    peers_at_epoch = 0
+
+    # Private override: the only place the tracker reads every replica's record; hivemind keeps only the totals.
+    def _parse_swarm_progress_data(self, metadata):
+        progress = super()._parse_swarm_progress_data(metadata)
+        entries = metadata.values() if isinstance(metadata, dict) else ()
+        epochs = [
+            entry.value.get("epoch")
+            for entry in entries
+            if isinstance(entry.value, dict) and not entry.value.get("client_mode")
+        ]
+        self.peers_at_epoch = sum(1 for epoch in epochs if epoch == progress.epoch)
+        return progress
 
     @property
     def ready_to_update_epoch(self) -> bool:
@@ -253,7 +281,11 @@ def begin_global_step(opt: GlobalBatchOptimizer) -> bool:
     with opt.tracker.pause_updates():
         try:
             opt.scheduled_grads = opt.grad_averager.step(
-                control=control, reset_accumulators=True, wait=False
+                # the sums stay until the step is taken (finish_global_step resets them): an all-reduce that fails
+                # can be run again with another group on the same gradients
+                control=control,
+                reset_accumulators=False,
+                wait=False,
             )
             return True
         except Exception:
@@ -262,6 +294,11 @@ def begin_global_step(opt: GlobalBatchOptimizer) -> bool:
                 tag_along_with_zero_weight(opt, control)
             opt.scheduled_grads = None
             return False
+
+
+def forget_averaged(opt: GlobalBatchOptimizer) -> None:
+    """An all-reduce's result is dropped (it is run again): tell the averager, or it warns at the next one."""
+    opt.grad_averager.notify_used_averaged_gradients()
 
 
 def finish_global_step(opt: GlobalBatchOptimizer, began: bool) -> None:

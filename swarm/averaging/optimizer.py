@@ -93,9 +93,13 @@ class HivemindStageOptimizer:
         self._hold_s = 0.0
         # global batch -> its stage's replicas the trainer reached
         self._replicas: dict[int, int] = {}
+        # the trainer's latest count of the stage's replicas, whatever the batch
+        self._last_count = 0
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
         self._handed = 0  # samples this replica put into the step under way
+        self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
+        self._beside_others = False  # see _begin_step
         # (step, when this replica first saw its batch closed): for the step's log line
         self._closed_at = (-1, 0.0)
         self.step_pause_s = (
@@ -109,6 +113,8 @@ class HivemindStageOptimizer:
         with hp.keep_sigint_handler():
             self.opt = self._build(groups, dht, run_id, private_key)
         self.opt.grad_averager.step_key = lambda: step_group_bits(self.step)
+        self.opt.grad_averager.group_size = self._expected_group
+        self.opt.grad_averager.group_wait_s = config.group_wait_s
 
         # hivemind creates Adam's moments with one virtual step on zero gradients. At lr 0 it moved nothing
         # (no decay either); undo its step count, or every later step's bias correction would be off by one.
@@ -220,8 +226,12 @@ class HivemindStageOptimizer:
         averages, although the records may not show its peers yet (stepping alone, it would drift apart). Any
         thread: the next ``maybe_step`` reads it."""
         self._closed_through = max(self._closed_through, batch_step)
+        logger.debug(
+            "stage %d: batch %d closed, %d replicas counted", self.stage_index, batch_step, replicas
+        )
         if replicas:  # the latest count wins: a trainer closes again while it waits
             self._replicas[batch_step] = replicas
+            self._last_count = replicas
 
     def _catch_up(self) -> None:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
@@ -242,12 +252,14 @@ class HivemindStageOptimizer:
                     return False
                 # hivemind bounds a round it scheduled itself only when someone waits for its result
                 logger.warning(
-                    "stage %d: the all-reduce of step %d did not end within %.0fs; stepping without it",
+                    "stage %d: the all-reduce of step %d did not end within %.0fs; abandoning it",
                     self.stage_index,
                     self.step,
                     self.config.averaging_timeout_s,
                 )
                 self._pending.cancel()
+            if self._regroup():
+                return False
             self._finish_step()
             self._catch_up()
             return True
@@ -267,7 +279,11 @@ class HivemindStageOptimizer:
         control = opt.scheduled_grads
         self._replicas = {k: n for k, n in self._replicas.items() if k >= self.step}
         replicas = self._replicas.get(self.step, 0)
-        alone = replicas == 1 or (replicas == 0 and tracker.global_progress.num_peers <= 1)
+        # Unknown for this batch yet: the progress records, unless the trainer last counted more replicas (records
+        # read while the DHT is slow to answer can show none, and a replica stepping alone then drifts apart).
+        alone = replicas == 1 or (
+            replicas == 0 and tracker.global_progress.num_peers <= 1 and self._last_count <= 1
+        )
         if not alone and (control is None or control.done()):
             # The batch filled before any group was scheduled.
             opt.scheduled_grads = control = opt.grad_averager.schedule_step(
@@ -286,10 +302,13 @@ class HivemindStageOptimizer:
             # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
             # Take their state now, in time to look for the next step's group.
             logger.warning(
-                "stage %d replica is behind its peers (step %d < %d): loading their state",
+                "stage %d replica is behind its peers (step %d < %d): loading their state (%d samples of its "
+                "own left out of step %d)",
                 self.stage_index,
                 self.step,
                 tracker.global_epoch,
+                self.local_samples,
+                self.step,
             )
             self._load_from_peers(tracker.global_epoch)
             self._catch_up()
@@ -314,14 +333,28 @@ class HivemindStageOptimizer:
         self._catch_up()
         return True
 
+    def _expected_group(self) -> int:
+        """The replicas this step's all-reduce group should hold: the trainer's count of the stage's replicas that
+        answered it (``close_batch``; before this batch's close, its last count) or the replicas whose progress
+        records stand at this step (a frozen one among them: the group waits for it up to ``group_wait_s``),
+        whichever is higher. Under 2: not known."""
+        # Whichever is higher: a group sized below the replicas that hold samples of the batch starts at once and
+        # leaves one out (the trainer's records of a live replica expire between heartbeats on a loaded machine, and
+        # a replica still finishing the last step reports this one a moment later). A count too high (a killed
+        # replica's progress record outlives it by up to progress_ttl_s) costs at most group_wait_s.
+        tracker = self.opt.tracker
+        at_step = tracker.peers_at_epoch if tracker.global_epoch == self.step else 0
+        return max(at_step, self._replicas.get(self.step, 0) or self._last_count)
+
     def _size_group(self, replicas: int) -> None:
-        """Tell the group forming for this step how many replicas to expect: the trainer's count of the stage's
-        replicas (``close_batch``). The group then assembles once they have all joined, not ``matchmaking_s`` after
-        the first looked for it: in lockstep training that wait was most of each step. Unknown or alone: hivemind's
-        own rule (assemble at the end of the matchmaking time)."""
-        if replicas >= 2 and self._group_sized != (self.step, replicas):
-            self._group_sized = (self.step, replicas)
-            self.opt.grad_averager.set_group_size(replicas)
+        """Tell the group forming for this step how many replicas to expect once the trainer counted them
+        (``close_batch``; the group was scheduled with the count known then, see ``_expected_group``). The group
+        assembles once they have all joined, not at the end of its wait: in lockstep training that wait was most
+        of each step. Unknown or alone: the size it was scheduled with stands."""
+        size = self._expected_group() if replicas >= 2 else 0
+        if size >= 2 and self._group_sized != (self.step, size):
+            self._group_sized = (self.step, size)
+            self.opt.grad_averager.set_group_size(size)
 
     def _begin_step(self, alone: bool) -> None:
         """Start the stage's step: hand this replica's gradients to the group's all-reduce (hivemind's averager runs
@@ -332,6 +365,15 @@ class HivemindStageOptimizer:
             time.perf_counter(),
             alone,
         )
+        # Alone, while the stage's records show samples of this batch beyond this replica's own: another replica
+        # holds part of the batch and steps on it (the trainer's count missed it: it answered late or wrongly on a
+        # loaded machine), or it left and the trainer computed its part again here. Either way this replica's step
+        # may differ from a peer's: it reloads after the step (one that left is no donor, see _load_from_peers).
+        tracker = self.opt.tracker
+        self._beside_others = alone and (
+            tracker.global_epoch == self.step
+            and tracker.global_progress.samples_accumulated > self.local_samples
+        )
         set_learning_rate(self.opt.opt, self.run, self.step)
         self.opt.used_local_gradients = False
         self._handed = self.local_samples
@@ -340,6 +382,32 @@ class HivemindStageOptimizer:
         self._pending = self.opt.scheduled_grads if began else None
         if self._pending is None:
             self._finish_step()
+
+    def _regroup(self) -> bool:
+        """The step's all-reduce ended without the whole average: it failed (a groupmate frozen or killed in it), or
+        a groupmate's part never came (hivemind keeps this replica's own values there). Once per step, drop that
+        result and look for a new group for the same step with the same gradients (they stay accumulated until the
+        step): the groupmates left do the same and average their samples together, instead of each stepping on
+        what it has, reloading, and losing its samples of the batch. True if it will look again."""
+        pending, (_, partial, _, alone) = self._pending, self._step_started
+        failed = pending.cancelled() or pending.exception() is not None
+        if (
+            alone
+            or self._regrouped == self.step
+            or not (failed or self._partial.count.value > partial)
+        ):
+            return False
+        self._regrouped = self.step
+        logger.warning(
+            "stage %d: the all-reduce of step %d %s; looking for a new group with the same %d samples",
+            self.stage_index,
+            self.step,
+            "failed" if failed else "returned part of the average only",
+            self._handed,
+        )
+        self._pending = self.opt.scheduled_grads = None
+        hp.forget_averaged(self.opt)
+        return True
 
     def _finish_step(self) -> None:
         """The all-reduce is done (or none began): load its result, step, count the step."""
@@ -365,6 +433,8 @@ class HivemindStageOptimizer:
             if self.opt.used_local_gradients and not alone
             else "received part of the all-reduce only"
             if self._partial.count.value > partial
+            else "stepped alone beside a replica holding samples"
+            if self._beside_others
             else None
         )
         # One line per step (bench/soak.py sums the samples each stage averaged from these): how the step went,

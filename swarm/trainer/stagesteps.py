@@ -183,8 +183,9 @@ class StageSteps:
         ]
 
         async def alive(stage: int, record: StageRecord) -> bool | str | None:
-            """True: it answered. False: it is gone (the call failed before its deadline: refused, reset,
-            unreachable). None: no answer in time: busy or frozen, nobody can tell which from here."""
+            """True: it answered as a replica of ``stage``. False: it answered as something else (moved, starting).
+            "refused": it is gone (the connection refused or reset). None: no answer in time, or an error that says
+            nothing of whether it lives (busy or frozen: nobody can tell which from here)."""
             try:
                 info = await self.clients.get(PeerAddress.of(record)).info(
                     self.run_id, timeout_s=CLOSE_BATCH_TIMEOUT_S
@@ -195,10 +196,10 @@ class StageSteps:
                 return self._saw_step(stage, record, info)
             except SwarmError as e:
                 status = getattr(e, "status", None)
-                if status == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return None
-                # "refused": no process behind its address (the connection refused or reset)
-                return "refused" if status == grpc.StatusCode.UNAVAILABLE else False
+                # "refused": no process behind its address (the connection refused or reset). Any other error
+                # (an overloaded peer refusing the call, say) is no sign it left: counted as gone, it would tell its
+                # peers they step without it while it steps on its own part of the batch.
+                return "refused" if status == grpc.StatusCode.UNAVAILABLE else None
 
         answered = await asyncio.gather(*(alive(*target) for target in targets))
         if self.holdings is not None and self.holdings.enabled:
@@ -213,8 +214,27 @@ class StageSteps:
         # A replica that did not answer in time may be alive and busy: a count without it could tell the others
         # they are alone, and each would step on its own part of the batch. Send no count (0: the replicas go by
         # the stage's progress records, which drop a frozen replica once its record expires).
-        for (stage, _), ok in zip(targets, answered):
+        for (stage, record), ok in zip(targets, answered):
+            if ok == "refused":
+                self._gone.add(record.peer_id)
             if ok is None:
+                live[stage] = 0
+            if ok is not True:
+                logger.debug(
+                    "stage %d peer %s: not counted in closing its batch (%s)",
+                    stage,
+                    record.peer_id,
+                    ok,
+                )
+
+        for stage in range(len(self.records)):
+            # One replica tells it to step alone. Only say so when another replica of the stage is known to have
+            # left (its address refused): on a loaded machine the others' records expire between heartbeats, and a
+            # replica told it is alone while they average drifts apart from them.
+            refused = any(ok == "refused" for (k, _), ok in zip(targets, answered) if k == stage)
+            if live[stage] == 1 and not (
+                refused or any(peer in self._gone for (k, peer) in self._polled_steps if k == stage)
+            ):
                 live[stage] = 0
 
         async def close(stage: int, record: StageRecord) -> None:

@@ -190,15 +190,15 @@ def run_live(scenario: Scenario, steps: int, run_id: str) -> Live:
     after = per_stage(lambda key: _rate(end[key], half[key]))
     whole = per_stage(lambda key: _rate(end[key] or half[key]) or 0.0)
     return Live(
-        summary.tokens_per_s,
-        summary.seconds,
-        speeds,
-        kill_at_s,
-        summary.failed_calls,
-        after,
-        (round(load_before, 1), round(load_average(), 1)),
-        time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        whole,
+        tokens_per_s=summary.tokens_per_s,
+        seconds=summary.seconds,
+        speeds=speeds,
+        kill_at_s=kill_at_s,
+        failed_calls=summary.failed_calls,
+        speeds_after=after,
+        load=(round(load_before, 1), round(load_average(), 1)),
+        run_speeds=whole,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
 
 

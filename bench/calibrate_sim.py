@@ -316,11 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         bars.append((scenario.name, live.tokens_per_s, simulated))
     info.finish()
+    steps_text = "the stored runs' steps" if args.resimulate else f"{args.steps} steps"
     body = [
         __doc__.split("\n\n", 2)[2].strip(),
         "",
         f"Live: `tiny` preset, microbatch {MICROBATCH}, {IN_FLIGHT} in flight, target batch 32, "
-        f"`--no-average`, {args.steps} steps per run. Simulated: `latency_s` 0.002 (loopback), "
+        f"`--no-average`, {steps_text} per run. Simulated: `latency_s` 0.002 (loopback), "
         "discovery every 1 s, a move drains 1 s and loads 2 s.",
         "",
         markdown_table(

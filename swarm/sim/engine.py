@@ -16,7 +16,9 @@ Model:
   (:class:`~swarm.routing.StageRequest`): deadline from ``Router.deadline_s``, a failure bans the
   peer (or, for a peer that moved, just moves on) and tries another, no peer -> wait for the first
   ban end or ``retry_wait_s``. Where the trainer would give up (budget spent), the simulator waits
-  ``retry_wait_s`` and starts a fresh budget: a microbatch is never dropped.
+  ``retry_wait_s`` and starts a fresh budget: a microbatch is never dropped. Requests are sized for the
+  router in forward passes, as the trainer sizes its calls (:mod:`swarm.routing.work`), so a backward's
+  deadline fits a backward; a backward goes to its forward's peer while that peer serves or drains.
 * Trainers learn the serving peers every ``discovery_period_s``; until then they may pick a peer
   that died (the request fails after one round trip) or stopped serving.
 * A peer that dies fails its unfinished requests after one round trip (connection reset).

@@ -16,7 +16,9 @@ Model:
   (:class:`~swarm.routing.StageRequest`): deadline from ``Router.deadline_s``, a failure bans the
   peer (or, for a peer that moved, just moves on) and tries another, no peer -> wait for the first
   ban end or ``retry_wait_s``. Where the trainer would give up (budget spent), the simulator waits
-  ``retry_wait_s`` and starts a fresh budget: a microbatch is never dropped.
+  ``retry_wait_s`` and starts a fresh budget: a microbatch is never dropped. Requests are sized for the
+  router in forward passes, as the trainer sizes its calls (:mod:`swarm.routing.work`), so a backward's
+  deadline fits a backward; a backward goes to its forward's peer while that peer serves or drains.
 * Trainers learn the serving peers every ``discovery_period_s``; until then they may pick a peer
   that died (the request fails after one round trip) or stopped serving.
 * A peer that dies fails its unfinished requests after one round trip (connection reset).
@@ -42,6 +44,7 @@ from swarm.balance import (
 from swarm.errors import DeadlineUnmet, WrongPeer
 from swarm.routing import NoPeersAvailable, RetriesExhausted, Router, StageRequest, wake_at
 from swarm.routing.shedding import shed_reason
+from swarm.routing.work import BACKWARD_COST, FORWARD_COST, STEP_COST
 from swarm.sim.config import SimConfig
 from swarm.sim.entities import (
     ARRIVE,
@@ -102,8 +105,10 @@ class _Simulation:
         self.relays = [
             Link(links.relay_mbit_s, links.relay_latency_s) for _ in range(links.num_relays)
         ]
-        # What the trainers were told at their last refresh (the same for all of them).
-        self.discovered: list[dict[str, float]] = [{} for _ in range(config.num_stages)]
+        # The peers the trainers' last refresh listed (the same for all of them), serving or draining: the
+        # routers choose among the serving ones, and a backward goes to the peer that ran its forward while
+        # it is listed (the trainer's records keep draining peers for that, as swarm.trainer.pipeline does).
+        self.listed: list[set[str]] = [set() for _ in range(config.num_stages)]
         self.dirty = [True] * config.num_stages
         self.last_moved: dict[str, float] = {}
         self.active: set[SimMicrobatch] = set()
@@ -263,14 +268,14 @@ class _Simulation:
             share = cfg.backward_share
         try:
             # Backward prefers the forward peer while discovery lists it (and the shared rule allows).
-            listed = mb.request.preferred in self.discovered[stage]
+            listed = mb.request.preferred in self.listed[stage]
             pid = mb.request.choose(now, self.route_rng, preferred_known=listed)
         except NoPeersAvailable as error:
             self._push(wake_at(error, now, wait_s=cfg.retry_wait_s), RETRY, mb)
             return
         peer = self.peers.get(pid)
         size = cfg.microbatch_size
-        deadline = router.deadline_s(stage, pid, size)
+        deadline = router.deadline_s(stage, pid, self._work(mb, stage))
         router.on_start(stage, pid, now)
         request = SimRequest(mb, pid, stage, now)
         latency = cfg.latency_s
@@ -330,6 +335,16 @@ class _Simulation:
         else:
             self._push(request.finish + latency, DONE, request)
 
+    def _work(self, mb: SimMicrobatch, stage: int) -> float:
+        """The request's work in routing's unit (forward passes of one sample), as the trainer sizes its calls:
+        a forward, the last stage's forward + loss + backward, or a backward (sized so even when it is sent
+        elsewhere and recomputes, as the trainer's retries do)."""
+        if stage == self.cfg.num_stages - 1:
+            per_sample = STEP_COST
+        else:
+            per_sample = BACKWARD_COST if mb.backward else FORWARD_COST
+        return self.cfg.microbatch_size * per_sample
+
     def _on_reply(self, request: SimRequest) -> None:
         """A peer finished computing ``request``: its reply crosses the links back to the trainer."""
         if request.done:
@@ -357,7 +372,7 @@ class _Simulation:
         mb = request.mb
         stage = request.stage
         self.routers[mb.trainer].on_success(
-            stage, request.pid, cfg.microbatch_size, now - request.sent_at, now
+            stage, request.pid, self._work(mb, stage), now - request.sent_at, now
         )
         self.requests_by_peer[request.pid] = self.requests_by_peer.get(request.pid, 0) + 1
         mb.request = None
@@ -453,6 +468,7 @@ class _Simulation:
         if peer.free_at > self.now:  # finish the queue first: no request is cut off by a move
             self._push(peer.free_at, LEAVE, (peer, generation))
             return
+        self.dirty[peer.stage] = True  # no longer listed there, even as draining
         peer.stage = peer.target
         peer.state = STARTING
         peer.generation += 1
@@ -475,12 +491,15 @@ class _Simulation:
             if not self.dirty[stage]:
                 continue  # nothing changed: a refresh would hand the routers the same mapping
             self.dirty[stage] = False
+            # Peers announce samples/s of forward + backward; routing counts forward passes (as the trainer).
             serving = {
-                p.pid: p.speed / self.costs[stage]
+                p.pid: p.speed / self.costs[stage] * STEP_COST
                 for p in self.peers.values()
                 if p.stage == stage and p.state == SERVING
             }
-            self.discovered[stage] = serving
+            self.listed[stage] = set(serving) | {
+                p.pid for p in self.peers.values() if p.stage == stage and p.state == DRAINING
+            }
             for router in self.routers:
                 router.update_peers(stage, serving, now)
         self._push(now + self.cfg.discovery_period_s, DISCOVER)

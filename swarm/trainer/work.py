@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Relative cost of the calls, in forward passes: backward costs about twice a forward (a recompute adds one).
-FORWARD_COST, BACKWARD_COST = 1.0, 2.0
+# Relative cost of the calls, in forward passes (routing's unit, shared with the simulator).
+from swarm.routing.work import BACKWARD_COST, FORWARD_COST
+
+__all__ = ["BACKWARD_COST", "FORWARD_COST", "MicrobatchResult"]
 
 
 @dataclass

@@ -36,6 +36,8 @@ from tests.conftest import record_wire
 pytestmark = pytest.mark.integration
 
 OPEN_S = 1.0  # the relays' open timeout in these tests: a caller nobody opens for is cut after it
+# the live peers' heartbeat and record lifetime: long enough that a loaded machine does not expire a record
+TIMING = dict(heartbeat_s=1.0, ttl_s=10.0)
 PAYLOAD = os.urandom(
     4 << 20
 )  # 4 MiB: far past the 128 KiB that p2pd's circuit relays carry (docs/nat.md)
@@ -236,45 +238,76 @@ async def _a_peer_that_opens_nothing_costs_its_caller_one_open_timeout():
         writer.close()
 
 
-def test_grpc_with_tls_runs_end_to_end_through_a_relay(peers, loop_thread):
-    """A peer's relay lends an endpoint to another peer, whose own gRPC server answers through it: the caller
-    pins the relayed peer's certificate, the relay only copies bytes."""
-    relay = peers("relay", 0, relay=RelayConfig(relay_open_timeout_s=OPEN_S))
-    served = peers("relay", 1, relay=RelayConfig(relay_for_others=False))
-    assert relay.relay_server is not None and served.relay_server is None
-    records = loop_thread.run(relay.directory.stage_records(0))
-    assert records[relay.peer_id].relay_port == relay.relay_server.port
-
-    async def through_relay():
-        link = RelayLink(
-            relay_host="127.0.0.1",
-            relay_port=relay.relay_server.port,
-            relay_peer_id=relay.peer_id,
-            token=CallerToken(served.identity),
-            local_host="127.0.0.1",
-            local_port=int(served.endpoint.rsplit(":", 1)[1]),
+def test_a_relayed_peer_serves_grpc_with_tls_through_a_relay_and_moves_when_it_dies(
+    peers, loop_thread
+):
+    """Two reachable peers relay; a peer serving at 127.0.0.2 (its calls leave from 127.0.0.1, so the dial-back
+    finds it unreachable, as behind NAT) takes an endpoint on one of them and announces it. Callers pin its own
+    certificate through the splice; when its relay stops it moves to the other; once it is gone, a caller of its
+    last endpoint fails at once."""
+    relays = {
+        p.peer_id: p
+        for p in (
+            peers("relay", 1, relay=RelayConfig(relay_open_timeout_s=OPEN_S)) for _ in range(2)
         )
-        endpoint = await link.open()
-        serving = asyncio.ensure_future(link.serve())
-        pinned = PeerClient(PeerAddress(endpoint, served.peer_id, served.tls_cert))
-        wrong = PeerClient(PeerAddress(endpoint, relay.peer_id, relay.tls_cert))
+    }
+    hidden = peers("relay", 0, host="127.0.0.2", **TIMING)
+    assert hidden.reachability == Reachability.RELAYED and hidden.relay_server is None
+    assert all(p.relay_server is not None for p in relays.values())
+
+    def record_where(condition, bound_s: float = 60.0) -> StageRecord:
+        """The relayed peer's record once it meets ``condition`` (polling the DHT, within ``bound_s``)."""
+        deadline = time.monotonic() + bound_s
+        while True:
+            found = loop_thread.run(hidden.directory.stage_records(0)).get(hidden.peer_id)
+            if found is not None and condition(found):
+                return found
+            assert time.monotonic() < deadline, found
+            time.sleep(0.2)  # polling the DHT: the announcement is an event in another view
+
+    first = record_where(lambda r: r.relay_peer_id in relays)
+    assert first.callable and first.reachability == Reachability.RELAYED
+    relay = relays[first.relay_peer_id]
+    assert relay.relay_server.tenants == {hidden.peer_id: first.endpoint}
+    relay_port = loop_thread.run(relay.directory.stage_records(1))[relay.peer_id].relay_port
+    assert relay_port == relay.relay_server.port
+
+    async def calls(address: PeerAddress, impostor: PeerAddress | None = None):
+        pinned = PeerClient(address)
         try:
             info = await pinned.info("relay", timeout_s=10)
             state = await pinned.get_state("relay", timeout_s=10)
-            with pytest.raises(SwarmError):  # the relay's own key does not answer there
-                await wrong.info("relay", timeout_s=3)
-            await link.close()
-            await serving
-            # the relayed peer is gone from the relay: the next call fails fast, not at its deadline
-            start = time.monotonic()
-            with pytest.raises(SwarmError) as failed:
-                await pinned.info("relay", timeout_s=30)
-            return info, state, failed.value, time.monotonic() - start, link.connections
+            if impostor is not None:  # the relay's own key does not answer at the endpoint it lent
+                with pytest.raises(SwarmError):
+                    await PeerClient(impostor).info("relay", timeout_s=3)
+            return info.peer_id, sum(t.numel() for t in state.tensors.values())
         finally:
             await pinned.close()
-            await wrong.close()
 
-    info, state, failed, took, connections = loop_thread.run(through_relay())
-    assert info.stage == 1 and state.tensors
+    impostor = PeerAddress(first.endpoint, relay.peer_id, relay.tls_cert)
+    peer_id, numel = loop_thread.run(calls(PeerAddress.of(first), impostor))
+    assert peer_id == hidden.peer_id and numel > 0
+    assert (
+        relay.relay_server.stats.relayed_bytes > 4 * numel
+    )  # the state's fp32 bytes crossed the splice
+
+    # Its relay leaves: it re-announces through the other one, and serves there.
+    loop_thread.run(relay.shutdown())
+    moved = record_where(lambda r: r.relay_peer_id not in ("", relay.peer_id))
+    assert loop_thread.run(calls(PeerAddress.of(moved)))[0] == hidden.peer_id
+
+    # It goes: its relay closes the lent port, so a caller still holding the record fails at once.
+    loop_thread.run(hidden.shutdown())
+
+    async def stale_call():
+        client = PeerClient(PeerAddress.of(moved))
+        start = time.monotonic()
+        try:
+            with pytest.raises(SwarmError) as failed:
+                await client.info("relay", timeout_s=30)
+            return failed.value, time.monotonic() - start
+        finally:
+            await client.close()
+
+    failed, took = loop_thread.run(stale_call())
     assert failed.retry_elsewhere and took < 10, (failed, took)
-    assert connections >= 1 and relay.relay_server.stats.relayed_bytes > 0

@@ -11,6 +11,8 @@ The JSON document (``swarm status --json``)::
                                "in_flight", "device", "dtype" ("" = not said), "memory_bytes" (its
                                stage's estimate), "device_memory_bytes" (the device's; 0 = not said),
                                "averaging" (bool), "reachability" ("direct" or "relayed"),
+                               "relay_peer_id" (a relayed peer's relay; "" = none), "relay_port" (a
+                               peer relaying for others: its relay port; 0 = it does not),
                                "heartbeat_age_s" (seconds since its record was written; null if the
                                record does not say)}]}],
      "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
@@ -92,6 +94,8 @@ def status_document(
                 "device_memory_bytes": r.device_memory_bytes,
                 "averaging": r.averaging,
                 "reachability": Reachability(r.reachability).value,
+                "relay_peer_id": r.relay_peer_id,
+                "relay_port": r.relay_port,
                 "heartbeat_age_s": _age(r.announced_s, now),
             }
             for r in sorted(records.values(), key=lambda r: r.peer_id)
@@ -169,7 +173,7 @@ def format_status(
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
                 f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
                 f"  {_device_text(r)}  heartbeat {_age_text(r.announced_s, now)}"
-                f"{'  relayed (not reachable directly)' if r.reachability == Reachability.RELAYED else ''}"
+                f"{_relay_text(r)}"
             )
     for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id):
         val = "" if t.val_loss is None else f" | val {t.val_loss:.3f}"
@@ -278,3 +282,12 @@ async def print_status(
                 print(flush=True)
     finally:
         dht.shutdown()
+
+
+def _relay_text(r) -> str:
+    """How callers reach a peer, when not simply at its endpoint: through a relay, or not at all."""
+    if r.reachability != Reachability.RELAYED:
+        return f"  relays for others on port {r.relay_port}" if r.relay_port else ""
+    if r.relay_peer_id:
+        return f"  relayed (not reachable directly; its endpoint is on relay {r.relay_peer_id})"
+    return "  relayed, no relay now (not reachable: gets no work)"

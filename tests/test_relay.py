@@ -22,13 +22,13 @@ from swarm.states import Reachability
 from swarm.transport.callers import CallerCheck, CallerToken
 from swarm.transport.client import PeerClient
 from swarm.transport.relay import (
-    RelayConfig,
     RelayError,
     RelayServer,
     read_message,
     token_message,
     write_message,
 )
+from swarm.transport.relayconfig import RelayConfig
 from swarm.transport.relaylink import RelayLink
 from swarm.transport.security import PeerAddress
 from tests.conftest import record_wire

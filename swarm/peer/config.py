@@ -10,7 +10,7 @@ from swarm.balance import RebalanceConfig
 from swarm.discovery.config import DHTConfig
 from swarm.model.devicespec import check_device_spec, check_dtype_name
 from swarm.peer.members import check_allow_callers
-from swarm.transport.relay import RelayConfig
+from swarm.transport.relayconfig import RelayConfig
 
 
 @dataclass(frozen=True, kw_only=True)

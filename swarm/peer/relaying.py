@@ -21,7 +21,8 @@ from swarm.discovery.dht import RunDirectory
 from swarm.states import PeerState, Reachability
 from swarm.transport.callers import CallerCheck, CallerToken
 from swarm.transport.dial import split_endpoint
-from swarm.transport.relay import RelayConfig, RelayError, RelayServer
+from swarm.transport.relay import RelayError, RelayServer
+from swarm.transport.relayconfig import RelayConfig
 from swarm.transport.relaylink import RelayLink
 
 logger = logging.getLogger(__name__)

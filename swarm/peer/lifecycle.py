@@ -489,7 +489,10 @@ class Peer:
         async def on_change(endpoint: str, relay_peer_id: str) -> None:
             self.endpoint, self.relay_peer_id = endpoint or own_endpoint, relay_peer_id
             if self.state != PeerState.STARTING:
-                await self._announcer.announce()
+                try:  # at once: callers must not wait a heartbeat for the new endpoint
+                    await self._announcer.announce()
+                except Exception as e:  # a DHT hiccup: the next heartbeat announces it
+                    logger.warning("announcing the relayed endpoint failed: %s", e)
 
         self.relaying = Relaying(
             self.directory,

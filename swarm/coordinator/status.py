@@ -287,7 +287,7 @@ async def print_status(
 def _relay_text(r) -> str:
     """How callers reach a peer, when not simply at its endpoint: through a relay, or not at all."""
     if r.reachability != Reachability.RELAYED:
-        return f"  relays for others on port {r.relay_port}" if r.relay_port else ""
+        return ""  # a relay's port is in --json (relay_port)
     if r.relay_peer_id:
         return f"  relayed (not reachable directly; its endpoint is on relay {r.relay_peer_id})"
     return "  relayed, no relay now (not reachable: gets no work)"

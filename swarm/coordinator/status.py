@@ -11,8 +11,6 @@ The JSON document (``swarm status --json``)::
                                "in_flight", "device", "dtype" ("" = not said), "memory_bytes" (its
                                stage's estimate), "device_memory_bytes" (the device's; 0 = not said),
                                "averaging" (bool), "reachability" ("direct" or "relayed"),
-                               "relay_peer_id" (a relayed peer's relay; "" = none), "relay_port" (a
-                               peer relaying for others: its relay port; 0 = it does not),
                                "heartbeat_age_s" (seconds since its record was written; null if the
                                record does not say)}]}],
      "trainers": [{"trainer_id", "step", "loss", "val_loss" (null before the first), "tokens_per_s",
@@ -94,8 +92,6 @@ def status_document(
                 "device_memory_bytes": r.device_memory_bytes,
                 "averaging": r.averaging,
                 "reachability": Reachability(r.reachability).value,
-                "relay_peer_id": r.relay_peer_id,
-                "relay_port": r.relay_port,
                 "heartbeat_age_s": _age(r.announced_s, now),
             }
             for r in sorted(records.values(), key=lambda r: r.peer_id)

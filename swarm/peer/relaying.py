@@ -154,7 +154,7 @@ async def start_relay_server(
 
 def relay_summary(server: RelayServer | None, relaying: Relaying | None) -> str:
     """The end of a peer's summary line about relaying ("" when it does none)."""
-    if server is not None:
+    if server is not None and (server.tenants or server.stats.connections):
         s = server.stats
         return (
             f", relays for {len(server.tenants)} peers ({s.connections} connections, "

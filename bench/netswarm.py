@@ -204,6 +204,35 @@ def measure_window(
     )
 
 
+def start_bench_trainer(
+    group: ProcessGroup,
+    name: str,
+    *,
+    run_id: str,
+    addr_file: Path,
+    metrics: Path,
+    where: Where,
+    activations: str = "relayed",
+):
+    """The benchmarks' trainer: runs until stopped, the demo's microbatches, progress in ``metrics``."""
+    return start_trainer(
+        group,
+        name,
+        run_id=run_id,
+        addr_file=addr_file,
+        metrics_path=metrics,
+        steps=0,
+        where=where,
+        microbatch_size=MICROBATCH,
+        in_flight=IN_FLIGHT,
+        eval_every_steps=0,
+        eval_batches=1,
+        log_every_s=10,
+        max_bytes=MAX_DATA_BYTES,
+        activations=activations,
+    )
+
+
 def measure_setup(
     setup: SwarmSetup,
     workdir: Path,
@@ -240,20 +269,13 @@ def measure_setup(
         ]
         for proc in peers:
             wait_ready(proc)
-        trainer = start_trainer(
+        trainer = start_bench_trainer(
             group,
             "trainer",
             run_id=run_id,
             addr_file=addr_file,
-            metrics_path=metrics,
-            steps=0,
+            metrics=metrics,
             where=Where.on(trainer_host),
-            microbatch_size=MICROBATCH,
-            in_flight=IN_FLIGHT,
-            eval_every_steps=0,
-            eval_batches=1,
-            log_every_s=10,
-            max_bytes=MAX_DATA_BYTES,
             activations=setup.activations,
         )
         _wait_progress(metrics, after_step=0, trainer=trainer, timeout_s=timeout_s)

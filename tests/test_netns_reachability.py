@@ -1,6 +1,7 @@
 """The reachability check through a real NAT router (deploy/netns/nat.py): a public peer is reachable, a peer
 behind NAT is not and announces itself relayed, a peer behind NAT with its ports forwarded is reachable; a trainer
-behind NAT leaves the relayed peer out and trains.
+behind NAT leaves the relayed peer out (no peer here relays for others, so it has no relay) and trains.
+tests/test_netns_relay.py has the relayed data plane.
 
 Every process runs in its own network namespace; two peers and the trainer sit behind their own NAT router each.
 Needs root and nftables (markers netns, nat): skipped with the reason otherwise, a failure under
@@ -27,7 +28,15 @@ from swarm.coordinator.localswarm import (
 
 pytestmark = [pytest.mark.swarm, pytest.mark.netns, pytest.mark.nat]
 
-RUN_FLAGS = ["--preset", "tiny", "--target-batch-size", "16", "--no-average"]
+# No peer relays for others: the NATed peer stays relayed without a relay, the case trainers must route around.
+RUN_FLAGS = [
+    "--preset",
+    "tiny",
+    "--target-batch-size",
+    "16",
+    "--no-average",
+    "--no-relay-for-others",
+]
 FORWARDED_PORTS = (7000, 7001)  # gRPC and DHT ports of the peer whose router forwards them
 STEPS = 2
 
@@ -110,8 +119,8 @@ def test_peers_behind_nat_learn_whether_they_are_reachable(tmp_path):
             forwarded.public_address: "direct",
         }, seen
 
-        # A trainer behind NAT of its own (it only dials out) routes around the relayed peer (it has no relayed
-        # carrier) and trains.
+        # A trainer behind NAT of its own (it only dials out) routes around the relayed peer (it names no relay)
+        # and trains.
         trainer = start_trainer(
             group,
             "trainer",
@@ -126,4 +135,4 @@ def test_peers_behind_nat_learn_whether_they_are_reachable(tmp_path):
         )
         summary = finished(trainer, timeout_s=180)
         assert summary.steps == STEPS
-        assert trainer.wait_for(r"announces itself relayed", timeout_s=5)
+        assert trainer.wait_for(r"announces itself relayed but names no relay", timeout_s=5)

@@ -169,7 +169,7 @@ def format_status(
                 f"  {r.peer_id}  {r.endpoint:<21} {r.state:<9} {r.throughput:8.1f} samples/s  "
                 f"in flight {r.in_flight:<3} step {r.step:<6} digest {r.param_digest or '-'}"
                 f"  {_device_text(r)}  heartbeat {_age_text(r.announced_s, now)}"
-                f"{'  relayed (not reachable directly)' if r.reachability == Reachability.RELAYED else ''}"
+                f"{_relay_text(r)}"
             )
     for t in sorted((trainers or {}).values(), key=lambda t: t.trainer_id):
         val = "" if t.val_loss is None else f" | val {t.val_loss:.3f}"
@@ -278,3 +278,12 @@ async def print_status(
                 print(flush=True)
     finally:
         dht.shutdown()
+
+
+def _relay_text(r) -> str:
+    """How callers reach a peer, when not simply at its endpoint: through a relay, or not at all."""
+    if r.reachability != Reachability.RELAYED:
+        return ""  # a relay's port is in --json (relay_port)
+    if r.relay_peer_id:
+        return f"  relayed (not reachable directly; its endpoint is on relay {r.relay_peer_id})"
+    return "  relayed, no relay now (not reachable: gets no work)"

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from swarm.errors import SwarmError
+from swarm.identity import PEER_ID_HEX
 from swarm.model.digest import is_digest
 from swarm.schema import parse_dataclass
 from swarm.states import PeerState, Reachability
@@ -89,6 +90,11 @@ class StageRecord:
     # whether callers can dial its endpoint, as a peer of the run found when it dialed back at its start
     # (swarm.peer.reachability); an older peer's record, without it, reads as direct
     reachability: Reachability = Reachability.DIRECT
+    # a relayed peer: the relay whose endpoint it announces (swarm.transport.relay; "" = none: nobody can call it)
+    relay_peer_id: str = ""
+    # a directly reachable peer relaying for others: the TCP port of its relay service, on its endpoint's host
+    # (0 = it relays for nobody)
+    relay_port: int = 0
     version: int = RECORD_VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -110,6 +116,7 @@ class StageRecord:
             or record.step_pause_s < 0
             or record.memory_bytes < 0
             or record.device_memory_bytes < 0
+            or not 0 <= record.relay_port <= 65535
         ):
             raise RecordError(f"stage record has out-of-range values: {value!r}")
         if ":" not in record.endpoint and record.state != PeerState.STARTING:
@@ -122,7 +129,21 @@ class StageRecord:
                 f"stage record's param_digest must be 16 lowercase hex characters or empty, got "
                 f"{record.param_digest[:40]!r}"
             )
+        if record.relay_peer_id and not _is_peer_id(record.relay_peer_id):
+            raise RecordError(
+                f"stage record's relay_peer_id must be a peer id (16 lowercase hex characters) or empty, got "
+                f"{record.relay_peer_id[:40]!r}"
+            )
         return record
+
+    @property
+    def callable(self) -> bool:
+        """Whether a caller can open a connection to it: directly, or through the relay it announces."""
+        return self.reachability == Reachability.DIRECT or bool(self.relay_peer_id)
+
+
+def _is_peer_id(text: str) -> bool:
+    return len(text) == PEER_ID_HEX and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,6 +57,7 @@ class Announcer:
         serving: Callable[[], Serving | None],
         tls_cert: Callable[[], str] = str,
         reachability: Callable[[], Reachability] = lambda: Reachability.DIRECT,
+        relaying: Callable[[], tuple[str, int]] = lambda: ("", 0),
     ):
         self.directory, self.run, self.peer_id = directory, run, peer_id
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
@@ -65,6 +66,8 @@ class Announcer:
         self._reachability = (
             reachability  # whether callers can dial its endpoint (checked at start)
         )
+        # (the relay whose endpoint it announces, the port of its own relay service): see StageRecord
+        self._relaying = relaying
         self._serving = serving  # None until the peer serves a stage
         self._heading_to: tuple[int, float] | None = None  # (stage index, expected samples/s)
         self.last_moved_s = 0.0  # DHT time of the arrival or the last change of stage (0 = not yet)
@@ -82,6 +85,7 @@ class Announcer:
     def records(self) -> list[StageRecord]:
         """What this peer announces: its stage, and during a move a "starting" record on the target."""
         config_hash, now = self.run.fingerprint(), get_dht_time()
+        relay_peer_id, relay_port = self._relaying()
         out = []
         serving = self._serving()
         if serving is not None:
@@ -106,6 +110,8 @@ class Announcer:
                     announced_s=now,
                     tls_cert=self._tls_cert(),
                     reachability=self._reachability(),
+                    relay_peer_id=relay_peer_id,
+                    relay_port=relay_port,
                 )
             )
         if self._heading_to is not None:
@@ -124,6 +130,8 @@ class Announcer:
                     announced_s=now,
                     tls_cert=self._tls_cert(),
                     reachability=self._reachability(),
+                    relay_peer_id=relay_peer_id,
+                    relay_port=relay_port,
                 )
             )
         return out

@@ -10,6 +10,7 @@ from swarm.balance import RebalanceConfig
 from swarm.discovery.config import DHTConfig
 from swarm.model.devicespec import check_device_spec, check_dtype_name
 from swarm.peer.members import check_allow_callers
+from swarm.transport.relayconfig import RelayConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +218,8 @@ class PeerConfig:
     # at start, ask a peer already in the run to dial this one back at its endpoint, and announce whether it is
     # directly reachable or must be relayed (swarm.peer.reachability); off: announced direct, unchecked
     reachability_check: bool = True
+    # relaying for peers behind NAT, and through a relay when this one is (swarm.transport.relay)
+    relay: RelayConfig = field(default_factory=RelayConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

@@ -40,6 +40,7 @@ from swarm.peer.rebalancer import (
     neediest_other_stage,
     stage_costs,
 )
+from swarm.peer.relaying import Relaying, relay_summary, start_relay_server
 from swarm.peer.routecheck import RouteCheck
 from swarm.peer.service import ServiceContext, StageService
 from swarm.peer.statesync import fetch_stage_state, serving_peers
@@ -47,6 +48,7 @@ from swarm.peer.worker import PriorityWorker
 from swarm.states import PeerState, Reachability
 from swarm.transport.callers import CallerCheck, caller_token
 from swarm.transport.client import ClientPool
+from swarm.transport.relay import RelayServer
 from swarm.transport.security import PeerAddress, make_certificate, server_credentials
 from swarm.transport.server import start_server
 
@@ -79,6 +81,10 @@ class Peer:
             None  # what the check at start found (None: not run)
         )
         self.caller_check: CallerCheck | None = None  # admits its callers (set with the server)
+        # relaying (swarm.peer.relaying): for others, when it is reachable; through one, when it is not
+        self.relay_server: RelayServer | None = None
+        self.relaying: Relaying | None = None
+        self.relay_peer_id = ""  # the relay whose endpoint it announces ("" = none)
         self.run: RunConfig | None = None
         self.executor: StageExecutor | None = None  # replaced by a move
         self.compute: Compute | None = None  # device and dtype (set with the compute thread)
@@ -132,6 +138,7 @@ class Peer:
             await self._start_step_loop()
             await self._start_server()
             await self._check_reachability()
+            await self._start_relaying()
             await self._start_heartbeat()
             await self._start_rebalancer()
         except BaseException:
@@ -203,6 +210,10 @@ class Peer:
             serving=self._serving,
             tls_cert=lambda: self.tls_cert,
             reachability=lambda: self.reachability,
+            relaying=lambda: (
+                self.relay_peer_id,
+                self.relay_server.port if self.relay_server is not None else 0,
+            ),
         )
 
     async def _choose_stage(self) -> None:
@@ -464,6 +475,42 @@ class Peer:
         else:
             logger.warning("%s", line)
 
+    async def _start_relaying(self) -> None:
+        """Relay for the run's peers behind NAT (a reachable peer, unless --no-relay-for-others), or serve through
+        one (a peer found unreachable): its first relay is waited for here, at most the relay timeout, so it
+        announces an endpoint callers can use as it starts serving."""
+        relay = self.config.relay
+        if self.reachability == Reachability.DIRECT:
+            if relay.relay_for_others:
+                self.relay_server = await start_relay_server(
+                    relay, self.caller_check, bind_host=self.config.host, endpoint=self.endpoint
+                )
+                self._stack.push_async_callback(self.relay_server.close)
+            return
+        own_endpoint = self.endpoint
+
+        async def on_change(endpoint: str, relay_peer_id: str) -> None:
+            self.endpoint, self.relay_peer_id = endpoint or own_endpoint, relay_peer_id
+            if self.state != PeerState.STARTING:
+                try:  # at once: callers must not wait a heartbeat for the new endpoint
+                    await self._announcer.announce()
+                except Exception as e:  # a DHT hiccup: the next heartbeat announces it
+                    logger.warning("announcing the relayed endpoint failed: %s", e)
+
+        self.relaying = Relaying(
+            self.directory,
+            num_stages=self.run.model.num_stages,
+            peer_id=self.peer_id,
+            token=caller_token(self.identity),
+            local_endpoint=own_endpoint,
+            on_change=on_change,
+            rng=random.Random(self.peer_id),
+        )
+        self._background(self.relaying.run_forever(), "relaying")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(3 * relay.relay_open_timeout_s):
+                await self.relaying.has_relay.wait()
+
     async def _push_hops(self) -> PushHops:
         """The client this peer calls the next stage of push calls with, signed with its own identity."""
         hops = PushHops(
@@ -496,6 +543,7 @@ class Peer:
             f"microbatches in all), busy {100 * min(busy / elapsed, 1.0):.0f}%, in flight "
             f"{self.admission.in_flight}, held gradients {ex.held_gradients}, dropped {ex.gradients_dropped}, "
             f"backwards from a kept graph {ex.backwards_from_graph} / recomputed {ex.backwards_recomputed}"
+            f"{relay_summary(self.relay_server, self.relaying)}"
         )
 
     async def _log_forever(self) -> None:

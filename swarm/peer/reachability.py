@@ -181,7 +181,8 @@ def advice(verdict: Verdict, endpoint: str) -> str:
     seen = verdict.observed_host or "your router's public address"
     return (
         f"{endpoint} is NOT reachable from the swarm: peer {verdict.asked} says {verdict.detail}. Announced as "
-        f"relayed: trainers and peers that cannot relay send this peer no work. To serve directly, forward TCP "
+        f"relayed: it serves through a relay (a reachable peer of the run lends it an endpoint; callers' bytes "
+        f"cross the relay's link twice, so it is slower). To serve directly, forward TCP "
         f"port {port} on your router (or open it in your firewall) to this machine, and start again with "
         f"--announce-host {seen} --port {port}; see deploy/README.md, 'A volunteer behind a home router'"
     )

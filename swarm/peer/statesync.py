@@ -9,7 +9,7 @@ import torch
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
 from swarm.errors import SwarmError
-from swarm.states import PeerState, Reachability
+from swarm.states import PeerState
 from swarm.transport.callers import caller_token
 from swarm.transport.client import PeerClient
 from swarm.transport.security import PeerAddress
@@ -34,9 +34,7 @@ async def fetch_stage_state(
     """Parameters of ``stage`` from its most advanced serving peer (highest optimizer step), trying the
     next one if a peer fails. None when no peer serves the stage."""
     for record in await serving_peers(directory, stage, exclude=exclude):
-        if (
-            record.reachability != Reachability.DIRECT
-        ):  # behind NAT: no connection to it can be opened
+        if not record.callable:  # behind NAT without a relay: no connection to it can be opened
             continue
         client = PeerClient(PeerAddress.of(record), token=caller_token(directory.identity))
         try:

@@ -13,7 +13,7 @@ from swarm.discovery.callerlist import read_caller_list
 from swarm.discovery.records import StageRecord
 from swarm.errors import StageUnavailable
 from swarm.identity import PEER_ID_HEX
-from swarm.states import PeerState, Reachability
+from swarm.states import PeerState
 from swarm.trainer.work import BACKWARD_COST, FORWARD_COST
 
 logger = logging.getLogger(__name__)
@@ -53,15 +53,15 @@ class PeerLists:
         self._refreshed.set()
 
     def _dialable(self, record: StageRecord) -> bool:
-        """Whether this trainer can call the peer: a relayed one (behind NAT, no inbound connections) is left out,
-        said once per peer."""
-        if record.reachability == Reachability.DIRECT:
+        """Whether this trainer can call the peer: directly, or through the relay it announces. A relayed one
+        without a relay (behind NAT, between relays) is left out, said once per peer."""
+        if record.callable:
             return True
         if record.peer_id not in self._unreachable:
             self._unreachable.add(record.peer_id)
             logger.info(
-                "peer %s of stage %d announces itself relayed (nobody could dial %s): this trainer calls peers "
-                "directly only and sends it no work",
+                "peer %s of stage %d announces itself relayed but names no relay (nobody could dial %s): this "
+                "trainer sends it no work until it does",
                 record.peer_id,
                 record.stage,
                 record.endpoint,

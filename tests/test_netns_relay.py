@@ -1,0 +1,109 @@
+"""The relayed data plane through real NAT routers (deploy/netns/nat.py): a stage-1 peer and the trainer sit behind
+NAT routers of their own; the peer is served through a relay (swarm.transport.relay) that one of the two public
+stage-0 peers lends it, and keeps serving through the other when its relay is killed mid-run.
+
+Every process runs in its own network namespace. Needs root and nftables (markers netns, nat): skipped with the
+reason otherwise, a failure under SWARM_REQUIRE_ROOT_TESTS=1 (CI).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from deploy.netns import EmulatedNetwork
+from swarm.coordinator.launcher import ProcessGroup
+from swarm.coordinator.localswarm import (
+    Where,
+    finished,
+    start_bootstrap,
+    start_peer,
+    start_trainer,
+    wait_ready,
+)
+from tests.conftest import SOLO_PEER_FLAGS, TEST_TRAINER
+
+pytestmark = [pytest.mark.swarm, pytest.mark.netns, pytest.mark.nat]
+
+STEPS = 16
+KILL_AT_STEP = 5
+LENDS = r"relay (\w+) lends this peer the endpoint (\S+)"
+
+
+def _summary_count(proc, pattern: str) -> float:
+    """The number ``pattern``'s group 1 reads in ``proc``'s last line that matches it."""
+    found = [m for line in proc.lines if (m := re.search(pattern, line))]
+    assert found, f"{proc.name} never printed /{pattern}/; see {proc.log_path}"
+    return float(found[-1].group(1))
+
+
+def test_a_peer_behind_nat_serves_through_a_relay_and_survives_its_death(tmp_path):
+    with EmulatedNetwork(num_hosts=6, nat_hosts=(4, 5)) as net, ProcessGroup(tmp_path) as group:
+        boot, relay_a, relay_b, public1, natted_host, trainer_host = net.hosts
+        addr_file = tmp_path / "bootstrap.addr"
+        start_bootstrap(group, addr_file, where=Where.on(boot))
+
+        def peer(name, host, stage, *flags):
+            return start_peer(
+                group,
+                name,
+                stage=stage,
+                run_id="relay",
+                addr_file=addr_file,
+                where=Where.on(host),
+                run_flags=[*SOLO_PEER_FLAGS, "--no-rebalance", *flags],
+            )
+
+        relays = {"relay_a": peer("relay_a", relay_a, 0)}
+        wait_ready(relays["relay_a"], timeout_s=180)
+        relays["relay_b"] = peer("relay_b", relay_b, 0)
+        other = peer("public1", public1, 1, "--no-relay-for-others")
+        natted = peer("natted", natted_host, 1)
+        for proc in (*relays.values(), other, natted):
+            wait_ready(proc, timeout_s=240)
+        assert natted.wait_for(r"is NOT reachable from the swarm", timeout_s=5)
+        first = natted.wait_for(LENDS, timeout_s=60)
+        relay_id, endpoint = first.group(1), first.group(2)
+        # the endpoint is on a public relay (its host tells which), announced as the NATed peer's own
+        hosts = {relay_a.address: "relay_a", relay_b.address: "relay_b"}
+        used = hosts[endpoint.rsplit(":", 1)[0]]
+        assert relays[used].wait_for(rf"relay: lends {re.escape(endpoint)} to peer", timeout_s=5)
+
+        trainer = start_trainer(
+            group,
+            "trainer",
+            run_id="relay",
+            addr_file=addr_file,
+            steps=STEPS,
+            where=Where.on(trainer_host),
+            max_bytes=2_000_000,
+            **TEST_TRAINER,
+        )
+        trainer.wait_for(rf"^step {KILL_AT_STEP}/", timeout_s=300)
+        mark = len(natted.lines)
+        relays[used].signal(signal.SIGKILL)  # the relay dies with the connections it carried
+        lost = natted.wait_for(
+            r"was lost.*looking for another relay", timeout_s=60, after_line=mark
+        )
+        again = natted.wait_for(LENDS, timeout_s=60, after_line=mark)
+        assert again.group(1) != relay_id and lost
+        survivor = next(name for name in relays if name != used)
+
+        summary = finished(trainer, timeout_s=600)
+        assert summary.steps == STEPS
+        assert summary.microbatches == summary.microbatches_started == 2 * STEPS, summary
+        assert summary.unconfirmed_commits == 0, summary
+        assert summary.final_loss < summary.initial_loss, summary
+
+        # The NATed peer served microbatches, and callers reached it through the surviving relay: its summary
+        # after a drain counts them, and the relay's counts the bytes it copied.
+        group.stop("natted")
+        served = _summary_count(natted, r"\((\d+) microbatches in all\)")
+        assert served > 0, served
+        group.stop(survivor)
+        relayed_mb = _summary_count(
+            relays[survivor], r"relays for \d+ peers \(\d+ connections, ([\d.]+) MB"
+        )
+        assert relayed_mb > 0, relayed_mb

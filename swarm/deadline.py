@@ -1,7 +1,8 @@
 """``timeout(seconds)``: asyncio's ``async with asyncio.timeout(...)`` (Python 3.11+), and the same on Python 3.10.
 
-On 3.10 the block's task is cancelled when the time is up and the cancellation comes out of the block as the
-builtin ``TimeoutError``, as 3.11's does; a cancellation from anywhere else passes through unchanged.
+On 3.10 the block's task is cancelled when the time is up and the cancellation comes out of the block as a
+``TimeoutError`` (the builtin, as 3.11's, and also ``asyncio.TimeoutError``, which 3.10 keeps apart and its
+``asyncio.wait_for`` raises); a cancellation from anywhere else passes through unchanged.
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator
+
+if asyncio.TimeoutError is TimeoutError:  # Python 3.11+: one class
+    Expired = TimeoutError
+else:
+
+    class Expired(asyncio.TimeoutError, TimeoutError):
+        """The 3.10 form's error: caught by ``except TimeoutError`` and by ``except asyncio.TimeoutError``."""
 
 
 @contextlib.asynccontextmanager
@@ -31,7 +39,7 @@ async def timeout_310(delay: float | None) -> AsyncIterator[None]:
         yield
     except asyncio.CancelledError:
         if fired:
-            raise TimeoutError from None
+            raise Expired from None
         raise
     finally:
         handle.cancel()

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from swarm.deadline import timeout
 from swarm.discovery.records import RecordError, StageRecord
 from swarm.errors import SwarmError
 from swarm.identity import Identity
@@ -121,7 +122,7 @@ async def _closed_within(endpoint: str, bound_s: float) -> float:
     host, port = endpoint.rsplit(":", 1)
     start = time.monotonic()
     try:
-        async with asyncio.timeout(bound_s):
+        async with timeout(bound_s):
             reader, writer = await asyncio.open_connection(host, int(port))
             assert await reader.read() == b""
             writer.close()

@@ -18,6 +18,7 @@ import torch
 
 from swarm.averaging import HivemindStageOptimizer
 from swarm.config import RunConfig
+from swarm.deadline import timeout
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
 from swarm.identity import Identity
 from swarm.model import build_stage
@@ -508,7 +509,7 @@ class Peer:
         )
         self._background(self.relaying.run_forever(), "relaying")
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(3 * relay.relay_open_timeout_s):
+            async with timeout(3 * relay.relay_open_timeout_s):
                 await self.relaying.has_relay.wait()
 
     async def _push_hops(self) -> PushHops:

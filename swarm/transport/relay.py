@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from swarm.deadline import timeout
 from swarm.errors import SwarmError
 from swarm.identity import PEER_ID_HEX
 from swarm.transport.callers import KEY_HEADER, SIGNATURE_HEADER, TOKEN_HEADER
@@ -58,7 +59,7 @@ async def read_message(reader: asyncio.StreamReader, *, timeout_s: float) -> dic
     """The next JSON line; RelayError if it does not come within ``timeout_s``, the peer closed, or it is not a
     JSON object of at most :data:`MAX_LINE_BYTES`."""
     try:
-        async with asyncio.timeout(timeout_s):
+        async with timeout(timeout_s):
             line = await reader.readuntil(b"\n")
     except TimeoutError:
         raise RelayError(f"nothing received within {timeout_s:g}s") from None
@@ -355,8 +356,10 @@ class RelayServer:
             self.stats.connections += 1
             await splice((reader, writer), data[:2], rate=self._rate, counted=self._count)
             data[2].set()
-        except (TimeoutError, asyncio.CancelledError, OSError, ConnectionError) as e:
-            if isinstance(e, TimeoutError):
+        except (asyncio.TimeoutError, asyncio.CancelledError, OSError, ConnectionError) as e:
+            if isinstance(
+                e, asyncio.TimeoutError
+            ):  # wait_for's (not the builtin one on Python 3.10)
                 self._refuse("not opened")
                 logger.info(
                     "relay: peer %s opened no connection for a caller within %gs",

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 
+from swarm.deadline import timeout
 from swarm.transport.callers import CallerToken
 from swarm.transport.relay import (
     MAX_LINE_BYTES,
@@ -59,7 +60,7 @@ class RelayLink:
                 asyncio.open_connection(self.relay_host, self.relay_port, limit=MAX_LINE_BYTES),
                 self._timeout_s,
             )
-        except (OSError, TimeoutError) as e:
+        except (OSError, asyncio.TimeoutError) as e:
             raise RelayError(
                 f"relay {self.relay_peer_id} at {self.relay_host}:{self.relay_port} cannot be reached: "
                 f"{e or type(e).__name__}"
@@ -123,7 +124,7 @@ class RelayLink:
         """One caller: a data connection to the relay naming ``nonce``, spliced into the local server."""
         relayed = local = None
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with timeout(self._timeout_s):
                 relayed = await asyncio.open_connection(self.relay_host, self.relay_port)
                 write_message(relayed[1], {"op": "data", "nonce": nonce})
                 await relayed[1].drain()

@@ -64,3 +64,60 @@ def test_a_replica_is_told_it_is_alone_only_when_another_left(loop_thread, boot)
     )  # averaging peers start slowly at load 40+
     assert without_evidence == {}
     assert with_evidence == {0: 1}
+
+
+def test_a_replica_is_told_it_is_alone_when_another_moved_to_another_stage_or_drained_away(
+    loop_thread, boot
+):
+    """Leaving a stage alive counts as leaving it too: a replica seen in stage 1 that announces stage 0 now (an
+    operator's move, a rebalancing), or one seen draining whose record is gone since. Without that the replica left
+    behind kept expecting its old groupmate: each step waited out a failed all-reduce twice (60 s a step)."""
+    config = averaging_replica("count1", boot, matchmaking_s=1.0)
+
+    async def body() -> list[dict[int, int]]:
+        async def refresh() -> None:
+            pass
+
+        peer = await Peer.create(config, run=RUN)
+        clients = ClientPool()
+        counts = []
+        try:
+            live = dataclasses.replace(
+                StageRecord.from_wire(
+                    record_wire(peer_id=peer.peer_id, stage=1, step=0, averaging=True)
+                ),
+                endpoint=peer.address.endpoint,
+                tls_cert=peer.address.tls_cert,
+            )
+            counted = peer.executor.optimizer._replicas
+            for left in ("moved", "drained"):
+                counted.clear()
+                other = StageRecord.from_wire(
+                    record_wire(peer_id=left, stage=1, step=0, averaging=True)
+                )
+                records = [{}, {live.peer_id: live}]
+                steps = StageSteps(records, clients, "count1", refresh=refresh, refresh_s=1.0)
+                steps.replied(1, 0, left)  # it served stage 1 with the live replica
+                if left == "moved":
+                    records[0][left] = dataclasses.replace(other, stage=0)
+                else:
+                    # seen draining (at an address where another peer answers: neither counted nor refused) ...
+                    records[1][left] = dataclasses.replace(
+                        other,
+                        state="draining",
+                        endpoint=peer.address.endpoint,
+                        tls_cert=peer.address.tls_cert,
+                    )
+                    await steps.close_batch([None, 0])
+                    assert dict(counted) == {}, counted
+                    del records[1][left]  # ... then its record is gone
+                await steps.close_batch([None, 0])
+                counts.append(dict(counted))
+            return counts
+        finally:
+            await clients.close()
+            await peer.shutdown()
+
+    moved, drained = loop_thread.run(body(), timeout_s=300)
+    assert moved == {0: 1}
+    assert drained == {0: 1}

@@ -60,6 +60,8 @@ class StageSteps:
         # peers whose Info was refused (the process is gone) since they last answered: their records outlive them
         # by up to their TTL, and waiting for every replica must not wait for them
         self._gone: set[str] = set()
+        # (stage, peer id) of replicas seen draining their stage (a drain ends in leaving it)
+        self._draining: set[tuple[int, str]] = set()
 
     def replied(self, stage: int, step: int, peer: str | None = None) -> None:
         """A reply of ``stage`` said its replica (``peer``, if known) is at optimizer step ``step``: the trainer
@@ -227,14 +229,15 @@ class StageSteps:
                     ok,
                 )
 
+        for stage, record in targets:
+            if record.state == PeerState.DRAINING:
+                self._draining.add((stage, record.peer_id))
         for stage in range(len(self.records)):
             # One replica tells it to step alone. Only say so when another replica of the stage is known to have
-            # left (its address refused): on a loaded machine the others' records expire between heartbeats, and a
-            # replica told it is alone while they average drifts apart from them.
+            # left: on a loaded machine the others' records expire between heartbeats, and a replica told it is
+            # alone while they average drifts apart from them.
             refused = any(ok == "refused" for (k, _), ok in zip(targets, answered) if k == stage)
-            if live[stage] == 1 and not (
-                refused or any(peer in self._gone for (k, peer) in self._polled_steps if k == stage)
-            ):
+            if live[stage] == 1 and not (refused or self._one_left(stage)):
                 live[stage] = 0
 
         async def close(stage: int, record: StageRecord) -> None:
@@ -249,6 +252,20 @@ class StageSteps:
             *(close(*target) for target, ok in zip(targets, answered) if ok is True)
         )
 
+    def _one_left(self, stage: int) -> bool:
+        """Whether a replica this trainer saw in ``stage`` is known to have left it: its address refused (the process
+        is gone), it announces another stage now (moved), or it was seen draining and its record is gone."""
+        for k, peer in self._polled_steps:
+            if k != stage or peer in self.records[stage]:
+                continue
+            if (
+                peer in self._gone
+                or (stage, peer) in self._draining
+                or any(peer in self.records[j] for j in range(len(self.records)) if j != stage)
+            ):
+                return True
+        return False
+
     def _saw_step(self, stage: int, record: StageRecord, info) -> bool:
         """The replica of ``record`` (of ``stage``) answered ``Info`` from the address it announces: note its step.
         False if the answer is not of a replica of ``stage`` (another peer at that address, or one that moved to
@@ -261,6 +278,8 @@ class StageSteps:
             return False
         key = (stage, record.peer_id)
         self._polled_steps[key] = max(self._polled_steps.get(key, 0), info.step)
+        if info.state == PeerState.SERVING:
+            self._draining.discard(key)  # back (a restarted replica keeps its id)
         return True
 
     def _peer_step(self, stage: int, peer: str) -> int:

@@ -6,7 +6,8 @@ own network that the caller cannot reach, port by port. So a candidate is dialed
 stage, read from the DHT by this peer, announces the same peer id at the same endpoint with the same certificate.
 
 The records are kept per stage and re-read on a miss, at most once per :data:`REREAD_S` per stage (misses at the same
-time share one read); a peer seen in a record stays known for :data:`KNOWN_FOR_S` after it was last seen, so a
+time share one read), up to :data:`MISS_READS` times before a candidate is refused (a peer's view of the DHT can lag
+the trainer's by a moment); a peer seen in a record stays known for :data:`KNOWN_FOR_S` after it was last seen, so a
 trainer's view a few heartbeats old (a peer that just died, whose record expired) still gets a hop that fails as a
 dead peer does, not a refusal.
 """
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 # seconds a peer stays known after the last record that announced it; and between two reads of a stage's records
 KNOWN_FOR_S = 120.0
 REREAD_S = 1.0
+MISS_READS = 3  # reads of a stage's records before a candidate not in them is refused
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,9 @@ class RouteCheck:
         *,
         config_hash: str,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
-        self._read, self._config_hash, self._clock = read, config_hash, clock
+        self._read, self._config_hash, self._clock, self._sleep = read, config_hash, clock, sleep
         self._known: dict[int, dict[str, _Known]] = {}
         self._read_at: dict[int, float] = {}
         self._reading: dict[int, asyncio.Future] = {}
@@ -54,7 +57,12 @@ class RouteCheck:
         """Why this peer must not dial the candidate, or None when a record of ``stage`` announces it so."""
         if self._matches(stage, peer_id, endpoint, tls_cert):
             return None
-        if self._clock() - self._read_at.get(stage, -REREAD_S) >= REREAD_S:
+        # A peer's view of the DHT can lag the trainer's by a moment (a peer just announced): read again, up to
+        # MISS_READS times at REREAD_S apart, before refusing.
+        for _ in range(MISS_READS):
+            wait_s = self._read_at.get(stage, -REREAD_S) + REREAD_S - self._clock()
+            if wait_s > 0:
+                await self._sleep(wait_s)
             await self._reread(stage)
             if self._matches(stage, peer_id, endpoint, tls_cert):
                 return None

@@ -57,6 +57,9 @@ from swarm.optim import (
 
 logger = logging.getLogger(__name__)
 
+# steps a trainer's count of the stage's replicas stands for when later batches bring none (see _recent_count)
+COUNT_MEMORY_STEPS = 2
+
 # A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
 UNREACHABLE_DONOR_TRIES = 3
 
@@ -93,8 +96,9 @@ class HivemindStageOptimizer:
         self._hold_s = 0.0
         # global batch -> its stage's replicas the trainer reached
         self._replicas: dict[int, int] = {}
-        # the trainer's latest count of the stage's replicas, whatever the batch
-        self._last_count = 0
+        # the trainer's latest count of the stage's replicas, whatever the batch, and the batch it was counted for
+        # (a count older than COUNT_MEMORY_STEPS is dropped)
+        self._last_count, self._last_count_step = 0, 0
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
         self._handed = 0  # samples this replica put into the step under way
@@ -231,7 +235,7 @@ class HivemindStageOptimizer:
         )
         if replicas:  # the latest count wins: a trainer closes again while it waits
             self._replicas[batch_step] = replicas
-            self._last_count = replicas
+            self._last_count, self._last_count_step = replicas, batch_step
 
     def _catch_up(self) -> None:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
@@ -282,7 +286,7 @@ class HivemindStageOptimizer:
         # Unknown for this batch yet: the progress records, unless the trainer last counted more replicas (records
         # read while the DHT is slow to answer can show none, and a replica stepping alone then drifts apart).
         alone = replicas == 1 or (
-            replicas == 0 and tracker.global_progress.num_peers <= 1 and self._last_count <= 1
+            replicas == 0 and tracker.global_progress.num_peers <= 1 and self._recent_count() <= 1
         )
         if not alone and (control is None or control.done()):
             # The batch filled before any group was scheduled.
@@ -344,7 +348,16 @@ class HivemindStageOptimizer:
         # replica's progress record outlives it by up to progress_ttl_s) costs at most group_wait_s.
         tracker = self.opt.tracker
         at_step = tracker.peers_at_epoch if tracker.global_epoch == self.step else 0
-        return max(at_step, self._replicas.get(self.step, 0) or self._last_count)
+        return max(at_step, self._replicas.get(self.step, 0) or self._recent_count())
+
+    def _recent_count(self) -> int:
+        """The trainer's last count of the stage's replicas while it is recent (0 after COUNT_MEMORY_STEPS steps
+        without one): a groupmate killed where its address does not refuse (another host, a container) is never
+        counted out by the trainer, and an old count of 2 would make this replica wait for it at every step; the
+        progress records drop it once they expire."""
+        if self.step - self._last_count_step > COUNT_MEMORY_STEPS:
+            return 0
+        return self._last_count
 
     def _size_group(self, replicas: int) -> None:
         """Tell the group forming for this step how many replicas to expect once the trainer counted them

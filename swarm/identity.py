@@ -27,6 +27,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 PEER_ID_HEX = 16
 FINGERPRINT_HEX = 32
+_PEER_ID = re.compile(rf"[0-9a-f]{{{PEER_ID_HEX}}}")
 _MARKER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 
@@ -41,6 +42,11 @@ def key_digest(public_key: bytes, length: int) -> str:
 
 def peer_id_of(public_key: bytes) -> str:
     return key_digest(public_key, PEER_ID_HEX)
+
+
+def is_peer_id(text: str) -> bool:
+    """Whether ``text`` has the form :func:`peer_id_of` returns (PEER_ID_HEX lowercase hex digits)."""
+    return _PEER_ID.fullmatch(text) is not None
 
 
 def fingerprint_of(public_key: bytes) -> str:

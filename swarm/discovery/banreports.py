@@ -29,7 +29,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.discovery.dht import subkey_values
 from swarm.discovery.records import RecordError, _parse
-from swarm.identity import PEER_ID_HEX, fingerprint_of, owner_key, peer_id_of
+from swarm.identity import PEER_ID_HEX, fingerprint_of, is_peer_id, owner_key, peer_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ MAX_REPORT_BYTES = 2048
 MAX_REPORTS = 4096
 MAX_TEXT = 240  # longest reason / microbatch id / witness list kept
 KINDS = ("mismatch", "bad_reply")
-_PEER_ID = re.compile(rf"[0-9a-f]{{{PEER_ID_HEX}}}")
 _DIGEST = re.compile(r"[0-9a-f]{0,64}")
 
 
@@ -68,7 +67,7 @@ class BanReport:
     version: int = REPORT_VERSION
 
     def __post_init__(self):
-        if not _PEER_ID.fullmatch(self.peer_id):
+        if not is_peer_id(self.peer_id):
             raise ValueError(
                 f"a ban report names a peer id of {PEER_ID_HEX} hex digits, got {self.peer_id[:40]!r}"
             )

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from swarm.errors import SwarmError
-from swarm.identity import PEER_ID_HEX
+from swarm.identity import is_peer_id
 from swarm.model.digest import is_digest
 from swarm.schema import parse_dataclass
 from swarm.states import PeerState, Reachability
@@ -129,7 +129,7 @@ class StageRecord:
                 f"stage record's param_digest must be 16 lowercase hex characters or empty, got "
                 f"{record.param_digest[:40]!r}"
             )
-        if record.relay_peer_id and not _is_peer_id(record.relay_peer_id):
+        if record.relay_peer_id and not is_peer_id(record.relay_peer_id):
             raise RecordError(
                 f"stage record's relay_peer_id must be a peer id (16 lowercase hex characters) or empty, got "
                 f"{record.relay_peer_id[:40]!r}"
@@ -140,10 +140,6 @@ class StageRecord:
     def callable(self) -> bool:
         """Whether a caller can open a connection to it: directly, or through the relay it announces."""
         return self.reachability == Reachability.DIRECT or bool(self.relay_peer_id)
-
-
-def _is_peer_id(text: str) -> bool:
-    return len(text) == PEER_ID_HEX and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True, kw_only=True)

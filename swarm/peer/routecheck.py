@@ -100,9 +100,8 @@ class RouteCheck:
         self._read_at[stage] = self._clock()
         try:
             records = await self._read(stage)
-        except (
-            Exception
-        ) as e:  # the DHT did not answer: what is known stays, nothing new is admitted
+        except Exception as e:
+            # the DHT did not answer: what is known stays, nothing new is admitted
             logger.warning("reading stage %d's records to check a push route failed: %s", stage, e)
             return
         now = self._clock()

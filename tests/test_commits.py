@@ -4,6 +4,7 @@ not confirmed, ask again through the Commit RPC until the peer answers or its ho
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 import swarm.trainer.commits as commits
 from swarm.errors import GradientsDropped, TransportError
 from swarm.proto import swarm_pb2 as pb
-from swarm.trainer.commits import Outcome, commit_outcome
+from swarm.trainer.commits import COMMIT_TIMEOUT_S, Outcome, asked_where_it_is, commit_outcome
 from swarm.transport.client import Reply
 
 
@@ -101,7 +102,10 @@ def test_a_gradient_no_peer_counts_is_computed_again_a_bounded_number_of_times(q
     from swarm.errors import SwarmError
     from swarm.trainer.pipeline import MAX_RECOMPUTES, Pipeline
 
-    counters = types.SimpleNamespace(unconfirmed_commits=0, recomputed_gradients=0)
+    counters = types.SimpleNamespace(
+        unconfirmed_commits=0, recomputed_gradients=0, records=[{}, {}], clients=None
+    )
+    counters._asked_where_it_is = functools.partial(Pipeline._asked_where_it_is, counters)
     computed = []
 
     async def go():
@@ -120,3 +124,33 @@ def test_a_gradient_no_peer_counts_is_computed_again_a_bounded_number_of_times(q
     assert (
         counters.unconfirmed_commits == 1
     )  # the first peer never answered; the others said "dropped"
+
+
+def test_a_commit_is_asked_again_where_the_peer_serves_now(quick):
+    """A relayed peer's relay died with the confirmation of its reply: the peer serves at another relay's endpoint
+    and still holds the gradient there. The Commit RPC follows its newest record (None until the trainer reads
+    it: asked where the call went), so the gradient counts once and nothing is computed again."""
+    asked_at_new: list[tuple] = []
+
+    class AtTheNewEndpoint:
+        async def commit(self, *args) -> bool:
+            asked_at_new.append(args)
+            return True
+
+    records: list = [None, None, AtTheNewEndpoint()]  # what the trainer's records name at each ask
+
+    async def go():
+        reply, asked_at_old = reply_with(TransportError("relay gone"), [TransportError("refused")])
+        reply.commit_key = ("run", 1, "mb-7", 3)
+        got = await commit_outcome(asked_where_it_is(reply, lambda: records.pop(0)))
+        return got, asked_at_old
+
+    got, asked_at_old = asyncio.run(go())
+    assert got is Outcome.APPLIED
+    assert len(asked_at_old) == 2 and asked_at_new == [("run", 1, "mb-7", 3, COMMIT_TIMEOUT_S)]
+
+
+def test_a_reply_without_a_commit_is_left_as_it_is():
+    reply = Reply(pb.ReplyMeta(), {})
+    assert asked_where_it_is(reply, lambda: pytest.fail("asked for a client")) is reply
+    assert reply.commit_again is None

@@ -95,7 +95,10 @@ def test_a_peer_behind_nat_serves_through_a_relay_and_survives_its_death(tmp_pat
         assert summary.steps == STEPS
         assert summary.microbatches == summary.microbatches_started == 2 * STEPS, summary
         assert summary.unconfirmed_commits == 0, summary
-        assert summary.final_loss < summary.initial_loss, summary
+        # Learning, on the validation windows: the replicas of a stage step on their own here (--no-average), so
+        # the last steps' training losses mix drifting replicas (one CI run: 5.72 over the last 5 steps, validation
+        # 4.17 from 5.60).
+        assert summary.val_loss < summary.initial_loss, summary
 
         # The NATed peer served microbatches, and callers reached it through the surviving relay: its summary
         # after a drain counts them, and the relay's counts the bytes it copied.

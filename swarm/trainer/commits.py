@@ -4,7 +4,8 @@ A peer holds the gradient it computed until the trainer's commit, for ``commit_h
 (see swarm.peer.ledger); the commit rides at the end of the call, and the call ending OK confirms it. When that
 confirmation does not come (the stream broke, the status was lost, the peer froze), :func:`commit_outcome`
 asks again with the idempotent Commit RPC until the peer answers, and stops asking only once the hold is over
-and the peer still cannot be reached. Its answer is one of:
+and the peer still cannot be reached; each time at the address the peer's newest record names
+(:func:`asked_where_it_is`: a relayed peer moves when its relay dies). Its answer is one of:
 
 - APPLIED: the peer counted it (now or before): done;
 - DROPPED: the peer says it holds nothing (hold over, call aborted): nothing counted, compute it again;
@@ -19,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 
 from swarm.errors import GradientsDropped, SwarmError
-from swarm.transport.client import Reply
+from swarm.transport.client import PeerClient, Reply
 
 
 class Outcome(enum.Enum):
@@ -35,6 +37,24 @@ class Outcome(enum.Enum):
 COMMIT_TIMEOUT_S = 5.0
 RETRY_EVERY_S = 0.5
 AFTER_HOLD_S = 3.0
+
+
+def asked_where_it_is(reply: Reply, client_now: Callable[[], PeerClient | None]) -> Reply:
+    """``reply`` with its Commit RPC asked at the peer's current address each time: ``client_now()`` is the client
+    of the address its newest record announces (None: no record, ask where the call went). A peer behind NAT
+    serves at another relay's endpoint once its relay dies, and still holds the gradients there."""
+    first = reply.commit_again
+    if first is None or not reply.commit_key:
+        return reply
+
+    async def again(timeout_s: float) -> bool:
+        client = client_now()
+        if client is None:
+            return await first(timeout_s)
+        return await client.commit(*reply.commit_key, timeout_s)
+
+    reply.commit_again = again
+    return reply
 
 
 async def commit_outcome(reply: Reply) -> Outcome:

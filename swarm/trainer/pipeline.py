@@ -36,7 +36,7 @@ from swarm.routing import Failure, NoPeersAvailable, Router, RoutingConfig, Stag
 from swarm.routing.retry import failure_kind
 from swarm.states import PeerState
 from swarm.trainer.calls import StageCalls
-from swarm.trainer.commits import Outcome, commit_outcome
+from swarm.trainer.commits import Outcome, asked_where_it_is, commit_outcome
 from swarm.trainer.config import PipelineConfig
 from swarm.trainer.gradwatch import GradientWatch
 from swarm.trainer.holdings import Holdings
@@ -47,7 +47,7 @@ from swarm.trainer.spotcheck import CheckedCall, SpotChecker
 from swarm.trainer.stagesteps import StageSteps
 from swarm.trainer.work import BACKWARD_COST, FORWARD_COST, MicrobatchResult
 from swarm.transport.callers import caller_token
-from swarm.transport.client import ClientPool, Reply
+from swarm.transport.client import ClientPool, PeerClient, Reply
 from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
@@ -321,7 +321,10 @@ class Pipeline(PeerLists):
         (one round trip after the reply, overlapped with the rest of the backward pass), and compute the
         gradient again, at most ``MAX_RECOMPUTES`` times, when the peer did not count it."""
         computations = 1
-        while (outcome := await commit_outcome(reply)) is not Outcome.APPLIED:
+        while True:
+            outcome = await commit_outcome(self._asked_where_it_is(stage, peer, reply))
+            if outcome is Outcome.APPLIED:
+                return peer
             if outcome is Outcome.UNKNOWN:
                 self.unconfirmed_commits += 1
             if computations > MAX_RECOMPUTES:
@@ -340,7 +343,15 @@ class Pipeline(PeerLists):
             )
             reply, peer = await recompute()
             computations += 1
-        return peer
+
+    def _asked_where_it_is(self, stage: int, peer: str, reply: Reply) -> Reply:
+        """``reply``, its commit asked again at the address of ``peer``'s newest record (see the commits module)."""
+
+        def client_now() -> PeerClient | None:
+            record = self.records[stage].get(peer)
+            return None if record is None else self.clients.get(PeerAddress.of(record))
+
+        return asked_where_it_is(reply, client_now)
 
     async def _gradient_refused(
         self,

@@ -141,16 +141,15 @@ class PushChains:
 
     def _commit(self, stage: int, held: Held, batch_step: int | None) -> Reply:
         """Commit ``held`` through the Commit RPC; a Reply that swarm.trainer.commits reads like a relayed one's."""
-        client = self.p.clients.get(held.address)
-        again = functools.partial(
-            client.commit, self.p.run_id, stage, held.microbatch_id, batch_step
-        )
+        key = (self.p.run_id, stage, held.microbatch_id, batch_step)
+        again = functools.partial(self.p.clients.get(held.address).commit, *key)
         return Reply(
             meta=pb.ReplyMeta(),
             tensors={},
             committed=asyncio.ensure_future(again(COMMIT_TIMEOUT_S)),
             commit_again=again,
             hold_until=held.hold_until,
+            commit_key=key,
         )
 
     # ------------------------------------------------------------------ chains

@@ -48,6 +48,9 @@ class Reply:
     # for when ``committed`` raised; and until when (time.monotonic()) the peer holds the gradients for it.
     commit_again: Callable[[float], Awaitable[bool]] | None = None
     hold_until: float = 0.0
+    # What the commit names, PeerClient.commit's arguments before the timeout (run id, stage, microbatch id,
+    # batch step): to ask the same peer at another address (swarm.trainer.commits.asked_where_it_is).
+    commit_key: tuple = ()
 
 
 class PeerClient:
@@ -212,13 +215,13 @@ class PeerClient:
             reply_read.set()  # the request stream ends: with the commit after a reply, without one else
         reply.hold_until = time.monotonic() + reply.meta.commit_hold_s
         reply.committed = asyncio.ensure_future(self._confirm(call))
-        reply.commit_again = functools.partial(
-            self.commit,
+        reply.commit_key = (
             meta.run_id,
             meta.stage,
             meta.microbatch_id,
             meta.batch_step if meta.HasField("batch_step") else None,
         )
+        reply.commit_again = functools.partial(self.commit, *reply.commit_key)
         return reply
 
     async def commit(

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from swarm.coordinator.localswarm import LocalSwarm
+from swarm.coordinator.localswarm import LocalSwarm, Where, start_peer
 
 # Tests run several processes on 2 cores: keep each one's torch to a single thread, whatever the caller
 # exported (the throughput and timing figures the tests compare assume it).
@@ -221,6 +221,24 @@ SOLO_PEER_FLAGS = [
     "5",
     "--no-average",
 ]
+
+
+def peers_on_hosts(group, run_id: str, addr_file, *run_flags: str):
+    """A starter of ``run_id``'s peers, each in a host's network namespace (deploy.netns.EmulatedNetwork):
+    ``peer(name, host, stage, *more_flags)`` returns the started process."""
+
+    def peer(name: str, host, stage: int, *flags: str):
+        return start_peer(
+            group,
+            name,
+            stage=stage,
+            run_id=run_id,
+            addr_file=addr_file,
+            where=Where.on(host),
+            run_flags=[*run_flags, *flags],
+        )
+
+    return peer
 
 
 # The trainer options the swarm tests share (TrainerConfig names): microbatches of 8, validation only at the

@@ -21,10 +21,10 @@ from swarm.coordinator.localswarm import (
     Where,
     finished,
     start_bootstrap,
-    start_peer,
     start_trainer,
     wait_ready,
 )
+from tests.conftest import peers_on_hosts
 
 pytestmark = [pytest.mark.swarm, pytest.mark.netns, pytest.mark.nat]
 
@@ -47,16 +47,7 @@ def test_peers_behind_nat_learn_whether_they_are_reachable(tmp_path):
         addr_file = tmp_path / "bootstrap.addr"
         start_bootstrap(group, addr_file, where=Where.on(boot))
 
-        def peer(name, host, stage, *flags):
-            return start_peer(
-                group,
-                name,
-                stage=stage,
-                run_id="nat",
-                addr_file=addr_file,
-                where=Where.on(host),
-                run_flags=[*RUN_FLAGS, *flags],
-            )
+        peer = peers_on_hosts(group, "nat", addr_file, *RUN_FLAGS)
 
         # The run's first peer has no one to ask; the next ones ask it (or each other).
         first = peer("public0", public0, 0)

@@ -19,11 +19,10 @@ from swarm.coordinator.localswarm import (
     Where,
     finished,
     start_bootstrap,
-    start_peer,
     start_trainer,
     wait_ready,
 )
-from tests.conftest import SOLO_PEER_FLAGS, TEST_TRAINER
+from tests.conftest import SOLO_PEER_FLAGS, TEST_TRAINER, peers_on_hosts
 
 pytestmark = [pytest.mark.swarm, pytest.mark.netns, pytest.mark.nat]
 
@@ -45,16 +44,7 @@ def test_a_peer_behind_nat_serves_through_a_relay_and_survives_its_death(tmp_pat
         addr_file = tmp_path / "bootstrap.addr"
         start_bootstrap(group, addr_file, where=Where.on(boot))
 
-        def peer(name, host, stage, *flags):
-            return start_peer(
-                group,
-                name,
-                stage=stage,
-                run_id="relay",
-                addr_file=addr_file,
-                where=Where.on(host),
-                run_flags=[*SOLO_PEER_FLAGS, "--no-rebalance", *flags],
-            )
+        peer = peers_on_hosts(group, "relay", addr_file, *SOLO_PEER_FLAGS, "--no-rebalance")
 
         relays = {"relay_a": peer("relay_a", relay_a, 0)}
         wait_ready(relays["relay_a"], timeout_s=180)

@@ -1,6 +1,7 @@
 """The relayed data plane through real NAT routers (deploy/netns/nat.py): a stage-1 peer and the trainer sit behind
 NAT routers of their own; the peer is served through a relay (swarm.transport.relay) that one of the two public
-stage-0 peers lends it, and keeps serving through the other when its relay is killed mid-run.
+stage-0 peers lends it, and keeps serving through the other when its relay is killed mid-run. And a replica behind
+NAT averages with a reachable one (the default mode): the two end as one model.
 
 Every process runs in its own network namespace. Needs root and nftables (markers netns, nat): skipped with the
 reason otherwise, a failure under SWARM_REQUIRE_ROOT_TESTS=1 (CI).
@@ -8,8 +9,11 @@ reason otherwise, a failure under SWARM_REQUIRE_ROOT_TESTS=1 (CI).
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import sys
+import time
 
 import pytest
 
@@ -100,3 +104,77 @@ def test_a_peer_behind_nat_serves_through_a_relay_and_survives_its_death(tmp_pat
             relays[survivor], r"relays for \d+ peers \(\d+ connections, ([\d.]+) MB"
         )
         assert relayed_mb > 0, relayed_mb
+
+
+AVERAGED_STEPS = 8
+
+
+def test_a_replica_behind_nat_averages_with_a_reachable_one_into_one_model(tmp_path):
+    """Averaging on (the default): nobody can dial the NATed replica, yet it averages with its reachable peer
+    (hivemind's all-reduce runs over the libp2p connections the NATed peer opened itself), so every step of the
+    stage averages both replicas' samples and they end as one model."""
+    with EmulatedNetwork(num_hosts=4, nat_hosts=(3,)) as net, ProcessGroup(tmp_path) as group:
+        boot, public0, public1, natted_host = net.hosts
+        addr_file = tmp_path / "bootstrap.addr"
+        start_bootstrap(group, addr_file, where=Where.on(boot))
+        flags = [f for f in SOLO_PEER_FLAGS if f != "--no-average"]
+        peer = peers_on_hosts(group, "nat-avg", addr_file, *flags, "--no-rebalance")
+        first = peer("public0", public0, 0)  # the relay
+        wait_ready(first, timeout_s=180)
+        reachable = peer("public1", public1, 1, "--no-relay-for-others")
+        wait_ready(reachable, timeout_s=240)
+        natted = peer("natted", natted_host, 1)
+        wait_ready(natted, timeout_s=240)
+
+        trainer = start_trainer(
+            group,
+            "trainer",
+            run_id="nat-avg",
+            addr_file=addr_file,
+            steps=AVERAGED_STEPS,
+            where=Where.on(boot),
+            max_bytes=2_000_000,
+            **TEST_TRAINER,
+        )
+        summary = finished(trainer, timeout_s=600)
+        assert summary.steps == AVERAGED_STEPS and summary.unconfirmed_commits == 0, summary
+        assert summary.microbatches == summary.microbatches_started == 2 * AVERAGED_STEPS, summary
+        assert summary.val_loss < summary.initial_loss, summary
+
+        # Stage 1's replicas stand at the last step with equal parameters: their records, as `swarm status` reads
+        # them, polled until both announce that step's digest (a replica rehashes in its step loop; each reading
+        # is a process of its own), for at most a minute.
+        def stage_1() -> dict:
+            status = boot.run(
+                [sys.executable, "-m", "swarm", "status", "--run-id", "nat-avg", "--json"]
+                + ["--initial-peers", f"@{addr_file}"],
+                timeout_s=120,
+            )
+            document = json.loads(status.stdout.splitlines()[-1])
+            return next(s for s in document["stages"] if s["stage"] == 1)
+
+        deadline = time.monotonic() + 60
+        while True:
+            stage = stage_1()
+            steps = {r["step"] for r in stage["replicas"]}
+            if (steps == {AVERAGED_STEPS} and stage["agree"]) or time.monotonic() > deadline:
+                break
+        replicas = {r["peer_id"]: (r["step"], r["param_digest"]) for r in stage["replicas"]}
+        assert len(replicas) == 2 and stage["agree"] is True, stage
+        assert {step for step, _ in replicas.values()} == {AVERAGED_STEPS}, replicas
+
+        # Both served, and no sample of the NATed one was left out of a step (no lone or partial step, no group
+        # that assembled without it)
+        for name in ("natted", "public1"):
+            group.stop(name)
+        served = {
+            p.name: _summary_count(p, r"\((\d+) microbatches in all\)") for p in (natted, reachable)
+        }
+        assert all(count > 0 for count in served.values()), served
+        # (a replica that held none of a batch may find its peer one step on and load its state: nothing lost)
+        lost = [
+            line
+            for line in natted.lines
+            if re.search(r"\(([1-9]\d*) samples of its own left out|without its peers", line)
+        ]
+        assert not lost, lost

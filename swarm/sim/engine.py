@@ -321,6 +321,7 @@ class _Simulation:
         if recompute:
             self.recomputes += 1
         request.finish = start + cost
+        request.compute_s = cost
         peer.free_at = request.finish
         peer.outstanding[request] = None
         self.busy_s[stage] += cost
@@ -371,8 +372,9 @@ class _Simulation:
             peer.outstanding.pop(request, None)
         mb = request.mb
         stage = request.stage
+        # The reply reports the peer's compute time, as the daemon's does (routing weighs by it).
         self.routers[mb.trainer].on_success(
-            stage, request.pid, self._work(mb, stage), now - request.sent_at, now
+            stage, request.pid, self._work(mb, stage), now - request.sent_at, now, request.compute_s
         )
         self.requests_by_peer[request.pid] = self.requests_by_peer.get(request.pid, 0) + 1
         mb.request = None

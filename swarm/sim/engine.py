@@ -19,6 +19,8 @@ Model:
   ``retry_wait_s`` and starts a fresh budget: a microbatch is never dropped. Requests are sized for the
   router in forward passes, as the trainer sizes its calls (:mod:`swarm.routing.work`), so a backward's
   deadline fits a backward; a backward goes to its forward's peer while that peer serves or drains.
+* A reply reports the peer's compute time for the request (as the daemon's ``ReplyMeta.compute_s``), which
+  the router weighs peers by; the round trip (queue and links included) sets its deadlines.
 * Trainers learn the serving peers every ``discovery_period_s``; until then they may pick a peer
   that died (the request fails after one round trip) or stopped serving.
 * A peer that dies fails its unfinished requests after one round trip (connection reset).

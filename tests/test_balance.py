@@ -190,12 +190,27 @@ def test_the_same_peer_is_chosen_whatever_the_dict_order():
     assert plan_moves(forward, 1.0, CONFIG) == plan_moves(backward, 1.0, CONFIG)
 
 
-def test_the_slowest_peer_of_the_richest_stage_moves():
+def test_the_fastest_peer_that_fits_moves():
     view = view_of([{"a": 3.0, "b": 1.0, "c": 2.0}, {"d": 1.0}, {"e": 5.0, "f": 0.5}])
-    # [6, 1, 5.5]: the richest stage gives its slowest peer first, then the next richest its own.
+    # [6, 1, 5.5]: the richest stage gives its fastest peer (a: [3, 4, 5.5]); the next richest's fastest
+    # (e) would overshoot ([3, 9, 0.5]), so its next one goes (f: [3, 4.5, 5]).
     moves = plan_moves(view, 1.0, CONFIG)
-    assert [(m.peer_id, m.from_stage, m.to_stage) for m in moves] == [("b", 0, 1), ("f", 2, 1)]
-    assert moves[0].planned_throughput == 2.5
+    assert [(m.peer_id, m.from_stage, m.to_stage) for m in moves] == [("a", 0, 1), ("f", 2, 1)]
+    assert moves[0].planned_throughput == 3.0
+
+
+def test_a_large_imbalance_is_closed_by_few_fast_movers():
+    # 3 stages of 40 peers (10 at 4.0 samples/s, 30 at 1.0) and a stage left with 10 slow ones: [70, 10, 70, 70].
+    # The fast peers close the deficit (each brings 4x a slow one); slow ones fill the rest where a fast
+    # one would overshoot. Slowest-first would spend each stage's budget (10) on 1.0 peers: [60, 40, 60, 60].
+    fast, slow = {f"f{i}": 4.0 for i in range(10)}, {f"s{i}": 1.0 for i in range(30)}
+    stages = [{f"{s}{p}": t for p, t in {**fast, **slow}.items()} for s in "abc"]
+    view = view_of([stages[0], {f"d{i}": 1.0 for i in range(10)}, stages[1], stages[2]])
+    moves = plan_moves(view, 1.0, CONFIG)
+    assert {m.to_stage for m in moves} == {1}
+    assert [m.throughput_from for m in moves] == [4.0] * 11 + [1.0] * 2
+    assert max(Counter(m.from_stage for m in moves).values()) <= 10  # the budget of a 40-peer stage
+    assert moves[0].planned_throughput == 54.0  # [54, 56, 54, 56]: balanced within one slow peer
 
 
 # ---- the rules ------------------------------------------------------------------------------
@@ -241,10 +256,10 @@ def test_cooldown_is_respected():
     for period in (2, 3, 4, 5):  # cooldown_periods=3: periods 3, 4, 5 are still blocked
         assert plan_moves(cooling, period * PERIOD_S + 1.0, CONFIG) == []
     assert len(plan_moves(cooling, 6 * PERIOD_S + 1.0, CONFIG)) == 1
-    # Only the slowest is cooling down: the next one in line moves instead.
+    # Only the fastest is cooling down: the next one in line moves instead.
     view = SwarmView(
         stages=view_of([{"a": 1.0, "b": 2.0, "c": 3.0}, {"d": 1.0}]).stages,
-        last_moved_s={"a": moved_at},
+        last_moved_s={"c": moved_at},
     )
     (move,) = plan_moves(view, 3 * PERIOD_S, CONFIG)
     assert move.peer_id == "b"

@@ -152,6 +152,7 @@ def test_valid_loss_call_accumulates(peers, loop_thread):
     x = hidden().requires_grad_()
     loss = build_stage(MODEL, 1).loss(x, targets())
     assert reply.meta.has_loss and reply.meta.loss == pytest.approx(loss.item(), rel=1e-5)
+    assert reply.meta.compute_s > 0
     # The peer accumulates gradient sums: the loss weighted by the call's samples.
     expected = reference_gradients(1, lambda stage: stage.loss(x, targets()) * B)
     (grad_input,) = torch.autograd.grad(loss * B, x)
@@ -365,10 +366,13 @@ def test_forward_then_backward_uses_cache(peers, loop_thread):
             timeout_s=10,
         )
         await reply.committed
-        return before, h, reply, await state(first)
+        return before, out, reply, await state(first)
 
-    (samples_before, grads_before), h, reply, (samples, grads) = loop_thread.run(body())
+    (samples_before, grads_before), out, reply, (samples, grads) = loop_thread.run(body())
+    h = out.tensors["output"]
     torch.testing.assert_close(h, build_stage(MODEL, 0)(tokens), rtol=1e-5, atol=1e-6)
+    # Each reply reports the seconds its own compute took (the caller's routing weighs peers by it).
+    assert out.meta.compute_s > 0 and reply.meta.compute_s > 0
     assert "grad_input" not in reply.tensors  # stage 0's input is token ids
     assert samples == samples_before + B
     assert_accumulated(grads_before, grads, reference_gradients(0, lambda s: s(tokens).sum()))

@@ -49,6 +49,42 @@ def test_in_flight_requests_shift_work_to_idle_peers():
     assert router.snapshot(STAGE, "busy", 1.0).in_flight == 0
 
 
+def test_reported_compute_time_weighs_peers_by_what_they_serve_not_their_queue():
+    # Two peers computing 8 samples in 1 s; "queued" answered once behind 5 s of other trainers' calls.
+    router = Router(RoutingConfig(ema_alpha=0.5))
+    router.update_peers(STAGE, {"queued": 1.0, "idle": 1.0}, now=0.0)
+    for peer, elapsed_s in (("queued", 1.0), ("queued", 6.0), ("idle", 1.0), ("idle", 1.0)):
+        router.on_start(STAGE, peer, 0.0)
+        router.on_success(STAGE, peer, size=8.0, elapsed_s=elapsed_s, now=0.0, compute_s=1.0)
+    # The round-trip EMA says 4.67 vs 8 samples/s; both serve 8 samples/s, so they split the work.
+    assert router.snapshot(STAGE, "queued", 0.0).throughput_ema == pytest.approx(4 + 2 / 3)
+    shares = draw_shares(router, 20_000)
+    assert shares["queued"] == pytest.approx(0.5, abs=0.015)
+    # Deadlines still follow the round trip: a call there takes longer.
+    assert router.deadline_s(STAGE, "queued", 8.0) > router.deadline_s(STAGE, "idle", 8.0)
+
+
+def test_a_peer_misreporting_its_compute_time_gains_no_more_than_its_fastest_round_trip():
+    router = Router()
+    router.update_peers(STAGE, {"liar": 1.0, "inflator": 1.0}, now=0.0)
+    for elapsed_s in (2.0, 4.0, 4.0):  # 8 samples: 4, 2, 2 samples/s
+        for peer, compute_s in (("liar", 1e-6), ("inflator", 100.0)):
+            router.on_start(STAGE, peer, 0.0)
+            router.on_success(
+                STAGE, peer, size=8.0, elapsed_s=elapsed_s, now=0.0, compute_s=compute_s
+            )
+    # Claiming no compute: the rate of its fastest round trip (4 samples/s), no more.
+    assert router.snapshot(STAGE, "liar", 0.0).throughput == pytest.approx(4.0, rel=1e-4)
+    # Claiming more compute than the round trip took: capped at the round trip (the EMA of 2..4 samples/s).
+    inflator = router.snapshot(STAGE, "inflator", 0.0)
+    assert 2.0 <= inflator.throughput <= 4.0
+    # A reply without a compute time (0, an older peer) leaves the round-trip EMA in charge.
+    plain = measured_router({"p": 3.0})
+    plain.on_start(STAGE, "p", 0.0)
+    plain.on_success(STAGE, "p", size=8.0, elapsed_s=8.0 / 3.0, now=0.0, compute_s=None)
+    assert plain.snapshot(STAGE, "p", 0.0).throughput == pytest.approx(3.0)
+
+
 def test_first_measurement_replaces_prior_then_ema_blends():
     router = Router(RoutingConfig(ema_alpha=0.5))
     router.update_peers(STAGE, {"p": 100.0}, now=0.0)

@@ -67,3 +67,25 @@ def test_a_backward_follows_its_forward_to_a_draining_peer():
     result = simulate(config)
     assert result.num_moves >= 1 and result.peers_died == 0
     assert result.recomputes == 0
+
+
+def test_replies_report_compute_so_routing_weighs_peers_by_speed_not_by_queue():
+    # Two equal slow stage-0 peers before a fast last stage: 8 microbatches queue up at stage 0 and the round
+    # trips there are mostly waiting. The simulated replies report their compute time, as the daemon's do
+    # (ReplyMeta.compute_s), so the router's weight is each peer's speed with an empty queue (two latencies
+    # per call included) while its round-trip EMA, which the deadlines use, is far lower.
+    config = SimConfig(
+        num_stages=2,
+        initial_peers_per_stage=(2, 1),
+        peer_speeds=(1.0, 1.0, 8.0),
+        num_trainers=1,
+        microbatches_in_flight=8,
+        microbatch_size=8,
+        latency_s=0.001,
+        duration_s=300.0,
+        rebalance=False,
+    )
+    sim = run(config)
+    for snapshot in sim.routers[0].snapshots(0, sim.now):
+        assert snapshot.throughput == pytest.approx(1.0 * STEP_COST, rel=0.02)
+        assert snapshot.throughput_ema < 0.5 * snapshot.throughput

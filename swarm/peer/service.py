@@ -116,20 +116,22 @@ class StageService(pb_grpc.StagePeerServicer):
                 work = dict(deadline_s=deadline_s, samples=x.shape[0])
                 params_step = _params_step(meta)
                 if meta.eval_only and stage.is_last:
+                    work.update(forward=True, backward=False)
                     loss, version = await self._compute(
                         self._versioned(self.executor.eval_loss, params_step),
                         x,
                         _require(tensors, "targets"),
                         params_step,
-                        work=dict(work, forward=True, backward=False),
+                        work=work,
                     )
-                    yield self._reply(loss=loss, version=version)
+                    yield self._reply(loss=loss, version=version, compute_s=work["compute_s"])
                 elif meta.route:
                     async for frame in serve_push(
                         self, reader, frames, meta, codec, x, _require(tensors, "targets"), work
                     ):
                         yield frame
                 elif meta.compute_loss:
+                    work.update(forward=True, backward=True)
                     (loss, grad_input), version = await self._compute(
                         self._versioned(self.executor.forward_loss_backward, params_step),
                         meta.microbatch_id,
@@ -137,10 +139,17 @@ class StageService(pb_grpc.StagePeerServicer):
                         _require(tensors, "targets"),
                         _num_samples(meta, x),
                         params_step,
-                        work=dict(work, forward=True, backward=True),
+                        work=work,
                     )
                     async for frame in self._reply_and_commit(
-                        reader, frames, meta, codec, grad_input, loss=loss, version=version
+                        reader,
+                        frames,
+                        meta,
+                        codec,
+                        grad_input,
+                        loss=loss,
+                        version=version,
+                        compute_s=work["compute_s"],
                     ):
                         yield frame
                 elif stage.is_last:
@@ -148,13 +157,14 @@ class StageService(pb_grpc.StagePeerServicer):
                         "the last stage needs compute_loss (with targets) or eval_only"
                     )
                 else:
+                    work.update(forward=True, backward=False)
                     output, version = await self._compute(
                         self._versioned(self.executor.forward, params_step),
                         meta.microbatch_id,
                         x,
                         keep=not meta.eval_only,
                         params_step=params_step,
-                        work=dict(work, forward=True, backward=False),
+                        work=work,
                     )
                     if not all_finite(output):
                         # this replica's fault, not the request's: the caller retries elsewhere
@@ -162,7 +172,7 @@ class StageService(pb_grpc.StagePeerServicer):
                             f"stage {stage.index} computed non-finite activations for microbatch "
                             f"{meta.microbatch_id} on this peer; try another peer of the stage"
                         )
-                    reply = self._reply(num_tensors=1, version=version)
+                    reply = self._reply(num_tensors=1, version=version, compute_s=work["compute_s"])
                     async for frame in tensor_frames("output", output, codec, lead=[reply]):
                         yield frame
 
@@ -188,6 +198,12 @@ class StageService(pb_grpc.StagePeerServicer):
                 tensors = await self._read_tensors(reader, meta, allowed, reservation)
                 grad_output = _require(tensors, "grad_output")
                 inputs = _joined_input(stage, tensors) if meta.include_inputs else None
+                work = dict(
+                    deadline_s=deadline_s,
+                    samples=grad_output.shape[0],
+                    forward=inputs is not None,
+                    backward=True,
+                )
                 grad_input = await self._compute(
                     self.executor.backward,
                     meta.microbatch_id,
@@ -195,14 +211,11 @@ class StageService(pb_grpc.StagePeerServicer):
                     inputs,
                     _num_samples(meta, grad_output),
                     _params_step(meta),
-                    work=dict(
-                        deadline_s=deadline_s,
-                        samples=grad_output.shape[0],
-                        forward=inputs is not None,
-                        backward=True,
-                    ),
+                    work=work,
                 )
-                async for frame in self._reply_and_commit(reader, frames, meta, codec, grad_input):
+                async for frame in self._reply_and_commit(
+                    reader, frames, meta, codec, grad_input, compute_s=work["compute_s"]
+                ):
                     yield frame
 
     def _deadlines(self, request_iterator) -> DeadlineFrames:
@@ -215,14 +228,25 @@ class StageService(pb_grpc.StagePeerServicer):
         """Run ``fn`` on the compute thread, counted in flight (the load announced); PeerOverloaded when
         ``max_queued_calls`` calls already wait for it or run there, DeadlineUnmet when the caller's deadline
         cannot be met (see :class:`WorkQueue`). ``work``: ``deadline_s`` (monotonic, or None), ``samples`` and
-        the ``forward``/``backward`` flags of :meth:`StageExecutor.predicted_s`."""
+        the ``forward``/``backward`` flags of :meth:`StageExecutor.predicted_s`. Sets ``work["compute_s"]`` to
+        the seconds ``fn`` ran on the compute thread (its wait in the queue excluded), which the reply reports
+        (ReplyMeta.compute_s: the caller's routing weighs peers by it, see swarm.routing.Router)."""
         deadline_s, samples = work["deadline_s"], work["samples"]
         cost_s = self.executor.predicted_s(
             samples, forward=work["forward"], backward=work["backward"]
         )
+        work["compute_s"] = 0.0
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                work["compute_s"] = time.perf_counter() - started
+
         with self.ctx.admission.working(max_in_flight=self.ctx.limits.max_queued_calls):
             with self.queue.admit(deadline_s=deadline_s, cost_s=cost_s) as guard:
-                return await self.ctx.compute(guard(fn), *args, **kwargs)
+                return await self.ctx.compute(guard(timed), *args, **kwargs)
 
     async def _read_tensors(
         self,
@@ -250,6 +274,7 @@ class StageService(pb_grpc.StagePeerServicer):
         loss: float | None = None,
         version: tuple[int, str, int | None] | None = None,
         push: dict | None = None,
+        compute_s: float = 0.0,
     ) -> AsyncIterator[pb.Frame]:
         """Send the reply (with ``push``: the push fields of ReplyMeta, hops and downstream_s), then wait for the
         caller's commit before counting the gradients (with ``meta.defer_commit`` the call ends after the reply:
@@ -266,6 +291,7 @@ class StageService(pb_grpc.StagePeerServicer):
                 num_tensors=int(grad_input is not None),
                 hold_s=self.executor.cache_config.commit_hold_s,
                 version=version,
+                compute_s=compute_s,
             )
             if push:
                 reply.reply.hops.extend(push["hops"])
@@ -512,6 +538,7 @@ class StageService(pb_grpc.StagePeerServicer):
         num_tensors: int = 0,
         hold_s: float = 0.0,
         version: tuple[int, str, int | None] | None = None,
+        compute_s: float = 0.0,
     ) -> pb.Frame:
         step, digest, used = version if version is not None else (self.executor.step, "", None)
         meta = pb.ReplyMeta(
@@ -520,6 +547,7 @@ class StageService(pb_grpc.StagePeerServicer):
             state=self.ctx.state(),
             num_tensors=num_tensors,
             commit_hold_s=hold_s,
+            compute_s=compute_s,
         )
         if used is not None:
             meta.params_step = used

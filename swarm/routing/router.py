@@ -31,8 +31,16 @@ class Router:
 
         rate(p) = throughput(p) / (1 + in_flight(p))
 
-    ``throughput(p)`` is the EMA of ``size / elapsed_s`` over its successful round trips
-    (samples/s). Before the first one it is a prior: ``min(announced(p), best)`` when the peer
+    ``throughput(p)`` is the rate the peer serves at with an empty queue when its replies report their
+    compute time (:attr:`PeerStats.service_rate`), else the EMA of ``size / elapsed_s`` over its
+    successful round trips (samples/s). The round trip includes the wait in the peer's queue, which other
+    trainers' calls fill: with many trainers a measured round trip mostly says how long the queue was when
+    this trainer last called, and it says so against fast peers most (a 5-s wait halves the rate of a peer
+    that computes the call in 5 s, and cuts one that computes it in 1 s to a sixth), so weighing by it sent
+    the slow peers more than their share: in the 1,000-peer simulated swarm its slowest quarter of peers was
+    99% busy, its fastest 87%, and the swarm delivered 89% of its bottleneck's capacity (91% weighed by the
+    service rate; bench/results/scale_sim.md). Deadlines keep the round trip (it is what a call takes).
+    Before the first one it is a prior: ``min(announced(p), best)`` when the peer
     announced a throughput, else ``best``, where ``best`` is the highest measured EMA in the stage,
     else the highest announcement, else ``config.default_throughput``. A new peer therefore competes
     with the best known peer from its first appearance, without a false claim letting it outbid
@@ -178,11 +186,18 @@ class Router:
             stats.in_flight += 1
 
     def on_success(
-        self, stage: int, peer_id: str, size: float, elapsed_s: float, now: float
+        self,
+        stage: int,
+        peer_id: str,
+        size: float,
+        elapsed_s: float,
+        now: float,
+        compute_s: float | None = None,
     ) -> None:
         """A request of ``size`` samples (> 0) to ``peer_id`` answered after ``elapsed_s`` seconds
-        (> 0, the full round trip). Updates the EMAs and resets the peer's failure count; a ban
-        still running at ``now`` is kept (it stems from a later failure)."""
+        (> 0, the full round trip), of which the peer reported ``compute_s`` computing it (None or 0: not
+        reported). Updates the EMAs and resets the peer's failure count; a ban still running at ``now`` is
+        kept (it stems from a later failure)."""
         if not (math.isfinite(size) and size > 0):
             raise ValueError(f"size must be a finite number of samples > 0, got {size}")
         if not (math.isfinite(elapsed_s) and elapsed_s > 0 and math.isfinite(size / elapsed_s)):
@@ -192,7 +207,9 @@ class Router:
             )
         stats = self._finish(stage, peer_id)
         if stats is not None:
-            stats.observe(size=size, elapsed_s=elapsed_s, alpha=self.config.ema_alpha)
+            stats.observe(
+                size=size, elapsed_s=elapsed_s, alpha=self.config.ema_alpha, compute_s=compute_s
+            )
         self._bans.record_success(peer_id, now)
 
     def on_failure(self, stage: int, peer_id: str, now: float) -> float:
@@ -273,7 +290,7 @@ class Router:
         return stats
 
     def _best_throughput(self, peers: Mapping[str, PeerStats]) -> float:
-        measured = [s.throughput_ema for s in peers.values() if s.throughput_ema is not None]
+        measured = [_measured_rate(s) for s in peers.values() if s.throughput_ema is not None]
         if measured:
             return max(measured)
         claims = [s.announced_throughput for s in peers.values() if s.announced_throughput]
@@ -282,10 +299,18 @@ class Router:
     @staticmethod
     def _throughput(stats: PeerStats, best: float) -> float:
         if stats.throughput_ema is not None:
-            return stats.throughput_ema
+            return _measured_rate(stats)
         if stats.announced_throughput is not None:
             return min(stats.announced_throughput, best)
         return best
+
+
+def _measured_rate(stats: PeerStats) -> float:
+    """A measured peer's rate for the choice: its service rate when its replies reported their compute
+    time, else its round-trip EMA. A peer that under-reports its compute gains at most its fastest round
+    trip seen (the overhead floor absorbs the rest), one that over-reports is capped at the round trip."""
+    service = stats.service_rate
+    return service if service is not None else stats.throughput_ema
 
 
 def _weighted_pick(items: list[str], weights: list[float], rng: random.Random) -> str:

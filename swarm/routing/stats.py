@@ -44,13 +44,29 @@ class PeerStats:
     in_flight: int = 0
     # Successful round trips observed.
     num_successes: int = 0
+    # EMA of the peer's compute seconds per unit of work (from its replies' compute_s); None before the first.
+    compute_per_work_ema_s: float | None = None
+    # Fewest seconds per unit of work a round trip spent outside the peer's compute (transfer, latency, its
+    # queue): the smallest seen is the round trip without a queue; None before the first reported compute_s.
+    overhead_per_work_s: float | None = None
 
     @property
     def measured(self) -> bool:
         return self.throughput_ema is not None
 
-    def observe(self, *, size: float, elapsed_s: float, alpha: float) -> None:
-        """Fold in one successful round trip of ``size`` samples that took ``elapsed_s`` seconds.
+    @property
+    def service_rate(self) -> float | None:
+        """Units of work per second the peer serves when its queue is empty (its compute plus the transfer
+        and latency of the fastest round trip seen), or None before a reply reported its compute time."""
+        if self.compute_per_work_ema_s is None or self.overhead_per_work_s is None:
+            return None
+        return 1.0 / (self.compute_per_work_ema_s + self.overhead_per_work_s)
+
+    def observe(
+        self, *, size: float, elapsed_s: float, alpha: float, compute_s: float | None = None
+    ) -> None:
+        """Fold in one successful round trip of ``size`` samples that took ``elapsed_s`` seconds, of which
+        the peer reported ``compute_s`` (> 0; None or 0: not reported) spent computing it.
 
         The first measurement replaces the announced prior outright: an announcement is a claim
         by the peer (possibly stale or false), a round trip is evidence.
@@ -58,6 +74,13 @@ class PeerStats:
         self.throughput_ema = ema(self.throughput_ema, size / elapsed_s, alpha)
         self.latency_ema_s = ema(self.latency_ema_s, elapsed_s, alpha)
         self.num_successes += 1
+        if compute_s is not None and math.isfinite(compute_s) and compute_s > 0:
+            # A peer cannot compute longer than the round trip took: a larger claim is capped there.
+            compute_s = min(compute_s, elapsed_s)
+            self.compute_per_work_ema_s = ema(self.compute_per_work_ema_s, compute_s / size, alpha)
+            overhead = (elapsed_s - compute_s) / size
+            if self.overhead_per_work_s is None or overhead < self.overhead_per_work_s:
+                self.overhead_per_work_s = overhead
 
 
 @dataclass(frozen=True, kw_only=True)

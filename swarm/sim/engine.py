@@ -19,6 +19,8 @@ Model:
   ``retry_wait_s`` and starts a fresh budget: a microbatch is never dropped. Requests are sized for the
   router in forward passes, as the trainer sizes its calls (:mod:`swarm.routing.work`), so a backward's
   deadline fits a backward; a backward goes to its forward's peer while that peer serves or drains.
+* A reply reports the peer's compute time for the request (as the daemon's ``ReplyMeta.compute_s``), which
+  the router weighs peers by; the round trip (queue and links included) sets its deadlines.
 * Trainers learn the serving peers every ``discovery_period_s``; until then they may pick a peer
   that died (the request fails after one round trip) or stopped serving.
 * A peer that dies fails its unfinished requests after one round trip (connection reset).
@@ -321,6 +323,7 @@ class _Simulation:
         if recompute:
             self.recomputes += 1
         request.finish = start + cost
+        request.compute_s = cost
         peer.free_at = request.finish
         peer.outstanding[request] = None
         self.busy_s[stage] += cost
@@ -371,8 +374,9 @@ class _Simulation:
             peer.outstanding.pop(request, None)
         mb = request.mb
         stage = request.stage
+        # The reply reports the peer's compute time, as the daemon's does (routing weighs by it).
         self.routers[mb.trainer].on_success(
-            stage, request.pid, self._work(mb, stage), now - request.sent_at, now
+            stage, request.pid, self._work(mb, stage), now - request.sent_at, now, request.compute_s
         )
         self.requests_by_peer[request.pid] = self.requests_by_peer.get(request.pid, 0) + 1
         mb.request = None

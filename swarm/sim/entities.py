@@ -92,6 +92,7 @@ class SimRequest:
         "error",
         "deadline_at",
         "reply_bytes",
+        "compute_s",
     )
 
     def __init__(self, mb: SimMicrobatch, pid: str, stage: int, sent_at: float) -> None:
@@ -104,3 +105,6 @@ class SimRequest:
         self.error: Exception | None = None  # how it fails, if it does; None: a transport failure
         self.deadline_at = math.inf  # when the trainer stops waiting for the reply
         self.reply_bytes = 0.0  # wire bytes of the reply (when links are modelled)
+        self.compute_s = (
+            0.0  # the peer's compute for it, which its reply reports (ReplyMeta.compute_s)
+        )

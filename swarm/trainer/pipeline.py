@@ -507,7 +507,10 @@ class Pipeline(PeerLists):
                 self.router.on_cancel(stage, peer, time.monotonic())
                 raise
             now = time.monotonic()
-            self.router.on_success(stage, peer, work, max(now - started, 1e-6), now)
+            # compute_s: the peer's own compute time for the call (0 from a peer that does not report it)
+            self.router.on_success(
+                stage, peer, work, max(now - started, 1e-6), now, reply.meta.compute_s or None
+            )
             self.steps.replied(stage, reply.meta.step, peer)
             if (
                 reply.meta.state == PeerState.DRAINING

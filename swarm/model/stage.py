@@ -2,7 +2,8 @@
 
 Stage 0 owns the token and position embeddings; the last stage owns the final LayerNorm, the head
 and the loss; every stage owns a contiguous run of blocks (`ModelConfig.stage_layers`). With
-`bottleneck_dim` set, activations cross each cut at that width through a learned pair of Linears; with
+`bottleneck_dim` set, activations cross each cut at that width through a learned pair of Linears (with
+`bottleneck_tokens` also the token ids, which the stage after the cut embeds itself); with
 `subspace_dim` set, every stage but the last works in the coordinates of one fixed subspace and the stages after
 the first take the token ids too (swarm.model.subspace).
 """
@@ -50,14 +51,23 @@ class Stage(StageBase):
             self.tok_emb = nn.Embedding(config.vocab_size, d)
             self.pos_emb = nn.Embedding(config.seq_len, d)
         elif config.bottleneck_dim is not None:
-            self.bottleneck_in = Bottleneck(config.bottleneck_dim, d, cut=index - 1)
+            self.bottleneck_in = Bottleneck(
+                config.bottleneck_dim, d, cut=index - 1, scaled=config.bottleneck_init == "scaled"
+            )
         self.blocks = nn.ModuleList(Block(config) for _ in config.stage_layers(index))
         if self.is_last:
             self.ln_f = nn.LayerNorm(d)
             # No weight tying: the embedding lives on stage 0, the head on the last stage.
             self.head = nn.Linear(d, config.vocab_size, bias=False)
         elif config.bottleneck_dim is not None:
-            self.bottleneck_out = Bottleneck(d, config.bottleneck_dim, cut=index)
+            self.bottleneck_out = Bottleneck(
+                d, config.bottleneck_dim, cut=index, scaled=config.bottleneck_init == "scaled"
+            )
+        self.takes_tokens = config.takes_tokens(index)
+        if self.takes_tokens:
+            # registered last, so every other parameter draws the same values as without them
+            self.cut_tok_emb = nn.Embedding(config.vocab_size, d)
+            self.cut_pos_emb = nn.Embedding(config.seq_len, d)
 
     def _init_subspace(self, config: ModelConfig) -> None:
         d, k = config.d_model, config.subspace_dim
@@ -129,6 +139,10 @@ class Stage(StageBase):
             T = x.shape[1]
             positions = torch.arange(T, device=x.device)  # (T,)
             h = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, D)
+        elif self.takes_tokens:  # bottleneck_tokens: the ids ride in the last coordinate
+            x, ids = split_tokens(x)  # (B, T, b), (B, T)
+            positions = torch.arange(x.shape[1], device=x.device)  # (T,)
+            h = self.bottleneck_in(x) + self.cut_tok_emb(ids) + self.cut_pos_emb(positions)  # (B, T, D)
         elif self.config.bottleneck_dim is not None:
             h = self.bottleneck_in(x)  # (B, T, b) -> (B, T, D)
         else:

@@ -80,6 +80,27 @@ def test_the_token_identity_reaches_the_stage_after_the_cut_without_the_bottlene
         assert torch.equal(p, dict(stage.named_parameters())[name]), name
 
 
+def test_the_bottleneck_carries_only_what_the_blocks_wrote_not_the_embedding():
+    """Delta coding: the stage before a cut sends down(h - e), e the embedding it added; blocks that write nothing
+    leave every token's message at the down projection's bias, whatever its id and position."""
+    for index in (0, 1):  # stage 0's own embedding, stage 1's embedding of the ids it received
+        stage = build_stage(TOK, index)
+        with torch.no_grad():
+            for block in stage.blocks:
+                for proj in (block.attn.proj, block.mlp.proj):
+                    proj.weight.zero_()
+                    proj.bias.zero_()
+            stage.bottleneck_out.bias.copy_(torch.arange(TOK.bottleneck_dim, dtype=torch.float32))
+        ids = _tokens(TOK, B=2)
+        x = ids if index == 0 else join_tokens(torch.randn(2, TOK.seq_len, TOK.bottleneck_dim), ids)
+        out = stage(x)
+        if index == 0:
+            expected = stage.bottleneck_out.bias.expand_as(out)
+        else:  # what arrived passes through up then down; the embedding added on the way does not
+            expected = stage.bottleneck_out(stage.bottleneck_in(x[..., :-1]))
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("distribution", ["normal", "student_t2"])
 def test_the_wire_round_trip_keeps_the_ids_exact_and_the_values_within_the_codecs_bound(

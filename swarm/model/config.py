@@ -46,8 +46,9 @@ class ModelConfig:
     bottleneck_init: str = "random"
     # With bottleneck_dim: the token ids cross each cut beside the bottleneck's values (1 byte per token for a
     # vocabulary of 256), and the stage after the cut adds its own learned token and position embeddings
-    # (d_model wide) to the up projection's output, so the bottleneck carries only what the stages before the
-    # cut added to the embedding, never the token identity itself.
+    # (d_model wide) to the up projection's output. The stage before the cut sends down(h - e), e the embedding
+    # it added itself: the bottleneck carries only what its blocks wrote (delta coding against what the
+    # receiver rebuilds from the ids), never the token identity.
     bottleneck_tokens: bool = False
     # Optional lossless cut of protocol models (swarm.model.subspace): every block of every stage but the last
     # writes only into one fixed orthonormal (d_model, subspace_dim) subspace U, and the token embedding is a fixed

@@ -135,14 +135,16 @@ class Stage(StageBase):
     def forward(self, x: Tensor) -> Tensor:
         if self.config.subspace_dim is not None:
             return self._forward_subspace(x)
+        embedded = None  # the token and position embedding this stage added to the stream, if it did
         if self.is_first:
             T = x.shape[1]
             positions = torch.arange(T, device=x.device)  # (T,)
-            h = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, D)
+            h = embedded = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, D)
         elif self.takes_tokens:  # bottleneck_tokens: the ids ride in the last coordinate
             x, ids = split_tokens(x)  # (B, T, b), (B, T)
             positions = torch.arange(x.shape[1], device=x.device)  # (T,)
-            h = self.bottleneck_in(x) + self.cut_tok_emb(ids) + self.cut_pos_emb(positions)  # (B, T, D)
+            embedded = self.cut_tok_emb(ids) + self.cut_pos_emb(positions)  # (B, T, D)
+            h = self.bottleneck_in(x) + embedded  # (B, T, D)
         elif self.config.bottleneck_dim is not None:
             h = self.bottleneck_in(x)  # (B, T, b) -> (B, T, D)
         else:
@@ -151,6 +153,9 @@ class Stage(StageBase):
             h = block(h)  # (B, T, D)
         if self.is_last:
             return self.head(self.ln_f(h))  # (B, T, V)
+        if self.config.bottleneck_tokens:
+            # the receiver embeds the ids itself: the bottleneck carries only what the blocks wrote
+            return self.bottleneck_out(h - embedded)  # (B, T, b)
         if self.config.bottleneck_dim is not None:
             return self.bottleneck_out(h)  # (B, T, b)
         return h

@@ -369,7 +369,7 @@ def report(results: list[QualityResult], cfg: QualityConfig) -> str:
                 f"{r.final_val:.4f}",
                 f"{100 * gap:+.2f}%",
                 curve,
-                f"{sum(r.losses[-5:]) / len(r.losses[-5:]):.4f}",
+                f"{sum(r.losses[-5:]) / len(r.losses[-5:]):.4f}" if r.losses else "(reused)",
             ]
         )
     return markdown_table(headers, rows)

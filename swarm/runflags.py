@@ -119,7 +119,9 @@ def run_config_from_args(args: argparse.Namespace, pretrained: str | None = None
             bottleneck_tokens=args.bottleneck_tokens,
         )
     elif args.bottleneck_tokens:
-        raise ValueError("--bottleneck-tokens sends the token ids beside a bottleneck: give --bottleneck-dim too")
+        raise ValueError(
+            "--bottleneck-tokens sends the token ids beside a bottleneck: give --bottleneck-dim too"
+        )
     if args.subspace_dim is not None:
         if isinstance(model, HFModelConfig):
             raise ValueError(

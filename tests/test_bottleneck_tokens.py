@@ -36,8 +36,12 @@ def test_the_stages_over_the_wire_compute_the_model_in_one_process_outputs_and_g
     model = build_full_model(TOK)
     ids = _tokens(TOK)
     targets = _tokens(TOK, seed=1)
-    reference = model(ids)  # (B, T, V): every stage after a cut is given the ids by build_full_model
-    loss = torch.nn.functional.cross_entropy(reference.reshape(-1, TOK.vocab_size), targets.reshape(-1))
+    reference = model(
+        ids
+    )  # (B, T, V): every stage after a cut is given the ids by build_full_model
+    loss = torch.nn.functional.cross_entropy(
+        reference.reshape(-1, TOK.vocab_size), targets.reshape(-1)
+    )
     loss.backward()
     # the same forward and backward, one stage at a time, with only (b values + the id) per token between them
     stages = [build_stage(TOK, i) for i in range(TOK.num_stages)]

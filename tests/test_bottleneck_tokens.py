@@ -36,9 +36,8 @@ def test_the_stages_over_the_wire_compute_the_model_in_one_process_outputs_and_g
     model = build_full_model(TOK)
     ids = _tokens(TOK)
     targets = _tokens(TOK, seed=1)
-    reference = model(
-        ids
-    )  # (B, T, V): every stage after a cut is given the ids by build_full_model
+    # (B, T, V): build_full_model gives every stage after a cut the ids
+    reference = model(ids)
     loss = torch.nn.functional.cross_entropy(
         reference.reshape(-1, TOK.vocab_size), targets.reshape(-1)
     )

@@ -135,9 +135,8 @@ class Stage(StageBase):
     def forward(self, x: Tensor) -> Tensor:
         if self.config.subspace_dim is not None:
             return self._forward_subspace(x)
-        embedded = (
-            None  # the token and position embedding this stage added to the stream, if it did
-        )
+        # the token and position embedding this stage added to the stream, if it did
+        embedded = None
         if self.is_first:
             T = x.shape[1]
             positions = torch.arange(T, device=x.device)  # (T,)

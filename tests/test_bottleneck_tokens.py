@@ -205,3 +205,20 @@ def test_the_peer_flag_starts_a_run_with_the_ids_beside_the_bottleneck():
     args = parser.parse_args(["peer", "--preset", "tiny", "--bottleneck-tokens"])
     with pytest.raises(ValueError, match="give --bottleneck-dim too"):
         runflags.run_config_from_args(args)
+
+
+def test_the_receiver_rebuilds_the_senders_embedding_at_init():
+    """Both sides of every cut start from one embedding table (seeded by the run's seed alone), so with an identity
+    pair (orthogonal, full width) the stream after the cut starts as the stream before it."""
+    stages = [build_stage(TOK, i) for i in range(TOK.num_stages)]
+    for stage in stages[1:]:
+        assert torch.equal(stage.cut_tok_emb.weight, stages[0].tok_emb.weight)
+        assert torch.equal(stage.cut_pos_emb.weight, stages[0].pos_emb.weight)
+    identity = dataclasses.replace(TOK, bottleneck_dim=TOK.d_model, bottleneck_init="orthogonal")
+    first, second = build_stage(identity, 0), build_stage(identity, 1)
+    ids = _tokens(identity, B=2)
+    captured = {}
+    first.blocks[-1].register_forward_hook(lambda m, i, out: captured.setdefault("before", out))
+    second.blocks[0].register_forward_pre_hook(lambda m, i: captured.setdefault("after", i[0]))
+    second(join_tokens(first(ids), ids))
+    torch.testing.assert_close(captured["after"], captured["before"], atol=1e-5, rtol=1e-5)

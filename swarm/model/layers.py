@@ -121,7 +121,8 @@ def init_stage_parameters(
                 sub.bias.zero_()
                 if config.bottleneck_init == "orthogonal":
                     q = cut_projection(config, sub.cut)  # (d, b)
-                    sub.weight.copy_(q.T if sub.out_features == config.bottleneck_dim else q)
+                    # down is the stage's bottleneck_out (by name: at bottleneck_dim == d_model both shapes match)
+                    sub.weight.copy_(q.T if name.endswith("bottleneck_out") else q)
             elif isinstance(sub, nn.Linear):
                 std = residual_std if getattr(sub, "is_residual_projection", False) else INIT_STD
                 sub.weight.normal_(0.0, std, generator=generator)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from swarm.model.base import StageBase
 from swarm.model.config import AnyModelConfig, ModelConfig
 from swarm.model.hfconfig import HFModelConfig
-from swarm.model.layers import Block, Bottleneck, init_stage_parameters
+from swarm.model.layers import INIT_STD, Block, Bottleneck, init_stage_parameters
 from swarm.model.subspace import (
     SubspaceBlock,
     check_joined_tokens,
@@ -198,8 +198,26 @@ def build_stage(
     stage.to_empty(device="cpu")
     generator = torch.Generator(device="cpu").manual_seed(stage_seed(config, index))
     init_stage_parameters(stage, config, generator)
+    if config.bottleneck_tokens:
+        _same_embedding_on_both_sides(stage, config)
     stage.fill_fixed()
     return stage.to(device)
+
+
+def _same_embedding_on_both_sides(stage: Stage, config: ModelConfig) -> None:
+    """With bottleneck_tokens, stage 0's embeddings and every later stage's cut embeddings start as one table
+    (seeded by config.seed alone), so the receiver's rebuilt embedding starts as the sender's: with an identity
+    pair at the cut the split model starts as the unsplit one."""
+    digest = hashlib.sha256(f"swarm-cut-embedding:{config.seed}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    token = torch.randn(config.vocab_size, config.d_model, generator=generator) * INIT_STD
+    position = torch.randn(config.seq_len, config.d_model, generator=generator) * INIT_STD
+    pair = (
+        (stage.tok_emb, stage.pos_emb) if stage.is_first else (stage.cut_tok_emb, stage.cut_pos_emb)
+    )
+    with torch.no_grad():
+        pair[0].weight.copy_(token)
+        pair[1].weight.copy_(position)
 
 
 def empty_stage(

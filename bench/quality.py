@@ -58,7 +58,9 @@ TARGET_32X = 0.01
 @dataclass(frozen=True)
 class Scheme:
     """A wire codec and an optional bottleneck width at the stage cut, written ``codec``, ``codec+bnN``, or
-    ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``), or ``codec+subK``
+    ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``), ``codec+bnN+scaled``
+    for its scaled init (``--bottleneck-init scaled``), ``codec+bnN+tok``
+    for the bottleneck with the token ids beside it (``--bottleneck-tokens``), or ``codec+subK``
     for the subspace cut of width K (``--subspace-dim K``); ``act/grad`` in place of ``codec`` sends gradients in
     another codec (``--codec act --grad-codec grad``)."""
 
@@ -67,12 +69,13 @@ class Scheme:
     bottleneck_init: str = "random"
     grad_codec: str = "same"
     subspace_dim: int | None = None
+    bottleneck_tokens: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Scheme:
         codecs, *parts = text.split("+")
         codec, _, grad_codec = codecs.partition("/")
-        bottleneck, init, subspace = None, "random", None
+        bottleneck, init, subspace, tokens = None, "random", None, False
         for part in parts:
             if part.startswith("bn") and part[2:].isdigit() and subspace is None:
                 bottleneck = int(part[2:])
@@ -80,12 +83,16 @@ class Scheme:
                 subspace = int(part[3:])
             elif part == "orth" and bottleneck is not None:
                 init = "orthogonal"
+            elif part == "scaled" and bottleneck is not None:
+                init = "scaled"
+            elif part == "tok" and bottleneck is not None:
+                tokens = True
             else:
                 raise ValueError(
-                    f"scheme {text!r}: write CODEC, CODEC+bnWIDTH, CODEC+bnWIDTH+orth or CODEC+subWIDTH, "
-                    "e.g. int4+bn28"
+                    f"scheme {text!r}: write CODEC, CODEC+bnWIDTH, CODEC+bnWIDTH+orth|scaled|tok or "
+                    "CODEC+subWIDTH, e.g. int4+bn28"
                 )
-        return cls(codec, bottleneck, init, grad_codec or "same", subspace)
+        return cls(codec, bottleneck, init, grad_codec or "same", subspace, tokens)
 
     @property
     def label(self) -> str:
@@ -94,12 +101,15 @@ class Scheme:
             return f"{codecs}+sub{self.subspace_dim}"
         if self.bottleneck_dim is None:
             return codecs
-        orth = "+orth" if self.bottleneck_init == "orthogonal" else ""
-        return f"{codecs}+bn{self.bottleneck_dim}{orth}"
+        orth = {"random": "", "orthogonal": "+orth"}.get(
+            self.bottleneck_init, f"+{self.bottleneck_init}"
+        )
+        tok = "+tok" if self.bottleneck_tokens else ""
+        return f"{codecs}+bn{self.bottleneck_dim}{orth}{tok}"
 
     def bytes_per_fp32_value(self, d_model: int, values: int, vocab_size: int = 256) -> float:
         """Wire bytes of ``values`` activations of width d_model (a microbatch: B * T * d_model values), sent
-        through this scheme, per value: 4 for fp32 without a bottleneck. The subspace cut's token ids count too
+        through this scheme, per value: 4 for fp32 without a bottleneck. The token ids (subspace cut, +tok) count too
         (one per token, in the smallest integer dtype holding ``vocab_size`` ids)."""
         import torch
 
@@ -109,7 +119,7 @@ class Scheme:
         width = self.subspace_dim or self.bottleneck_dim or d_model
         tokens = values // d_model
         wire = get_codec(self.codec).encoded_size(tokens * width, torch.float32)
-        if self.subspace_dim is not None:
+        if self.subspace_dim is not None or self.bottleneck_tokens:
             wire += tokens * token_id_bytes(vocab_size)
         return wire / values
 
@@ -185,6 +195,7 @@ def run_codec(
     bottleneck_init: str = "random",
     grad_codec: str = "same",
     subspace_dim: int | None = None,
+    bottleneck_tokens: bool = False,
 ) -> QualityResult:
     """Train one run of ``cfg`` with ``codec`` (and a bottleneck of ``bottleneck_dim`` at the cut) on fresh
     peers (stopped afterwards); returns its curves. With ``cfg.preset`` None the run ``run_id`` must already be
@@ -200,6 +211,7 @@ def run_codec(
                 if bottleneck_dim is None
                 else ["--bottleneck-dim", bottleneck_dim, "--bottleneck-init", bottleneck_init]
             ),
+            *(["--bottleneck-tokens"] if bottleneck_tokens else []),
             *([] if subspace_dim is None else ["--subspace-dim", subspace_dim]),
             "--codec",
             codec,
@@ -262,19 +274,38 @@ def run_codec(
     )
 
 
+def reference_from_results(path: Path) -> QualityResult:
+    """The 'none' run of an earlier results file of this bench (its row's validation checkpoints; no training
+    curve): one microbatch in flight makes 'none' deterministic (2.4846 on tiny, 150 steps, in every invocation
+    so far), so a comparison may reuse it instead of training it again."""
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == "none":
+            curve = [
+                (int(samples), float(loss))
+                for samples, loss in (point.split(":") for point in cells[5].split(","))
+            ]
+            curve[-1] = (curve[-1][0], float(cells[3]))  # the final loss with all its digits
+            return QualityResult(label="none", codec="none", losses=[], val_curve=curve)
+    raise ValueError(f"{path} has no 'none' row")
+
+
 def run_all(
     cfg: QualityConfig,
     workdir: Path,
     *,
     repeat_none: bool = False,
     on_result: Callable[[list[QualityResult]], None] | None = None,
+    reference: QualityResult | None = None,
 ) -> list[QualityResult]:
     """One bootstrap node, then one run per scheme (and a second 'none' run if ``repeat_none``);
-    ``on_result`` gets the results so far after each run (to write partial tables)."""
+    ``on_result`` gets the results so far after each run (to write partial tables). With ``reference`` (an
+    earlier 'none' run) the first scheme, 'none', is not trained again."""
     plan = [(Scheme.parse(c), Scheme.parse(c).label) for c in cfg.codecs]
+    plan = plan[1:] if reference is not None else plan
     plan += [(Scheme("none"), "none (repeat)")] if repeat_none else []
     d_model = MODEL_PRESETS[cfg.preset].d_model if cfg.preset else None
-    results = []
+    results = [] if reference is None else [reference]
     with ProcessGroup(workdir) as group:
         addr_file = workdir / "bootstrap.addr"
         start_bootstrap(group, addr_file)
@@ -292,6 +323,7 @@ def run_all(
                 bottleneck_init=scheme.bottleneck_init,
                 grad_codec=scheme.grad_codec,
                 subspace_dim=scheme.subspace_dim,
+                bottleneck_tokens=scheme.bottleneck_tokens,
             )
             if d_model is not None:
                 preset = MODEL_PRESETS[cfg.preset]
@@ -337,7 +369,7 @@ def report(results: list[QualityResult], cfg: QualityConfig) -> str:
                 f"{r.final_val:.4f}",
                 f"{100 * gap:+.2f}%",
                 curve,
-                f"{sum(r.losses[-5:]) / len(r.losses[-5:]):.4f}",
+                f"{sum(r.losses[-5:]) / len(r.losses[-5:]):.4f}" if r.losses else "(reused)",
             ]
         )
     return markdown_table(headers, rows)
@@ -403,6 +435,13 @@ def main() -> None:
         "--repeat-none", action="store_true", help="a second 'none' run: the noise floor"
     )
     parser.add_argument(
+        "--reuse-none",
+        type=Path,
+        default=None,
+        help="take the 'none' reference from this earlier results file instead of training it (deterministic "
+        "with one microbatch in flight; the plot then has no training curve for it)",
+    )
+    parser.add_argument(
         "--workdir", type=Path, default=None, help="process logs (default: a temporary folder)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quality.md")
@@ -464,6 +503,7 @@ def main() -> None:
         workdir,
         repeat_none=args.repeat_none,
         on_result=lambda so_far: write(so_far, partial=len(so_far) < len(cfg.codecs)),
+        reference=None if args.reuse_none is None else reference_from_results(args.reuse_none),
     )
     path = write(results, partial=False)
     print("\n" + report(results, cfg) + f"\n\n{pareto(results)}\nwritten to {path} and {args.plot}")

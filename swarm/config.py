@@ -95,7 +95,7 @@ class RunConfig:
         width = self.model.bottleneck_dim or self.model.subspace_dim or self.model.d_model
         per_token = BYTES_PER_VALUE[self.codec] * width
         if (
-            self.model.subspace_dim is not None
+            self.model.subspace_dim is not None or self.model.bottleneck_tokens
         ):  # and the token id (swarm.model.subspace.token_wire_dtype)
             per_token += token_id_bytes(self.model.vocab_size)
         return 4.0 * self.model.d_model / per_token
@@ -107,6 +107,8 @@ class RunConfig:
         cut = (
             "" if bottleneck is None else f", bottleneck {bottleneck} of {self.model.d_model} dims"
         )
+        if bottleneck is not None and self.model.bottleneck_tokens:
+            cut += " + token ids"
         if subspace is not None:
             cut = f", subspace {subspace} of {self.model.d_model} dims + token ids"
         grads = "" if self.gradient_codec == self.codec else f" (gradients {self.gradient_codec})"

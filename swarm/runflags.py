@@ -49,11 +49,19 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--bottleneck-init",
-        choices=("random", "orthogonal"),
+        choices=("random", "orthogonal", "scaled"),
         default="random",
         help="with --bottleneck-dim: start the down/up pair as independent random matrices, or as "
         "Q^T and Q for one orthonormal Q (a projection onto a subspace; measured worse than random on "
-        "tiny, see docs/compression.md)",
+        "tiny, see docs/compression.md), or random's pair stored at GPT-2's 0.02 scale times a fixed gain, so "
+        "AdamW moves it as fast relative to its size as the other weights",
+    )
+    group.add_argument(
+        "--bottleneck-tokens",
+        action="store_true",
+        help="with --bottleneck-dim: send the token ids (1 byte per token) beside the bottleneck, and let the "
+        "stage after each cut embed them itself, so the bottleneck carries only context (peers of older "
+        "versions refuse the run; see docs/compression.md)",
     )
     group.add_argument(
         "--subspace-dim",
@@ -105,7 +113,14 @@ def run_config_from_args(args: argparse.Namespace, pretrained: str | None = None
                 "--bottleneck-dim is for the built-in GPT presets, not Hugging Face models"
             )
         model = dataclasses.replace(
-            model, bottleneck_dim=args.bottleneck_dim, bottleneck_init=args.bottleneck_init
+            model,
+            bottleneck_dim=args.bottleneck_dim,
+            bottleneck_init=args.bottleneck_init,
+            bottleneck_tokens=args.bottleneck_tokens,
+        )
+    elif args.bottleneck_tokens:
+        raise ValueError(
+            "--bottleneck-tokens sends the token ids beside a bottleneck: give --bottleneck-dim too"
         )
     if args.subspace_dim is not None:
         if isinstance(model, HFModelConfig):

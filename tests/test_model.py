@@ -437,6 +437,40 @@ def test_an_orthogonal_bottleneck_starts_as_a_projection_shared_by_both_sides_of
         else:
             assert torch.equal(ours, theirs), name
     with pytest.raises(
-        ValueError, match="bottleneck_init must be one of random, orthogonal, got 'pca'"
+        ValueError, match="bottleneck_init must be one of random, orthogonal, scaled, got 'pca'"
     ):
         dataclasses.replace(random_init, bottleneck_init="pca")
+
+
+def test_a_scaled_bottleneck_is_the_random_one_at_init_and_moves_gain_times_faster_under_adamw():
+    random_init = ModelConfig(
+        d_model=32, n_heads=4, n_layers=3, seq_len=16, num_stages=3, bottleneck_dim=8, seed=5
+    )
+    scaled = dataclasses.replace(random_init, bottleneck_init="scaled")
+    ours, theirs = build_full_model(scaled), build_full_model(random_init)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(ids), theirs(ids), atol=1e-5, rtol=1e-5)  # the same function
+    down, up = ours.stages[0].bottleneck_out, ours.stages[1].bottleneck_in
+    assert down.gain == pytest.approx(1 / (0.02 * math.sqrt(32)))
+    assert up.gain == pytest.approx(1 / (0.02 * math.sqrt(8)))
+    # the stored weight has GPT-2's scale; the effective one is random's
+    torch.testing.assert_close(down.weight * down.gain, theirs.stages[0].bottleneck_out.weight)
+    # one AdamW step moves each stored weight by about lr: the effective weight moves gain times as far
+    lr = 1e-3
+    before = (down.weight * down.gain).detach().clone()
+    opt = torch.optim.AdamW(ours.parameters(), lr=lr, weight_decay=0.0)
+    ours.loss(ids[:, :-1], ids[:, 1:]).backward()
+    opt.step()
+    moved = (down.weight * down.gain - before).detach().abs()
+    assert float(moved.max()) == pytest.approx(lr * down.gain, rel=0.01)
+    # a version that knows only random and orthogonal refuses the run (its config check), rather than serve
+    # another model
+    with pytest.raises(ValueError, match="got 'scaled'"):
+        from swarm.model import config as model_config
+
+        saved = model_config.BOTTLENECK_INITS
+        model_config.BOTTLENECK_INITS = ("random", "orthogonal")
+        try:
+            ModelConfig.from_dict(scaled.to_dict())
+        finally:
+            model_config.BOTTLENECK_INITS = saved

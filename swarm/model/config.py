@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from swarm.model.hfconfig import HF_PRESETS, HFModelConfig
 from swarm.schema import parse_dataclass
 
-BOTTLENECK_INITS = ("random", "orthogonal")
+BOTTLENECK_INITS = ("random", "orthogonal", "scaled")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -21,8 +21,9 @@ class ModelConfig:
     """A byte-level GPT decoder of `n_layers` pre-LN blocks, cut into `num_stages` pipeline stages."""
 
     # the values of a record's "family" this class reads (swarm.schema): none
-    # (None, as it had no such field) and "gpt-subspace" (subspace_dim set; older versions refuse such a record)
-    FAMILIES: ClassVar[tuple[str | None, ...]] = (None, "gpt-subspace")
+    # (None, as it had no such field), "gpt-subspace" (subspace_dim set) and "gpt-bottleneck-tokens"
+    # (bottleneck_tokens set); older versions refuse a record of a family they do not list
+    FAMILIES: ClassVar[tuple[str | None, ...]] = (None, "gpt-subspace", "gpt-bottleneck-tokens")
 
     vocab_size: int = 256  # number of token ids; 256 = one token per byte
     d_model: int = 256  # width of the residual stream
@@ -38,8 +39,17 @@ class ModelConfig:
     # How the bottleneck pair starts: "random" (independent Gaussians: the pair maps the residual stream to an
     # unrelated random stream) or "orthogonal" (down = Q^T, up = Q for one orthonormal Q (d_model, bottleneck_dim)
     # per cut, so the pair starts as a projection onto a subspace and stage k+1 sees stage k's stream in it;
-    # measured worse than random on tiny, see docs/compression.md).
+    # measured worse than random on tiny, see docs/compression.md), or "scaled" (random's pair, stored as GPT-2's
+    # N(0, 0.02) weights times a fixed gain 1 / (0.02 sqrt(fan_in)) in the forward: the same function at init,
+    # but AdamW's steps, about lr per weight, move the pair as fast relative to its size as every other weight
+    # instead of sqrt(fan_in) * 0.02 times slower). Older versions refuse "scaled" (an unknown init).
     bottleneck_init: str = "random"
+    # With bottleneck_dim: the token ids cross each cut beside the bottleneck's values (1 byte per token for a
+    # vocabulary of 256), and the stage after the cut adds its own learned token and position embeddings
+    # (d_model wide) to the up projection's output. The stage before the cut sends down(h - e), e the embedding
+    # it added itself: the bottleneck carries only what its blocks wrote (delta coding against what the
+    # receiver rebuilds from the ids), never the token identity.
+    bottleneck_tokens: bool = False
     # Optional lossless cut of protocol models (swarm.model.subspace): every block of every stage but the last
     # writes only into one fixed orthonormal (d_model, subspace_dim) subspace U, and the token embedding is a fixed
     # seeded table plus a learned part in U, so the residual stream at a cut is fixed(token ids) + U z exactly:
@@ -68,6 +78,14 @@ class ModelConfig:
             )
         if self.subspace_dim is not None:
             self._check_subspace()
+        if not isinstance(self.bottleneck_tokens, bool):
+            raise ValueError(
+                f"ModelConfig.bottleneck_tokens must be a bool, got {self.bottleneck_tokens!r}"
+            )
+        if self.bottleneck_tokens and self.bottleneck_dim is None:
+            raise ValueError(
+                "ModelConfig.bottleneck_tokens sends the token ids beside a bottleneck: set bottleneck_dim too"
+            )
         if self.bottleneck_init not in BOTTLENECK_INITS:
             raise ValueError(
                 f"ModelConfig.bottleneck_init must be one of {', '.join(BOTTLENECK_INITS)}, "
@@ -107,12 +125,14 @@ class ModelConfig:
     def family(self) -> str | None:
         """The record's "family" (swarm.schema): "gpt-subspace" for the subspace cut, which a version that does
         not know it must refuse rather than read as the plain GPT; None (no key) for the plain GPT."""
+        if self.bottleneck_tokens:
+            return "gpt-bottleneck-tokens"
         return None if self.subspace_dim is None else "gpt-subspace"
 
     def takes_tokens(self, stage: int) -> bool:
         """Whether stage ``stage``'s input carries the token ids beside the activation (the subspace cut's
-        stages after the first rebuild the fixed embedding from them)."""
-        return self.subspace_dim is not None and stage > 0
+        stages after the first rebuild the fixed embedding from them; with bottleneck_tokens they embed them)."""
+        return (self.subspace_dim is not None or self.bottleneck_tokens) and stage > 0
 
     @property
     def head_dim(self) -> int:
@@ -169,6 +189,8 @@ class ModelConfig:
             cuts = self.num_stages - 1
             b = self.bottleneck_dim
             total += cuts * ((d * b + b) + (b * d + d))
+            if self.bottleneck_tokens:  # the token and position embeddings after each cut
+                total += cuts * (self.vocab_size + self.seq_len) * d
         if self.subspace_dim is not None:
             k = self.subspace_dim
             # the learned embeddings and the blocks' output projections before the last stage are k wide, not d

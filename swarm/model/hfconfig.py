@@ -152,6 +152,7 @@ class HFModelConfig:
         return self.d_model // self.n_heads
 
     bottleneck_dim: ClassVar[None] = None  # activations cross cuts at full width
+    bottleneck_tokens: ClassVar[bool] = False  # and without the token ids
     subspace_dim: ClassVar[None] = (
         None  # no subspace cut (swarm.model.subspace is the built-in GPT's)
     )

@@ -68,9 +68,19 @@ class Bottleneck(nn.Linear):
     residual stream (its part in the subspace) instead of from a random mix of it.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, cut: int) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, *, cut: int, scaled: bool = False
+    ) -> None:
         super().__init__(in_features, out_features)
         self.cut = cut
+        # "scaled": the weight is stored at N(0, INIT_STD) and multiplied by this fixed gain in the forward, so the
+        # effective weight starts as random's N(0, 1 / fan_in) but AdamW moves it gain times faster
+        self.gain = 1.0 / (INIT_STD * math.sqrt(in_features)) if scaled else 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gain == 1.0:
+            return super().forward(x)
+        return F.linear(x, self.weight * self.gain, self.bias)
 
 
 def cut_projection(config: ModelConfig, cut: int) -> Tensor:
@@ -105,11 +115,14 @@ def init_stage_parameters(
         for name, sub in module.named_modules():
             if isinstance(sub, Bottleneck):
                 # drawn either way, so every other parameter is the same under both inits
+                # (the same draws under every init, so every other parameter is the same too)
                 sub.weight.normal_(0.0, 1.0 / math.sqrt(sub.in_features), generator=generator)
+                sub.weight.div_(sub.gain)  # "scaled": stored / gain, the same effective weight
                 sub.bias.zero_()
                 if config.bottleneck_init == "orthogonal":
                     q = cut_projection(config, sub.cut)  # (d, b)
-                    sub.weight.copy_(q.T if sub.out_features == config.bottleneck_dim else q)
+                    # down is the stage's bottleneck_out (by name: at bottleneck_dim == d_model both shapes match)
+                    sub.weight.copy_(q.T if name.endswith("bottleneck_out") else q)
             elif isinstance(sub, nn.Linear):
                 std = residual_std if getattr(sub, "is_residual_projection", False) else INIT_STD
                 sub.weight.normal_(0.0, std, generator=generator)

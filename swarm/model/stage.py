@@ -2,7 +2,8 @@
 
 Stage 0 owns the token and position embeddings; the last stage owns the final LayerNorm, the head
 and the loss; every stage owns a contiguous run of blocks (`ModelConfig.stage_layers`). With
-`bottleneck_dim` set, activations cross each cut at that width through a learned pair of Linears; with
+`bottleneck_dim` set, activations cross each cut at that width through a learned pair of Linears (with
+`bottleneck_tokens` also the token ids, which the stage after the cut embeds itself); with
 `subspace_dim` set, every stage but the last works in the coordinates of one fixed subspace and the stages after
 the first take the token ids too (swarm.model.subspace).
 """
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from swarm.model.base import StageBase
 from swarm.model.config import AnyModelConfig, ModelConfig
 from swarm.model.hfconfig import HFModelConfig
-from swarm.model.layers import Block, Bottleneck, init_stage_parameters
+from swarm.model.layers import INIT_STD, Block, Bottleneck, init_stage_parameters
 from swarm.model.subspace import (
     SubspaceBlock,
     check_joined_tokens,
@@ -50,14 +51,23 @@ class Stage(StageBase):
             self.tok_emb = nn.Embedding(config.vocab_size, d)
             self.pos_emb = nn.Embedding(config.seq_len, d)
         elif config.bottleneck_dim is not None:
-            self.bottleneck_in = Bottleneck(config.bottleneck_dim, d, cut=index - 1)
+            self.bottleneck_in = Bottleneck(
+                config.bottleneck_dim, d, cut=index - 1, scaled=config.bottleneck_init == "scaled"
+            )
         self.blocks = nn.ModuleList(Block(config) for _ in config.stage_layers(index))
         if self.is_last:
             self.ln_f = nn.LayerNorm(d)
             # No weight tying: the embedding lives on stage 0, the head on the last stage.
             self.head = nn.Linear(d, config.vocab_size, bias=False)
         elif config.bottleneck_dim is not None:
-            self.bottleneck_out = Bottleneck(d, config.bottleneck_dim, cut=index)
+            self.bottleneck_out = Bottleneck(
+                d, config.bottleneck_dim, cut=index, scaled=config.bottleneck_init == "scaled"
+            )
+        self.takes_tokens = config.takes_tokens(index)
+        if self.takes_tokens:
+            # registered last, so every other parameter draws the same values as without them
+            self.cut_tok_emb = nn.Embedding(config.vocab_size, d)
+            self.cut_pos_emb = nn.Embedding(config.seq_len, d)
 
     def _init_subspace(self, config: ModelConfig) -> None:
         d, k = config.d_model, config.subspace_dim
@@ -125,10 +135,17 @@ class Stage(StageBase):
     def forward(self, x: Tensor) -> Tensor:
         if self.config.subspace_dim is not None:
             return self._forward_subspace(x)
+        # the token and position embedding this stage added to the stream, if it did
+        embedded = None
         if self.is_first:
             T = x.shape[1]
             positions = torch.arange(T, device=x.device)  # (T,)
-            h = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, D)
+            h = embedded = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, D)
+        elif self.takes_tokens:  # bottleneck_tokens: the ids ride in the last coordinate
+            x, ids = split_tokens(x)  # (B, T, b), (B, T)
+            positions = torch.arange(x.shape[1], device=x.device)  # (T,)
+            embedded = self.cut_tok_emb(ids) + self.cut_pos_emb(positions)  # (B, T, D)
+            h = self.bottleneck_in(x) + embedded  # (B, T, D)
         elif self.config.bottleneck_dim is not None:
             h = self.bottleneck_in(x)  # (B, T, b) -> (B, T, D)
         else:
@@ -137,6 +154,9 @@ class Stage(StageBase):
             h = block(h)  # (B, T, D)
         if self.is_last:
             return self.head(self.ln_f(h))  # (B, T, V)
+        if self.config.bottleneck_tokens:
+            # the receiver embeds the ids itself: the bottleneck carries only what the blocks wrote
+            return self.bottleneck_out(h - embedded)  # (B, T, b)
         if self.config.bottleneck_dim is not None:
             return self.bottleneck_out(h)  # (B, T, b)
         return h
@@ -178,8 +198,26 @@ def build_stage(
     stage.to_empty(device="cpu")
     generator = torch.Generator(device="cpu").manual_seed(stage_seed(config, index))
     init_stage_parameters(stage, config, generator)
+    if config.bottleneck_tokens:
+        _same_embedding_on_both_sides(stage, config)
     stage.fill_fixed()
     return stage.to(device)
+
+
+def _same_embedding_on_both_sides(stage: Stage, config: ModelConfig) -> None:
+    """With bottleneck_tokens, stage 0's embeddings and every later stage's cut embeddings start as one table
+    (seeded by config.seed alone), so the receiver's rebuilt embedding starts as the sender's: with an identity
+    pair at the cut the split model starts as the unsplit one."""
+    digest = hashlib.sha256(f"swarm-cut-embedding:{config.seed}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    token = torch.randn(config.vocab_size, config.d_model, generator=generator) * INIT_STD
+    position = torch.randn(config.seq_len, config.d_model, generator=generator) * INIT_STD
+    pair = (
+        (stage.tok_emb, stage.pos_emb) if stage.is_first else (stage.cut_tok_emb, stage.cut_pos_emb)
+    )
+    with torch.no_grad():
+        pair[0].weight.copy_(token)
+        pair[1].weight.copy_(position)
 
 
 def empty_stage(

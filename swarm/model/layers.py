@@ -114,8 +114,7 @@ def init_stage_parameters(
     with torch.no_grad():
         for name, sub in module.named_modules():
             if isinstance(sub, Bottleneck):
-                # drawn either way, so every other parameter is the same under both inits
-                # (the same draws under every init, so every other parameter is the same too)
+                # drawn under every init, so every other parameter is the same under all of them
                 sub.weight.normal_(0.0, 1.0 / math.sqrt(sub.in_features), generator=generator)
                 sub.weight.div_(sub.gain)  # "scaled": stored / gain, the same effective weight
                 sub.bias.zero_()

@@ -299,6 +299,13 @@ class PeerClient:
         except InvalidRequest as e:
             # A malformed or wrong reply is the peer's fault, not ours: the caller bans it and goes elsewhere.
             raise BadReply(f"peer {self.endpoint} sent a bad reply: {e}") from None
+        except asyncio.CancelledError:
+            if not cancelled_at_its_deadline(call):
+                raise
+            raise TransportError(
+                f"peer {self.endpoint}: no reply within the call's deadline (gRPC cancelled the call as "
+                f"it expired)"
+            ) from None
         finally:
             if not done:
                 call.cancel()
@@ -313,6 +320,25 @@ class PeerClient:
                 )
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
+        except asyncio.CancelledError:
+            if not cancelled_at_its_deadline(call):
+                raise
+            raise TransportError(
+                f"peer {self.endpoint}: the commit was not confirmed within the call's deadline"
+            ) from None
+
+
+def cancelled_at_its_deadline(call) -> bool:
+    """Whether a CancelledError out of a streaming call's reply stands for the call expiring, not for this task
+    being cancelled. grpc.aio cancels a call whose request stream it finds already over when it writes the next
+    frame, and the reader then raises CancelledError instead of DEADLINE_EXCEEDED. It happens when a frozen
+    process (SIGSTOP, a swapped-out machine) wakes past its calls' deadlines: a trainer ended on it, instead of
+    retrying elsewhere."""
+    task = asyncio.current_task()
+    if task is not None and getattr(task, "cancelling", lambda: 0)():
+        return False  # this task is being cancelled (Python 3.11+ says so; 3.10 goes by the deadline alone)
+    remaining = call.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 def _check_header(expect: Expected, name: str, shape, dtype: torch.dtype, codec: str) -> None:

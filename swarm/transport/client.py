@@ -300,12 +300,8 @@ class PeerClient:
             # A malformed or wrong reply is the peer's fault, not ours: the caller bans it and goes elsewhere.
             raise BadReply(f"peer {self.endpoint} sent a bad reply: {e}") from None
         except asyncio.CancelledError:
-            if not cancelled_at_its_deadline(call):
-                raise
-            raise TransportError(
-                f"peer {self.endpoint}: no reply within the call's deadline (gRPC cancelled the call as "
-                f"it expired)"
-            ) from None
+            _raise_if_expired(call, f"peer {self.endpoint}: no reply within the call's deadline")
+            raise
         finally:
             if not done:
                 call.cancel()
@@ -321,11 +317,11 @@ class PeerClient:
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
         except asyncio.CancelledError:
-            if not cancelled_at_its_deadline(call):
-                raise
-            raise TransportError(
-                f"peer {self.endpoint}: the commit was not confirmed within the call's deadline"
-            ) from None
+            _raise_if_expired(
+                call,
+                f"peer {self.endpoint}: the commit was not confirmed within the call's deadline",
+            )
+            raise
 
 
 def cancelled_at_its_deadline(call) -> bool:
@@ -339,6 +335,14 @@ def cancelled_at_its_deadline(call) -> bool:
         return False  # this task is being cancelled (Python 3.11+ says so; 3.10 goes by the deadline alone)
     remaining = call.time_remaining()
     return remaining is not None and remaining <= 0
+
+
+def _raise_if_expired(call, message: str) -> None:
+    """Inside ``except asyncio.CancelledError`` around a streaming call's reads: the call's failure, retried
+    elsewhere, when gRPC cancelled it as it expired (see :func:`cancelled_at_its_deadline`); else nothing (the
+    caller re-raises the cancellation)."""
+    if cancelled_at_its_deadline(call):
+        raise TransportError(f"{message} (gRPC cancelled the call as it expired)") from None
 
 
 def _check_header(expect: Expected, name: str, shape, dtype: torch.dtype, codec: str) -> None:

@@ -241,6 +241,19 @@ def peers_on_hosts(group, run_id: str, addr_file, *run_flags: str):
     return peer
 
 
+def status_on_host(host, run_id: str, addr_file) -> dict:
+    """``swarm status --json`` of ``run_id`` run inside ``host``'s network namespace, as a user there runs it:
+    the document (schema: swarm.coordinator.status)."""
+    import json
+
+    status = host.run(
+        [sys.executable, "-m", "swarm", "status", "--run-id", run_id, "--json"]
+        + ["--initial-peers", f"@{addr_file}"],
+        timeout_s=120,
+    )
+    return json.loads(status.stdout.splitlines()[-1])
+
+
 # The trainer options the swarm tests share (TrainerConfig names): microbatches of 8, validation only at the
 # end, and a progress line per step, which tests wait on ("step N/").
 TEST_TRAINER = dict(microbatch_size=8, eval_every_steps=0, log_every_s=0)

@@ -10,9 +10,6 @@ SWARM_REQUIRE_ROOT_TESTS=1 (CI).
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 
 from deploy.netns import EmulatedNetwork
@@ -24,7 +21,7 @@ from swarm.coordinator.localswarm import (
     start_trainer,
     wait_ready,
 )
-from tests.conftest import peers_on_hosts
+from tests.conftest import peers_on_hosts, status_on_host
 
 pytestmark = [pytest.mark.swarm, pytest.mark.netns, pytest.mark.nat]
 
@@ -83,21 +80,7 @@ def test_peers_behind_nat_learn_whether_they_are_reachable(tmp_path):
         assert f"--announce-host {natted.public_address}" in line, line
         assert f"your call came from {natted.public_address}" in line, line
 
-        status = boot.run(
-            [
-                sys.executable,
-                "-m",
-                "swarm",
-                "status",
-                "--run-id",
-                "nat",
-                "--json",
-                "--initial-peers",
-                f"@{addr_file}",
-            ],
-            timeout_s=120,
-        )
-        document = json.loads(status.stdout.splitlines()[-1])
+        document = status_on_host(boot, "nat", addr_file)
         seen = {
             r["endpoint"].rsplit(":", 1)[0]: r["reachability"]
             for stage in document["stages"]

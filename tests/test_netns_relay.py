@@ -9,10 +9,8 @@ reason otherwise, a failure under SWARM_REQUIRE_ROOT_TESTS=1 (CI).
 
 from __future__ import annotations
 
-import json
 import re
 import signal
-import sys
 import time
 
 import pytest
@@ -26,7 +24,7 @@ from swarm.coordinator.localswarm import (
     start_trainer,
     wait_ready,
 )
-from tests.conftest import SOLO_PEER_FLAGS, TEST_TRAINER, peers_on_hosts
+from tests.conftest import SOLO_PEER_FLAGS, TEST_TRAINER, peers_on_hosts, status_on_host
 
 pytestmark = [pytest.mark.swarm, pytest.mark.netns, pytest.mark.nat]
 
@@ -145,12 +143,7 @@ def test_a_replica_behind_nat_averages_with_a_reachable_one_into_one_model(tmp_p
         # them, polled until both announce that step's digest (a replica rehashes in its step loop; each reading
         # is a process of its own), for at most a minute.
         def stage_1() -> dict:
-            status = boot.run(
-                [sys.executable, "-m", "swarm", "status", "--run-id", "nat-avg", "--json"]
-                + ["--initial-peers", f"@{addr_file}"],
-                timeout_s=120,
-            )
-            document = json.loads(status.stdout.splitlines()[-1])
+            document = status_on_host(boot, "nat-avg", addr_file)
             return next(s for s in document["stages"] if s["stage"] == 1)
 
         deadline = time.monotonic() + 60

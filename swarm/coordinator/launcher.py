@@ -18,11 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm.coordinator import forkserver
+
 
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | forkserver.ForkedProcess
     log_path: Path
     lines: list[str] = field(default_factory=list)
     changed: threading.Condition = field(default_factory=threading.Condition)
@@ -100,16 +102,21 @@ class ProcessGroup:
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "a", buffering=1)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        popen = subprocess.Popen(
-            list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=full_env,
-            start_new_session=True,
-            text=True,
-            bufsize=1,
-        )
+        argv = list(argv)
+        if argv[:3] == [sys.executable, "-m", "swarm"] and forkserver.enabled():
+            # the same process, forked from one that imported torch and hivemind already (tests set this)
+            popen = forkserver.shared().start(argv[3:], env=full_env)
+        else:
+            popen = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                start_new_session=True,
+                text=True,
+                bufsize=1,
+            )
         proc = Proc(name, popen, log_path)
         show = self.echo if echo is None else echo
 

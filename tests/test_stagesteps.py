@@ -162,3 +162,59 @@ def test_holdings_are_kept_only_while_bounded_and_forgotten_once_stepped_on():
     holdings.add(1, 0, "b", "old", never)
     holdings.prune(1, lambda peer: steps.get(peer, 0))
     assert [h.microbatch_id for h in holdings.held_by(1, {"a", "b"})] == ["mb3", "mb4", "mb5"]
+
+
+@pytest.mark.integration
+def test_a_replica_holding_samples_of_the_batch_is_counted_when_its_record_has_expired(
+    peers, loop_thread
+):
+    """Closing a batch, the trainer asks a replica that counted microbatches of it at the address of its last record
+    even when the record is not listed now (on a loaded machine it expires between heartbeats): it answers, so it
+    is counted and told the count, and its peers' group waits for it (bench/soak.py lost its samples before)."""
+    a, b = peers(RUN_ID, 1), peers(RUN_ID, 1)
+    closes: dict[str, list[tuple[int, int]]] = {a.peer_id: [], b.peer_id: []}
+    for peer in (a, b):
+        peer.executor.close_batch = lambda step, replicas=0, _id=peer.peer_id: closes[_id].append(
+            (step, replicas)
+        )
+    rec_a, rec_b = (
+        dataclasses.replace(
+            _record(p.peer_id, 1, step=0, averaging=True),
+            endpoint=p.address.endpoint,
+            tls_cert=p.address.tls_cert,
+        )
+        for p in (a, b)
+    )
+    holdings = Holdings(num_stages=2)
+    holdings.enabled = True
+
+    async def never() -> str:
+        raise AssertionError("a live replica's part is not computed again")
+
+    holdings.add(1, 1, a.peer_id, "mb-a", never)
+    holdings.add(1, 1, b.peer_id, "mb-b", never)
+
+    async def close() -> None:
+        async def refresh() -> None:
+            pass
+
+        clients = ClientPool()
+        records = [{}, {rec_a.peer_id: rec_a, rec_b.peer_id: rec_b}]
+        steps = StageSteps(
+            records, clients, RUN_ID, refresh=refresh, refresh_s=1.0, holdings=holdings
+        )
+        try:
+            await steps.close_batch([None, 0])  # both listed
+            del records[1][
+                rec_b.peer_id
+            ]  # b's record expired between heartbeats; b lives and holds samples
+            await steps.close_batch([None, 1])
+            # a replica that holds nothing of the batch is not looked for beyond the records
+            await steps.close_batch([None, 2])
+        finally:
+            await clients.close()
+
+    loop_thread.run(close())
+    assert closes[a.peer_id] == [(0, 2), (1, 2), (2, 0)]
+    assert closes[b.peer_id] == [(0, 2), (1, 2)]
+    assert holdings.redone == 0

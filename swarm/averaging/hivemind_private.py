@@ -142,8 +142,10 @@ class BatchTracker(ProgressTracker):
     step on part of a batch and split the rest over the next step."""
 
     batch_closed = False
-    # the stage's replicas (not clients) whose records stand at the stage's step, this replica's own included
+    # the stage's replicas (not clients) whose records stand at the stage's step, this replica's own included, and
+    # those one step behind it (still finishing the step before, or their record a heartbeat late)
     peers_at_epoch = 0
+    peers_one_behind = 0
 
     # Private override: the only place the tracker reads every replica's record; hivemind keeps only the totals.
     def _parse_swarm_progress_data(self, metadata):
@@ -155,6 +157,7 @@ class BatchTracker(ProgressTracker):
             if isinstance(entry.value, dict) and not entry.value.get("client_mode")
         ]
         self.peers_at_epoch = sum(1 for epoch in epochs if epoch == progress.epoch)
+        self.peers_one_behind = sum(1 for epoch in epochs if epoch == progress.epoch - 1)
         return progress
 
     @property

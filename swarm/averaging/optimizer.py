@@ -340,14 +340,21 @@ class HivemindStageOptimizer:
     def _expected_group(self) -> int:
         """The replicas this step's all-reduce group should hold: the trainer's count of the stage's replicas that
         answered it (``close_batch``; before this batch's close, its last count) or the replicas whose progress
-        records stand at this step (a frozen one among them: the group waits for it up to ``group_wait_s``),
-        whichever is higher. Under 2: not known."""
+        records stand at this step or the one before (a frozen one among them: the group waits for it up to
+        ``group_wait_s``), whichever is higher. Under 2: not known."""
         # Whichever is higher: a group sized below the replicas that hold samples of the batch starts at once and
         # leaves one out (the trainer's records of a live replica expire between heartbeats on a loaded machine, and
         # a replica still finishing the last step reports this one a moment later). A count too high (a killed
         # replica's progress record outlives it by up to progress_ttl_s) costs at most group_wait_s.
+        # A replica one step behind is counted too: it is still finishing the step before (or its record is a
+        # heartbeat late) and joins in a moment; sized without it, the group of the others assembled at once and it
+        # lost its samples of the batch (the largest cause of lost samples in bench/soak.py).
         tracker = self.opt.tracker
-        at_step = tracker.peers_at_epoch if tracker.global_epoch == self.step else 0
+        at_step = (
+            tracker.peers_at_epoch + tracker.peers_one_behind
+            if tracker.global_epoch == self.step
+            else 0
+        )
         return max(at_step, self._replicas.get(self.step, 0) or self._recent_count())
 
     def _recent_count(self) -> int:

@@ -65,6 +65,10 @@ class Holdings:
         """``peer`` drains: it hands in what it holds itself (never computed again here)."""
         self._held[stage] = [h for h in self._held[stage] if h.peer != peer]
 
+    def holders(self, stage: int, batch_step: int) -> set[str]:
+        """The replicas of ``stage`` that counted gradients of batch ``batch_step``."""
+        return {h.peer for h in self._held[stage] if h.batch_step == batch_step and h.peer}
+
     def held_by(self, stage: int, peers: set[str]) -> list[Held]:
         return [h for h in self._held[stage] if h.peer in peers]
 

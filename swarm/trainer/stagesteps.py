@@ -62,6 +62,9 @@ class StageSteps:
         self._gone: set[str] = set()
         # (stage, peer id) of replicas seen draining their stage (a drain ends in leaving it)
         self._draining: set[tuple[int, str]] = set()
+        # (stage, peer id) -> the last record seen of each replica: a replica holding samples of a batch being closed
+        # is asked even when its record has expired between heartbeats (see close_batch)
+        self._last_records: dict[tuple[int, str], StageRecord] = {}
 
     def replied(self, stage: int, step: int, peer: str | None = None) -> None:
         """A reply of ``stage`` said its replica (``peer``, if known) is at optimizer step ``step``: the trainer
@@ -183,6 +186,9 @@ class StageSteps:
             for record in list(self.records[stage].values())
             if record.state in (PeerState.SERVING, PeerState.DRAINING)
         ]
+        for stage, record in targets:
+            self._last_records[(stage, record.peer_id)] = record
+        targets += self._unlisted_holders(batch_steps)
 
         async def alive(stage: int, record: StageRecord) -> bool | str | None:
             """True: it answered as a replica of ``stage``. False: it answered as something else (moved, starting).
@@ -251,6 +257,24 @@ class StageSteps:
         await asyncio.gather(
             *(close(*target) for target, ok in zip(targets, answered) if ok is True)
         )
+
+    def _unlisted_holders(self, batch_steps: list[int | None]) -> list[tuple[int, StageRecord]]:
+        """Replicas that counted microbatches of the batch being closed (the holdings say so) but whose records are
+        not listed now, at the address of their last record. On a loaded machine a live replica's record expires
+        between its heartbeats: left out of the count, the group its peers were told to expect assembled without
+        it and its samples of the batch were lost (bench/soak.py). Asked like the others, it is counted if it
+        answers, and found gone (its part computed again) if its address refuses."""
+        if self.holdings is None or not self.holdings.enabled:
+            return []
+        out = []
+        for stage, batch_step in enumerate(batch_steps):
+            if batch_step is None:
+                continue
+            for peer in self.holdings.holders(stage, batch_step) - set(self.records[stage]):
+                record = self._last_records.get((stage, peer))
+                if record is not None and peer not in self._gone:
+                    out.append((stage, record))
+        return out
 
     def _one_left(self, stage: int) -> bool:
         """Whether a replica this trainer saw in ``stage`` is known to have left it: its address refused (the process

@@ -8,12 +8,13 @@ with the environment, working directory, argv and standard output (a pipe) the c
 shared, copy-on-write. :class:`ForkedProcess` gives the caller what :class:`subprocess.Popen` would (pid, stdout,
 poll, wait, send_signal, returncode), so :class:`swarm.coordinator.launcher.ProcessGroup` treats both alike.
 
-Opt-in (``SWARM_FORK_SERVER=1``: the test suite sets it): ``swarm demo`` and the benchmarks start plain
-processes, whose start-up cost is part of what they show. The server is single-threaded (it forks; a forking
-process must not run other Python threads), serves requests from one select loop and reports each child's exit
-status on the connection that asked for it. It exits when its caller's end of its stdin closes (the caller exited,
-however), so it never outlives the process that started it; children outlive it only as long as their process
-group does (the launcher kills groups).
+Opt-in (:func:`enable`, which the test suite calls, or ``SWARM_FORK_SERVER=1``; ``SWARM_FORK_SERVER=0`` turns it
+off): ``swarm demo`` and the benchmarks start plain processes, whose start-up cost is part of what they show.
+
+The server is single-threaded (it forks; a forking process must not run other Python threads), serves requests
+from one select loop and reports each child's exit status on the connection that asked for it. It exits when its
+caller's end of its stdin closes (the caller exited, however), so it never outlives the process that started it;
+children outlive it only as long as their process group does (the launcher kills groups).
 
 Wire format, each way on a Unix stream socket: one JSON line. Request ``{"argv": [...], "env": {...}, "cwd": ...}``
 with the write end of the child's stdout pipe passed as SCM_RIGHTS; replies ``{"pid": N}`` once forked and
@@ -56,8 +57,20 @@ PRELOAD = (
 )
 
 
+_enabled = False
+
+
+def enable() -> None:
+    """Fork this process's ``python -m swarm`` children from now on (the test suite calls it). Unlike setting
+    ``SWARM_FORK_SERVER=1``, it is not inherited: a ``swarm demo`` a test starts still starts plain processes."""
+    global _enabled
+    _enabled = True
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
+    if os.environ.get(ENV) == "0":
+        return False
+    return _enabled or os.environ.get(ENV, "") not in ("", "0")
 
 
 # --- the server -----------------------------------------------------------------------------------------------

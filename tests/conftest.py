@@ -12,16 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from swarm.coordinator import forkserver
 from swarm.coordinator.localswarm import LocalSwarm, Where, start_peer
 
 # Tests run several processes on 2 cores: keep each one's torch to a single thread, whatever the caller
 # exported (the throughput and timing figures the tests compare assume it).
 os.environ["OMP_NUM_THREADS"] = "1"
-# `python -m swarm` processes the tests start through the launcher are forked from one that imported torch and
-# hivemind already (swarm.coordinator.forkserver): each saves ~4.5 CPU-seconds of imports. This process only (a
-# `swarm demo` a test starts still starts plain processes); SWARM_FORK_SERVER=0 starts them all fresh.
-forkserver.enable()
 
 # --- tiers ------------------------------------------------------------------------------------------------
 # Every test is in exactly one tier (README "Three test tiers"), which its module names with

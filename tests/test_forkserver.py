@@ -57,10 +57,7 @@ def test_signals_reach_the_child_and_its_exit_status_says_which(server, tmp_path
 
 
 def test_the_launcher_forks_swarm_commands_when_enabled(monkeypatch, tmp_path):
-    monkeypatch.delenv(forkserver.ENV, raising=False)
-    assert (
-        forkserver.enabled()
-    )  # tests/conftest.py enabled it for this process, not for its children
+    monkeypatch.setenv(forkserver.ENV, "1")
     with ProcessGroup(tmp_path) as group:
         proc = group.swarm("version", "--version")
         assert isinstance(proc.popen, forkserver.ForkedProcess)

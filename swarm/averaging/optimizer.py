@@ -103,6 +103,7 @@ class HivemindStageOptimizer:
         self._group_sized: tuple[int, int] | None = None
         self._handed = 0  # samples this replica put into the step under way
         self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
+        self._regrouped_at = 0.0
         self._beside_others = False  # see _begin_step
         # (step, when this replica first saw its batch closed): for the step's log line
         self._closed_at = (-1, 0.0)
@@ -299,6 +300,26 @@ class HivemindStageOptimizer:
         if alone and forming:
             control.cancel()
             opt.scheduled_grads, live, forming = None, False, False
+        # since the batch closed, or since its all-reduce failed and this replica looked for a new group (_regroup)
+        looking_since = max(
+            self._closed_at[1], self._regrouped_at if self._regrouped == self.step else 0.0
+        )
+        if (
+            forming
+            and self._closed_at[0] == self.step
+            and time.perf_counter() - looking_since > self.config.averaging_timeout_s
+        ):
+            # Matchmaking has its own deadline, but a groupmate frozen after it let this replica into its group holds
+            # it far longer (minutes, until the groupmate thaws: tests/test_averaging.py's frozen replica). The batch
+            # is closed: step without a group (and reload, see _finish_step) rather than stall the stage.
+            logger.warning(
+                "stage %d: no all-reduce group for step %d within %.0fs; stepping without one",
+                self.stage_index,
+                self.step,
+                self.config.averaging_timeout_s,
+            )
+            control.cancel()
+            opt.scheduled_grads, live, forming = None, False, False
         grouped = live and not forming
         if tracker.global_epoch > self.step and not grouped:
             # A peer already stepped past this replica's step and this replica is in no group: groups only join
@@ -417,7 +438,7 @@ class HivemindStageOptimizer:
             or not (failed or self._partial.count.value > partial)
         ):
             return False
-        self._regrouped = self.step
+        self._regrouped, self._regrouped_at = self.step, time.perf_counter()
         logger.warning(
             "stage %d: the all-reduce of step %d %s; looking for a new group with the same %d samples",
             self.stage_index,

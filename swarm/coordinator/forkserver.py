@@ -8,7 +8,7 @@ with the environment, working directory, argv and standard output (a pipe) the c
 shared, copy-on-write. :class:`ForkedProcess` gives the caller what :class:`subprocess.Popen` would (pid, stdout,
 poll, wait, send_signal, returncode), so :class:`swarm.coordinator.launcher.ProcessGroup` treats both alike.
 
-Opt-in (:func:`enable`, which the test suite calls, or ``SWARM_FORK_SERVER=1``; ``SWARM_FORK_SERVER=0`` turns it
+Opt-in (:func:`enable`, or ``SWARM_FORK_SERVER=1`` for the tests; ``SWARM_FORK_SERVER=0`` turns it
 off): ``swarm demo`` and the benchmarks start plain processes, whose start-up cost is part of what they show.
 
 The server is single-threaded (it forks; a forking process must not run other Python threads), serves requests
@@ -61,7 +61,7 @@ _enabled = False
 
 
 def enable() -> None:
-    """Fork this process's ``python -m swarm`` children from now on (the test suite calls it). Unlike setting
+    """Fork this process's ``python -m swarm`` children from now on. Unlike setting
     ``SWARM_FORK_SERVER=1``, it is not inherited: a ``swarm demo`` a test starts still starts plain processes."""
     global _enabled
     _enabled = True

@@ -45,7 +45,11 @@ from swarm.proto import PROTOCOL_VERSION  # noqa: E402
 from swarm.proto import swarm_pb2 as pb  # noqa: E402
 from swarm.transport.channel import GRPC_OPTIONS  # noqa: E402
 from swarm.transport.client import PeerClient  # noqa: E402
-from swarm.transport.security import PeerAddress  # noqa: E402
+from swarm.transport.security import (  # noqa: E402
+    PeerAddress,
+    open_channel,
+    server_credentials,
+)
 
 SEQ_LEN, WIDTH = 128, 256  # activation shape (B, SEQ_LEN, WIDTH): W1's cut
 BYTES_PER_SAMPLE = SEQ_LEN * WIDTH * 4  # float32: 128 KiB per sequence
@@ -55,6 +59,9 @@ PROBE_MODEL = ModelConfig(
 RUN_ID = "bench-hop"
 STAGE = 1  # the middle stage: float activations in and out
 RAW = "raw gRPC"  # the floor: bytes echoed by a bare grpc.aio server, no swarm code on either side
+# the same over TLS with the peer's own certificate and key: the floor for a peer serving TLS (the default)
+RAW_TLS = "raw gRPC TLS"
+RAWS = (RAW, RAW_TLS)
 CHUNK_BYTES = 1 << 20  # the transport's default segment size
 ECHO_METHOD = "/bench.Echo/Stream"
 
@@ -153,7 +160,10 @@ class ComputeTimer:
 
 
 async def round_trips(
-    peer_address: PeerAddress, echo_endpoint: str, cases: list[Case], warmup: int
+    peer_address: PeerAddress,
+    echo_endpoints: dict[str, PeerAddress],
+    cases: list[Case],
+    warmup: int,
 ) -> list[tuple[list[str], list[float]]]:
     """For each case (all of one size): (microbatch ids, round-trip seconds) of its timed calls.
 
@@ -162,8 +172,9 @@ async def round_trips(
     client = PeerClient(peer_address)
     results: list[tuple[list[str], list[float]]] = [([], []) for _ in cases]
     try:
-        async with grpc.aio.insecure_channel(echo_endpoint, options=GRPC_OPTIONS) as echo_channel:
-            echo = echo_channel.stream_stream(ECHO_METHOD)
+        channels = {raw: open_channel(address) for raw, address in echo_endpoints.items()}
+        try:
+            echoes = {raw: channel.stream_stream(ECHO_METHOD) for raw, channel in channels.items()}
             # (B, T, W)
             inputs = [
                 torch.randn(c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0))
@@ -175,14 +186,17 @@ async def round_trips(
                         continue
                     mb_id = f"{case.codec}-{case.size_mib:g}-{i}"
                     t0 = time.perf_counter()
-                    if case.codec == RAW:
-                        await echo_call(echo, x)
+                    if case.codec in RAWS:
+                        await echo_call(echoes[case.codec], x)
                     else:
                         await forward_call(client, case, mb_id, x)
                     rtt = time.perf_counter() - t0
                     if i >= warmup:
                         ids.append(mb_id)
                         rtts.append(rtt)
+        finally:
+            for channel in channels.values():
+                await channel.close()
     finally:
         await client.close()
     return results
@@ -219,7 +233,9 @@ async def echo_call(echo, x: torch.Tensor) -> None:
         raise RuntimeError(f"the echo server returned {received} of {len(payload)} bytes")
 
 
-async def start_echo_server() -> tuple[grpc.aio.Server, str]:
+async def start_echo_server(
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, str]:
     """A bare grpc.aio server (same options as the peer's) that reads a whole stream of byte chunks, then
     streams them back, like a peer that must have its whole input before it can compute."""
 
@@ -237,13 +253,16 @@ async def start_echo_server() -> tuple[grpc.aio.Server, str]:
             ),
         )
     )
-    port = server.add_insecure_port("127.0.0.1:0")
+    if credentials is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", credentials)
     await server.start()
     return server, f"127.0.0.1:{port}"
 
 
 def wire_mib(case: Case) -> float:
-    if case.codec == RAW:
+    if case.codec in RAWS:
         return case.size_mib
     flat = torch.randn(case.batch * SEQ_LEN * WIDTH, generator=torch.Generator().manual_seed(0))
     return len(get_codec(case.codec).encode(flat)) / (1 << 20)
@@ -251,17 +270,19 @@ def wire_mib(case: Case) -> float:
 
 def build_cases(args) -> list[Case]:
     codecs = [c for c in args.codecs.split(",") if c]
-    unknown = sorted(set(codecs) - set(CODEC_NAMES) - {RAW})
+    unknown = sorted(set(codecs) - set(CODEC_NAMES) - set(RAWS))
     if unknown:
         raise SystemExit(
             f"unknown codecs {unknown}; swarm.compression.CODEC_NAMES = {list(CODEC_NAMES)}"
         )
     # one sequence: the fixed cost per call
+    sizes = {float(s) for s in args.sizes.split(",") if s}
     cases = [
-        Case(size_mib=0.125, codec=c, repeats=args.repeats) for c in ("none", RAW) if c in codecs
+        Case(size_mib=0.125, codec=c, repeats=args.repeats) for c in ("none", *RAWS) if c in codecs
     ]
     cases += [Case(size_mib=1, codec=c, repeats=args.repeats) for c in codecs]
     cases += [Case(size_mib=16, codec=c, repeats=max(5, args.repeats // 3)) for c in codecs]
+    cases = [c for c in cases if c.size_mib in sizes]
     if args.big_mib:
         cases.append(Case(size_mib=args.big_mib, codec="none", repeats=max(3, args.repeats // 15)))
     return cases
@@ -275,11 +296,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each case")
     parser.add_argument(
         "--codecs",
-        default=",".join([*CODEC_NAMES, RAW]),
-        help=f"comma-separated codec names; '{RAW}' = the bare gRPC floor",
+        default=",".join([*CODEC_NAMES, *RAWS]),
+        help=f"comma-separated codec names; '{RAW}' = the bare gRPC floor, '{RAW_TLS}' the same over TLS",
+    )
+    parser.add_argument(
+        "--sizes",
+        default="0.125,1,16",
+        help="comma-separated activation sizes in MiB among 0.125, 1 and 16 (--big-mib adds one more)",
     )
     parser.add_argument(
         "--big-mib", type=int, default=64, help="one larger size with codec none (0 = skip)"
+    )
+    parser.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="serve the peer without TLS (PeerConfig.plaintext); the default serves TLS, as peers do",
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "hop_overhead.md")
     args = parser.parse_args()
@@ -288,7 +319,11 @@ def main() -> None:
     info = RunInfo(command=command)
     cases = build_cases(args)
     peer_config = PeerConfig(
-        run_id=RUN_ID, stage=STAGE, threads=1, max_microbatch_size=max(c.batch for c in cases)
+        run_id=RUN_ID,
+        stage=STAGE,
+        threads=1,
+        max_microbatch_size=max(c.batch for c in cases),
+        plaintext=args.plaintext,
     )
     # eval_only calls never step anyway
     run = RunConfig(model=PROBE_MODEL, target_batch_size=1 << 30)
@@ -303,20 +338,30 @@ def main() -> None:
             f"peer serves stage {STAGE} of the probe model at {peer.endpoint}; {len(cases)} cases",
             flush=True,
         )
-        echo_server, echo_endpoint = server_loop.run(start_echo_server())
+        echo_servers, echo_endpoints = [], {}
+        for raw in RAWS:
+            tls = raw == RAW_TLS
+            if raw not in args.codecs.split(",") or (tls and args.plaintext):
+                continue
+            credentials = server_credentials(peer.identity, peer.tls_cert) if tls else None
+            server, endpoint = server_loop.run(start_echo_server(credentials))
+            echo_servers.append(server)
+            echo_endpoints[raw] = PeerAddress(endpoint, "", peer.tls_cert if tls else "")
+        cases = [c for c in cases if c.codec not in RAWS or c.codec in echo_endpoints]
         try:
             # sizes in order; codecs interleaved within
             for size in dict.fromkeys(c.size_mib for c in cases):
                 group = [c for c in cases if c.size_mib == size]
                 measured = client_loop.run(
-                    round_trips(peer.address, echo_endpoint, group, args.warmup)
+                    round_trips(peer.address, echo_endpoints, group, args.warmup)
                 )
                 for case, (ids, rtts) in zip(group, measured):
-                    compute = [0.0 if case.codec == RAW else timer.seconds[i] for i in ids]
+                    compute = [0.0 if case.codec in RAWS else timer.seconds[i] for i in ids]
                     rows.append(Row(case, wire_mib(case), rtts, compute))
                     print(markdown_table(HEADERS, [rows[-1].cells()]).splitlines()[-1], flush=True)
         finally:
-            server_loop.run(echo_server.stop(1.0))
+            for server in echo_servers:
+                server_loop.run(server.stop(1.0))
     finally:
         if peer is not None:
             with contextlib.suppress(Exception):
@@ -329,6 +374,7 @@ def main() -> None:
         "torch threads: peer compute 1 (PeerConfig.threads); encode/decode on the event loop for a tensor of "
         "one segment (1 MiB), on each loop's default thread pool for several segments of >= 256 KiB",
         "client and peer in one process, two event-loop threads (uvloop), loopback gRPC",
+        "peer serves " + ("plaintext (--plaintext)" if args.plaintext else "TLS (the default)"),
     ]
     table = markdown_table(HEADERS, [row.cells() for row in rows], right_align_from=2)
     one = {r.case.codec: r for r in rows if r.case.size_mib == 1}
@@ -347,6 +393,9 @@ def main() -> None:
         "grpc.aio server with the peer's channel options and no swarm code: no protobuf frames, codec, "
         "validation, thread hops or compute. It is the floor for this Python gRPC stack; swarm's overhead "
         "above it is what the transport itself adds.",
+        f"`{RAW_TLS}`: the same echo over TLS, served with the peer's own key and certificate and dialled "
+        "with the peer's channel (`open_channel`, the certificate pinned): the floor for a peer that serves "
+        "TLS, as peers do unless started with --plaintext.",
     ]
     if "none" in one and percentile(one["none"].overhead_s, 50) > 0:
         base = percentile(one["none"].overhead_s, 50)
@@ -354,13 +403,20 @@ def main() -> None:
             f"{c} {percentile(r.overhead_s, 50) / base:.2f}x" for c, r in one.items() if c != "none"
         )
         notes.append(f"1 MiB overhead relative to codec none, same run: {ratios}.")
-    if RAW in one and percentile(one[RAW].overhead_s, 50) > 0:
-        floor = percentile(one[RAW].overhead_s, 50)
+    for raw in RAWS:
+        if raw not in one or percentile(one[raw].overhead_s, 50) <= 0:
+            continue
+        floor = percentile(one[raw].overhead_s, 50)
         ratios = ", ".join(
-            f"{c} {percentile(r.overhead_s, 50) / floor:.2f}x" for c, r in one.items() if c != RAW
+            f"{c} {percentile(r.overhead_s, 50) / floor:.2f}x"
+            for c, r in one.items()
+            if c not in RAWS
         )
+        same = (raw == RAW_TLS) != args.plaintext
         notes.append(
-            f"1 MiB overhead relative to raw gRPC (the issue's bound: <= 1.5x), same run: {ratios}."
+            f"1 MiB overhead relative to {raw}"
+            + (" (the same stack as the peer's: the issue's bound, <= 1.5x)" if same else "")
+            + f", same run: {ratios}."
         )
     body = "\n".join([table, "", *(f"- {n}" for n in notes)])
     path = write_result(

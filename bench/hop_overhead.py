@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import shlex
 import sys
 import threading
 import time
@@ -315,7 +316,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "hop_overhead.md")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    command = ".venv/bin/python bench/hop_overhead.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = ".venv/bin/python bench/hop_overhead.py" + "".join(
+        f" {shlex.quote(a)}" for a in sys.argv[1:]
+    )
     info = RunInfo(command=command)
     cases = build_cases(args)
     peer_config = PeerConfig(

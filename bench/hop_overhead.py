@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import shlex
 import sys
 import threading
@@ -165,13 +166,14 @@ async def round_trips(
     echo_endpoints: dict[str, PeerAddress],
     cases: list[Case],
     warmup: int,
-) -> list[tuple[list[str], list[float]]]:
-    """For each case (all of one size): (microbatch ids, round-trip seconds) of its timed calls.
+) -> list[tuple[list[str], list[float], list[float]]]:
+    """For each case (all of one size): (microbatch ids, round-trip seconds, compute seconds the peer's reply
+    reported: ``ReplyMeta.compute_s``) of its timed calls.
 
     The cases take turns call by call (none, fp16, bf16, int8, raw gRPC, none, ...), so a burst of load from
     other processes hits every codec alike and their ratios stay comparable."""
     client = PeerClient(peer_address)
-    results: list[tuple[list[str], list[float]]] = [([], []) for _ in cases]
+    results: list[tuple[list[str], list[float], list[float]]] = [([], [], []) for _ in cases]
     try:
         channels = {raw: open_channel(address) for raw, address in echo_endpoints.items()}
         try:
@@ -182,19 +184,21 @@ async def round_trips(
                 for c in cases
             ]
             for i in range(warmup + max(c.repeats for c in cases)):
-                for case, x, (ids, rtts) in zip(cases, inputs, results):
+                for case, x, (ids, rtts, reported) in zip(cases, inputs, results):
                     if i >= warmup + case.repeats:
                         continue
                     mb_id = f"{case.codec}-{case.size_mib:g}-{i}"
                     t0 = time.perf_counter()
+                    compute_s = 0.0
                     if case.codec in RAWS:
                         await echo_call(echoes[case.codec], x)
                     else:
-                        await forward_call(client, case, mb_id, x)
+                        compute_s = await forward_call(client, case, mb_id, x)
                     rtt = time.perf_counter() - t0
                     if i >= warmup:
                         ids.append(mb_id)
                         rtts.append(rtt)
+                        reported.append(compute_s)
         finally:
             for channel in channels.values():
                 await channel.close()
@@ -203,7 +207,10 @@ async def round_trips(
     return results
 
 
-async def forward_call(client: PeerClient, case: Case, microbatch_id: str, x: torch.Tensor) -> None:
+async def forward_call(
+    client: PeerClient, case: Case, microbatch_id: str, x: torch.Tensor
+) -> float:
+    """One eval-only Forward; returns the compute seconds the peer's reply reports."""
     meta = pb.RequestMeta(
         protocol_version=PROTOCOL_VERSION,
         run_id=RUN_ID,
@@ -218,6 +225,7 @@ async def forward_call(client: PeerClient, case: Case, microbatch_id: str, x: to
         raise RuntimeError(
             f"the peer answered shape {list(reply.tensors['output'].shape)} to {list(x.shape)}"
         )
+    return reply.meta.compute_s
 
 
 async def echo_call(echo, x: torch.Tensor) -> None:
@@ -260,6 +268,33 @@ async def start_echo_server(
         port = server.add_secure_port("127.0.0.1:0", credentials)
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+def serve_peer_process(conn, peer_config: PeerConfig, run: RunConfig, raws: list[str]) -> None:
+    """``--peer-process``: the peer and the echo servers in a process of their own, as on another host. Sends
+    (the peer's address, the echo servers' addresses) through ``conn``, then serves until ``conn`` says stop."""
+    logging.basicConfig(level=logging.WARNING)
+    # a spawned child inherits "spawn" as its start method; the peer's DHT process forks, as in `swarm peer`
+    multiprocessing.set_start_method("fork", force=True)
+    loop = LoopThread("peer-loop")
+    servers = []
+    peer = loop.run(Peer.create(peer_config, run=run))
+    try:
+        endpoints = {}
+        for raw in raws:
+            tls = raw == RAW_TLS
+            credentials = server_credentials(peer.identity, peer.tls_cert) if tls else None
+            server, endpoint = loop.run(start_echo_server(credentials))
+            servers.append(server)
+            endpoints[raw] = PeerAddress(endpoint, "", peer.tls_cert if tls else "")
+        conn.send((peer.address, endpoints))
+        conn.recv()  # stop
+    finally:
+        for server in servers:
+            loop.run(server.stop(1.0))
+        with contextlib.suppress(Exception):
+            loop.run(peer.shutdown(), timeout_s=60)
+        loop.close()
 
 
 def wire_mib(case: Case) -> float:
@@ -313,6 +348,12 @@ def main() -> None:
         action="store_true",
         help="serve the peer without TLS (PeerConfig.plaintext); the default serves TLS, as peers do",
     )
+    parser.add_argument(
+        "--peer-process",
+        action="store_true",
+        help="run the peer (and the echo servers) in a process of its own instead of this one; compute is "
+        "then what the peer's reply reports (ReplyMeta.compute_s)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "hop_overhead.md")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -331,52 +372,68 @@ def main() -> None:
     # eval_only calls never step anyway
     run = RunConfig(model=PROBE_MODEL, target_batch_size=1 << 30)
 
-    server_loop, client_loop = LoopThread("peer-loop"), LoopThread("client-loop")
+    raws = [
+        raw
+        for raw in RAWS
+        if raw in args.codecs.split(",") and not (raw == RAW_TLS and args.plaintext)
+    ]
+    cases = [c for c in cases if c.codec not in RAWS or c.codec in raws]
+    client_loop = LoopThread("client-loop")
     rows: list[Row] = []
-    peer = None
-    try:
-        peer = server_loop.run(Peer.create(peer_config, run=run))
-        timer = ComputeTimer(peer.executor)
+    with contextlib.ExitStack() as stack:
+        stack.callback(client_loop.close)
+        if args.peer_process:
+            # the client's codec work on one torch thread, as in one process (where PeerConfig.threads sets it)
+            torch.set_num_threads(peer_config.threads)
+            context = multiprocessing.get_context("spawn")
+            conn, child_conn = context.Pipe()
+            process = context.Process(
+                target=serve_peer_process, args=(child_conn, peer_config, run, raws)
+            )
+            process.start()
+            stack.callback(process.join, 90)
+            stack.callback(conn.send, "stop")
+            peer_address, echo_endpoints = conn.recv()
+            timer = None
+        else:
+            server_loop = LoopThread("peer-loop")
+            stack.callback(server_loop.close)
+            peer = server_loop.run(Peer.create(peer_config, run=run))
+            stack.callback(server_loop.run, peer.shutdown(), 60)
+            peer_address, timer, echo_endpoints = peer.address, ComputeTimer(peer.executor), {}
+            for raw in raws:
+                tls = raw == RAW_TLS
+                credentials = server_credentials(peer.identity, peer.tls_cert) if tls else None
+                server, endpoint = server_loop.run(start_echo_server(credentials))
+                stack.callback(server_loop.run, server.stop(1.0))
+                echo_endpoints[raw] = PeerAddress(endpoint, "", peer.tls_cert if tls else "")
         print(
-            f"peer serves stage {STAGE} of the probe model at {peer.endpoint}; {len(cases)} cases",
+            f"peer serves stage {STAGE} of the probe model at {peer_address.endpoint}; {len(cases)} cases",
             flush=True,
         )
-        echo_servers, echo_endpoints = [], {}
-        for raw in RAWS:
-            tls = raw == RAW_TLS
-            if raw not in args.codecs.split(",") or (tls and args.plaintext):
-                continue
-            credentials = server_credentials(peer.identity, peer.tls_cert) if tls else None
-            server, endpoint = server_loop.run(start_echo_server(credentials))
-            echo_servers.append(server)
-            echo_endpoints[raw] = PeerAddress(endpoint, "", peer.tls_cert if tls else "")
-        cases = [c for c in cases if c.codec not in RAWS or c.codec in echo_endpoints]
-        try:
-            # sizes in order; codecs interleaved within
-            for size in dict.fromkeys(c.size_mib for c in cases):
-                group = [c for c in cases if c.size_mib == size]
-                measured = client_loop.run(
-                    round_trips(peer.address, echo_endpoints, group, args.warmup)
-                )
-                for case, (ids, rtts) in zip(group, measured):
-                    compute = [0.0 if case.codec in RAWS else timer.seconds[i] for i in ids]
-                    rows.append(Row(case, wire_mib(case), rtts, compute))
-                    print(markdown_table(HEADERS, [rows[-1].cells()]).splitlines()[-1], flush=True)
-        finally:
-            for server in echo_servers:
-                server_loop.run(server.stop(1.0))
-    finally:
-        if peer is not None:
-            with contextlib.suppress(Exception):
-                server_loop.run(peer.shutdown(), timeout_s=60)
-        client_loop.close()
-        server_loop.close()
+        # sizes in order; codecs interleaved within
+        for size in dict.fromkeys(c.size_mib for c in cases):
+            group = [c for c in cases if c.size_mib == size]
+            measured = client_loop.run(
+                round_trips(peer_address, echo_endpoints, group, args.warmup)
+            )
+            for case, (ids, rtts, reported) in zip(group, measured):
+                if case.codec in RAWS:
+                    compute = [0.0] * len(ids)
+                elif timer is None:
+                    compute = reported
+                else:
+                    compute = [timer.seconds[i] for i in ids]
+                rows.append(Row(case, wire_mib(case), rtts, compute))
+                print(markdown_table(HEADERS, [rows[-1].cells()]).splitlines()[-1], flush=True)
     info.finish()
 
     info.extra += [
         "torch threads: peer compute 1 (PeerConfig.threads); encode/decode on the event loop for a tensor of "
         "one segment (1 MiB), on each loop's default thread pool for several segments of >= 256 KiB",
-        "client and peer in one process, two event-loop threads (uvloop), loopback gRPC",
+        "client and peer in two processes (--peer-process), loopback gRPC"
+        if args.peer_process
+        else "client and peer in one process, two event-loop threads (uvloop), loopback gRPC",
         "peer serves " + ("plaintext (--plaintext)" if args.plaintext else "TLS (the default)"),
     ]
     table = markdown_table(HEADERS, [row.cells() for row in rows], right_align_from=2)

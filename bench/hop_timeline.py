@@ -5,10 +5,10 @@ Run from the repository root:
 
 Prints a table of median milliseconds per step (nothing is written under bench/results; paste what you need).
 
-It runs ``hop_overhead.py``'s 1 MiB case for one codec (the same peer, client and process layout) with the swarm
-code wrapped at each step: the client's call start, its first frame encoded, the peer's request and input read,
+It runs ``hop_overhead.py``'s case of ``--size`` MiB for one codec (the same peer, client and process layout) with the
+swarm code wrapped at each step: the client's call start, its first frame encoded, the peer's request and input read,
 the hop to the compute thread and back, the reply encoded, the client's reply read and decoded, and the call's
-return. ``raw gRPC`` steps come from the same wrappers around the bare echo. The wrappers cost a few microseconds
+return; the raw echo of the same bytes is timed as one round trip. The wrappers cost a few microseconds
 a step; steps are wall time on a shared machine, so they include waits for the GIL and for the cores.
 """
 

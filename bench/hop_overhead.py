@@ -25,6 +25,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import shlex
 import sys
 import threading
 import time
@@ -45,7 +47,11 @@ from swarm.proto import PROTOCOL_VERSION  # noqa: E402
 from swarm.proto import swarm_pb2 as pb  # noqa: E402
 from swarm.transport.channel import GRPC_OPTIONS  # noqa: E402
 from swarm.transport.client import PeerClient  # noqa: E402
-from swarm.transport.security import PeerAddress  # noqa: E402
+from swarm.transport.security import (  # noqa: E402
+    PeerAddress,
+    open_channel,
+    server_credentials,
+)
 
 SEQ_LEN, WIDTH = 128, 256  # activation shape (B, SEQ_LEN, WIDTH): W1's cut
 BYTES_PER_SAMPLE = SEQ_LEN * WIDTH * 4  # float32: 128 KiB per sequence
@@ -55,6 +61,9 @@ PROBE_MODEL = ModelConfig(
 RUN_ID = "bench-hop"
 STAGE = 1  # the middle stage: float activations in and out
 RAW = "raw gRPC"  # the floor: bytes echoed by a bare grpc.aio server, no swarm code on either side
+# the same over TLS with the peer's own certificate and key: the floor for a peer serving TLS (the default)
+RAW_TLS = "raw gRPC TLS"
+RAWS = (RAW, RAW_TLS)
 CHUNK_BYTES = 1 << 20  # the transport's default segment size
 ECHO_METHOD = "/bench.Echo/Stream"
 
@@ -153,42 +162,55 @@ class ComputeTimer:
 
 
 async def round_trips(
-    peer_address: PeerAddress, echo_endpoint: str, cases: list[Case], warmup: int
-) -> list[tuple[list[str], list[float]]]:
-    """For each case (all of one size): (microbatch ids, round-trip seconds) of its timed calls.
+    peer_address: PeerAddress,
+    echo_endpoints: dict[str, PeerAddress],
+    cases: list[Case],
+    warmup: int,
+) -> list[tuple[list[str], list[float], list[float]]]:
+    """For each case (all of one size): (microbatch ids, round-trip seconds, compute seconds the peer's reply
+    reported: ``ReplyMeta.compute_s``) of its timed calls.
 
     The cases take turns call by call (none, fp16, bf16, int8, raw gRPC, none, ...), so a burst of load from
     other processes hits every codec alike and their ratios stay comparable."""
     client = PeerClient(peer_address)
-    results: list[tuple[list[str], list[float]]] = [([], []) for _ in cases]
+    results: list[tuple[list[str], list[float], list[float]]] = [([], [], []) for _ in cases]
     try:
-        async with grpc.aio.insecure_channel(echo_endpoint, options=GRPC_OPTIONS) as echo_channel:
-            echo = echo_channel.stream_stream(ECHO_METHOD)
+        channels = {raw: open_channel(address) for raw, address in echo_endpoints.items()}
+        try:
+            echoes = {raw: channel.stream_stream(ECHO_METHOD) for raw, channel in channels.items()}
             # (B, T, W)
             inputs = [
                 torch.randn(c.batch, SEQ_LEN, WIDTH, generator=torch.Generator().manual_seed(0))
                 for c in cases
             ]
             for i in range(warmup + max(c.repeats for c in cases)):
-                for case, x, (ids, rtts) in zip(cases, inputs, results):
+                for case, x, (ids, rtts, reported) in zip(cases, inputs, results):
                     if i >= warmup + case.repeats:
                         continue
                     mb_id = f"{case.codec}-{case.size_mib:g}-{i}"
                     t0 = time.perf_counter()
-                    if case.codec == RAW:
-                        await echo_call(echo, x)
+                    compute_s = 0.0
+                    if case.codec in RAWS:
+                        await echo_call(echoes[case.codec], x)
                     else:
-                        await forward_call(client, case, mb_id, x)
+                        compute_s = await forward_call(client, case, mb_id, x)
                     rtt = time.perf_counter() - t0
                     if i >= warmup:
                         ids.append(mb_id)
                         rtts.append(rtt)
+                        reported.append(compute_s)
+        finally:
+            for channel in channels.values():
+                await channel.close()
     finally:
         await client.close()
     return results
 
 
-async def forward_call(client: PeerClient, case: Case, microbatch_id: str, x: torch.Tensor) -> None:
+async def forward_call(
+    client: PeerClient, case: Case, microbatch_id: str, x: torch.Tensor
+) -> float:
+    """One eval-only Forward; returns the compute seconds the peer's reply reports."""
     meta = pb.RequestMeta(
         protocol_version=PROTOCOL_VERSION,
         run_id=RUN_ID,
@@ -203,6 +225,7 @@ async def forward_call(client: PeerClient, case: Case, microbatch_id: str, x: to
         raise RuntimeError(
             f"the peer answered shape {list(reply.tensors['output'].shape)} to {list(x.shape)}"
         )
+    return reply.meta.compute_s
 
 
 async def echo_call(echo, x: torch.Tensor) -> None:
@@ -219,7 +242,9 @@ async def echo_call(echo, x: torch.Tensor) -> None:
         raise RuntimeError(f"the echo server returned {received} of {len(payload)} bytes")
 
 
-async def start_echo_server() -> tuple[grpc.aio.Server, str]:
+async def start_echo_server(
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, str]:
     """A bare grpc.aio server (same options as the peer's) that reads a whole stream of byte chunks, then
     streams them back, like a peer that must have its whole input before it can compute."""
 
@@ -237,13 +262,43 @@ async def start_echo_server() -> tuple[grpc.aio.Server, str]:
             ),
         )
     )
-    port = server.add_insecure_port("127.0.0.1:0")
+    if credentials is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", credentials)
     await server.start()
     return server, f"127.0.0.1:{port}"
 
 
+def serve_peer_process(conn, peer_config: PeerConfig, run: RunConfig, raws: list[str]) -> None:
+    """``--peer-process``: the peer and the echo servers in a process of their own, as on another host. Sends
+    (the peer's address, the echo servers' addresses) through ``conn``, then serves until ``conn`` says stop."""
+    logging.basicConfig(level=logging.WARNING)
+    # a spawned child inherits "spawn" as its start method; the peer's DHT process forks, as in `swarm peer`
+    multiprocessing.set_start_method("fork", force=True)
+    loop = LoopThread("peer-loop")
+    servers = []
+    peer = loop.run(Peer.create(peer_config, run=run))
+    try:
+        endpoints = {}
+        for raw in raws:
+            tls = raw == RAW_TLS
+            credentials = server_credentials(peer.identity, peer.tls_cert) if tls else None
+            server, endpoint = loop.run(start_echo_server(credentials))
+            servers.append(server)
+            endpoints[raw] = PeerAddress(endpoint, "", peer.tls_cert if tls else "")
+        conn.send((peer.address, endpoints))
+        conn.recv()  # stop
+    finally:
+        for server in servers:
+            loop.run(server.stop(1.0))
+        with contextlib.suppress(Exception):
+            loop.run(peer.shutdown(), timeout_s=60)
+        loop.close()
+
+
 def wire_mib(case: Case) -> float:
-    if case.codec == RAW:
+    if case.codec in RAWS:
         return case.size_mib
     flat = torch.randn(case.batch * SEQ_LEN * WIDTH, generator=torch.Generator().manual_seed(0))
     return len(get_codec(case.codec).encode(flat)) / (1 << 20)
@@ -251,17 +306,19 @@ def wire_mib(case: Case) -> float:
 
 def build_cases(args) -> list[Case]:
     codecs = [c for c in args.codecs.split(",") if c]
-    unknown = sorted(set(codecs) - set(CODEC_NAMES) - {RAW})
+    unknown = sorted(set(codecs) - set(CODEC_NAMES) - set(RAWS))
     if unknown:
         raise SystemExit(
             f"unknown codecs {unknown}; swarm.compression.CODEC_NAMES = {list(CODEC_NAMES)}"
         )
     # one sequence: the fixed cost per call
+    sizes = {float(s) for s in args.sizes.split(",") if s}
     cases = [
-        Case(size_mib=0.125, codec=c, repeats=args.repeats) for c in ("none", RAW) if c in codecs
+        Case(size_mib=0.125, codec=c, repeats=args.repeats) for c in ("none", *RAWS) if c in codecs
     ]
     cases += [Case(size_mib=1, codec=c, repeats=args.repeats) for c in codecs]
     cases += [Case(size_mib=16, codec=c, repeats=max(5, args.repeats // 3)) for c in codecs]
+    cases = [c for c in cases if c.size_mib in sizes]
     if args.big_mib:
         cases.append(Case(size_mib=args.big_mib, codec="none", repeats=max(3, args.repeats // 15)))
     return cases
@@ -275,60 +332,109 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each case")
     parser.add_argument(
         "--codecs",
-        default=",".join([*CODEC_NAMES, RAW]),
-        help=f"comma-separated codec names; '{RAW}' = the bare gRPC floor",
+        default=",".join([*CODEC_NAMES, *RAWS]),
+        help=f"comma-separated codec names; '{RAW}' = the bare gRPC floor, '{RAW_TLS}' the same over TLS",
+    )
+    parser.add_argument(
+        "--sizes",
+        default="0.125,1,16",
+        help="comma-separated activation sizes in MiB among 0.125, 1 and 16 (--big-mib adds one more)",
     )
     parser.add_argument(
         "--big-mib", type=int, default=64, help="one larger size with codec none (0 = skip)"
     )
+    parser.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="serve the peer without TLS (PeerConfig.plaintext); the default serves TLS, as peers do",
+    )
+    parser.add_argument(
+        "--peer-process",
+        action="store_true",
+        help="run the peer (and the echo servers) in a process of its own instead of this one; compute is "
+        "then what the peer's reply reports (ReplyMeta.compute_s)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "hop_overhead.md")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    command = ".venv/bin/python bench/hop_overhead.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = ".venv/bin/python bench/hop_overhead.py" + "".join(
+        f" {shlex.quote(a)}" for a in sys.argv[1:]
+    )
     info = RunInfo(command=command)
     cases = build_cases(args)
     peer_config = PeerConfig(
-        run_id=RUN_ID, stage=STAGE, threads=1, max_microbatch_size=max(c.batch for c in cases)
+        run_id=RUN_ID,
+        stage=STAGE,
+        threads=1,
+        max_microbatch_size=max(c.batch for c in cases),
+        plaintext=args.plaintext,
     )
     # eval_only calls never step anyway
     run = RunConfig(model=PROBE_MODEL, target_batch_size=1 << 30)
 
-    server_loop, client_loop = LoopThread("peer-loop"), LoopThread("client-loop")
+    raws = [
+        raw
+        for raw in RAWS
+        if raw in args.codecs.split(",") and not (raw == RAW_TLS and args.plaintext)
+    ]
+    cases = [c for c in cases if c.codec not in RAWS or c.codec in raws]
+    client_loop = LoopThread("client-loop")
     rows: list[Row] = []
-    peer = None
-    try:
-        peer = server_loop.run(Peer.create(peer_config, run=run))
-        timer = ComputeTimer(peer.executor)
+    with contextlib.ExitStack() as stack:
+        stack.callback(client_loop.close)
+        if args.peer_process:
+            # the client's codec work on one torch thread, as in one process (where PeerConfig.threads sets it)
+            torch.set_num_threads(peer_config.threads)
+            context = multiprocessing.get_context("spawn")
+            conn, child_conn = context.Pipe()
+            process = context.Process(
+                target=serve_peer_process, args=(child_conn, peer_config, run, raws)
+            )
+            process.start()
+            stack.callback(process.join, 90)
+            stack.callback(conn.send, "stop")
+            peer_address, echo_endpoints = conn.recv()
+            timer = None
+        else:
+            server_loop = LoopThread("peer-loop")
+            stack.callback(server_loop.close)
+            peer = server_loop.run(Peer.create(peer_config, run=run))
+            stack.callback(server_loop.run, peer.shutdown(), 60)
+            peer_address, timer, echo_endpoints = peer.address, ComputeTimer(peer.executor), {}
+            for raw in raws:
+                tls = raw == RAW_TLS
+                credentials = server_credentials(peer.identity, peer.tls_cert) if tls else None
+                server, endpoint = server_loop.run(start_echo_server(credentials))
+                stack.callback(server_loop.run, server.stop(1.0))
+                echo_endpoints[raw] = PeerAddress(endpoint, "", peer.tls_cert if tls else "")
         print(
-            f"peer serves stage {STAGE} of the probe model at {peer.endpoint}; {len(cases)} cases",
+            f"peer serves stage {STAGE} of the probe model at {peer_address.endpoint}; {len(cases)} cases",
             flush=True,
         )
-        echo_server, echo_endpoint = server_loop.run(start_echo_server())
-        try:
-            # sizes in order; codecs interleaved within
-            for size in dict.fromkeys(c.size_mib for c in cases):
-                group = [c for c in cases if c.size_mib == size]
-                measured = client_loop.run(
-                    round_trips(peer.address, echo_endpoint, group, args.warmup)
-                )
-                for case, (ids, rtts) in zip(group, measured):
-                    compute = [0.0 if case.codec == RAW else timer.seconds[i] for i in ids]
-                    rows.append(Row(case, wire_mib(case), rtts, compute))
-                    print(markdown_table(HEADERS, [rows[-1].cells()]).splitlines()[-1], flush=True)
-        finally:
-            server_loop.run(echo_server.stop(1.0))
-    finally:
-        if peer is not None:
-            with contextlib.suppress(Exception):
-                server_loop.run(peer.shutdown(), timeout_s=60)
-        client_loop.close()
-        server_loop.close()
+        # sizes in order; codecs interleaved within
+        for size in dict.fromkeys(c.size_mib for c in cases):
+            group = [c for c in cases if c.size_mib == size]
+            measured = client_loop.run(
+                round_trips(peer_address, echo_endpoints, group, args.warmup)
+            )
+            for case, (ids, rtts, reported) in zip(group, measured):
+                if case.codec in RAWS:
+                    compute = [0.0] * len(ids)
+                elif timer is None:
+                    compute = reported
+                else:
+                    compute = [timer.seconds[i] for i in ids]
+                rows.append(Row(case, wire_mib(case), rtts, compute))
+                print(markdown_table(HEADERS, [rows[-1].cells()]).splitlines()[-1], flush=True)
     info.finish()
 
     info.extra += [
         "torch threads: peer compute 1 (PeerConfig.threads); encode/decode on the event loop for a tensor of "
         "one segment (1 MiB), on each loop's default thread pool for several segments of >= 256 KiB",
-        "client and peer in one process, two event-loop threads (uvloop), loopback gRPC",
+        "client and peer in two processes (--peer-process), loopback gRPC"
+        if args.peer_process
+        else "client and peer in one process, two event-loop threads (uvloop), loopback gRPC",
+        "peer serves " + ("plaintext (--plaintext)" if args.plaintext else "TLS (the default)"),
     ]
     table = markdown_table(HEADERS, [row.cells() for row in rows], right_align_from=2)
     one = {r.case.codec: r for r in rows if r.case.size_mib == 1}
@@ -347,6 +453,9 @@ def main() -> None:
         "grpc.aio server with the peer's channel options and no swarm code: no protobuf frames, codec, "
         "validation, thread hops or compute. It is the floor for this Python gRPC stack; swarm's overhead "
         "above it is what the transport itself adds.",
+        f"`{RAW_TLS}`: the same echo over TLS, served with the peer's own key and certificate and dialled "
+        "with the peer's channel (`open_channel`, the certificate pinned): the floor for a peer that serves "
+        "TLS, as peers do unless started with --plaintext.",
     ]
     if "none" in one and percentile(one["none"].overhead_s, 50) > 0:
         base = percentile(one["none"].overhead_s, 50)
@@ -354,13 +463,20 @@ def main() -> None:
             f"{c} {percentile(r.overhead_s, 50) / base:.2f}x" for c, r in one.items() if c != "none"
         )
         notes.append(f"1 MiB overhead relative to codec none, same run: {ratios}.")
-    if RAW in one and percentile(one[RAW].overhead_s, 50) > 0:
-        floor = percentile(one[RAW].overhead_s, 50)
+    for raw in RAWS:
+        if raw not in one or percentile(one[raw].overhead_s, 50) <= 0:
+            continue
+        floor = percentile(one[raw].overhead_s, 50)
         ratios = ", ".join(
-            f"{c} {percentile(r.overhead_s, 50) / floor:.2f}x" for c, r in one.items() if c != RAW
+            f"{c} {percentile(r.overhead_s, 50) / floor:.2f}x"
+            for c, r in one.items()
+            if c not in RAWS
         )
+        same = (raw == RAW_TLS) != args.plaintext
         notes.append(
-            f"1 MiB overhead relative to raw gRPC (the issue's bound: <= 1.5x), same run: {ratios}."
+            f"1 MiB overhead relative to {raw}"
+            + (" (the same stack as the peer's: the issue's bound, <= 1.5x)" if same else "")
+            + f", same run: {ratios}."
         )
     body = "\n".join([table, "", *(f"- {n}" for n in notes)])
     path = write_result(

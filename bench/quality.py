@@ -59,7 +59,9 @@ TARGET_32X = 0.01
 class Scheme:
     """A wire codec and an optional bottleneck width at the stage cut, written ``codec``, ``codec+bnN``, or
     ``codec+bnN+orth`` for the bottleneck's orthogonal init (``--bottleneck-init orthogonal``), ``codec+bnN+scaled``
-    for its scaled init (``--bottleneck-init scaled``), ``codec+bnN+tok``
+    for its scaled init (``--bottleneck-init scaled``), ``codec+bnN+pca`` / ``codec+bnN+pcafrozen`` for the pair
+    started from the cut's principal directions at init, trained / frozen (``--bottleneck-init pca|pca-frozen``),
+    ``codec+bnN+tok``
     for the bottleneck with the token ids beside it (``--bottleneck-tokens``), or ``codec+subK``
     for the subspace cut of width K (``--subspace-dim K``); ``act/grad`` in place of ``codec`` sends gradients in
     another codec (``--codec act --grad-codec grad``)."""
@@ -85,6 +87,8 @@ class Scheme:
                 init = "orthogonal"
             elif part == "scaled" and bottleneck is not None:
                 init = "scaled"
+            elif part in ("pca", "pcafrozen") and bottleneck is not None:
+                init = {"pca": "pca", "pcafrozen": "pca-frozen"}[part]
             elif part == "tok" and bottleneck is not None:
                 tokens = True
             else:
@@ -101,7 +105,7 @@ class Scheme:
             return f"{codecs}+sub{self.subspace_dim}"
         if self.bottleneck_dim is None:
             return codecs
-        orth = {"random": "", "orthogonal": "+orth"}.get(
+        orth = {"random": "", "orthogonal": "+orth", "pca-frozen": "+pcafrozen"}.get(
             self.bottleneck_init, f"+{self.bottleneck_init}"
         )
         tok = "+tok" if self.bottleneck_tokens else ""
@@ -442,6 +446,12 @@ def main() -> None:
         "with one microbatch in flight; the plot then has no training curve for it)",
     )
     parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="trainer data-order seed (the model init is the run's, seed 0, either way)",
+    )
+    parser.add_argument(
         "--workdir", type=Path, default=None, help="process logs (default: a temporary folder)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quality.md")
@@ -451,6 +461,7 @@ def main() -> None:
         codecs=tuple(c for c in args.codecs.split(",") if c),
         steps=args.steps,
         in_flight=args.in_flight,
+        seed=args.seed,
     )
     info = RunInfo(
         command=".venv/bin/python bench/quality.py" + "".join(f" {a}" for a in sys.argv[1:])

@@ -49,12 +49,14 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--bottleneck-init",
-        choices=("random", "orthogonal", "scaled"),
+        choices=("random", "orthogonal", "scaled", "pca", "pca-frozen"),
         default="random",
         help="with --bottleneck-dim: start the down/up pair as independent random matrices, or as "
         "Q^T and Q for one orthonormal Q (a projection onto a subspace; measured worse than random on "
         "tiny, see docs/compression.md), or random's pair stored at GPT-2's 0.02 scale times a fixed gain, so "
-        "AdamW moves it as fast relative to its size as the other weights",
+        "AdamW moves it as fast relative to its size as the other weights; pca starts it as U^T and U, U the "
+        "top principal directions of the cut's stream at init (every peer computes them from the seed), and "
+        "pca-frozen keeps that pair fixed (peers of older versions refuse pca and pca-frozen)",
     )
     group.add_argument(
         "--bottleneck-tokens",

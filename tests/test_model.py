@@ -437,9 +437,79 @@ def test_an_orthogonal_bottleneck_starts_as_a_projection_shared_by_both_sides_of
         else:
             assert torch.equal(ours, theirs), name
     with pytest.raises(
-        ValueError, match="bottleneck_init must be one of random, orthogonal, scaled, got 'pca'"
+        ValueError,
+        match="bottleneck_init must be one of random, orthogonal, scaled, pca, pca-frozen, got 'x'",
     ):
-        dataclasses.replace(random_init, bottleneck_init="pca")
+        dataclasses.replace(random_init, bottleneck_init="x")
+
+
+@pytest.mark.parametrize("tokens", [False, True])
+def test_a_principal_bottleneck_starts_from_the_top_directions_of_the_stream_it_compresses(tokens):
+    random_init = ModelConfig(
+        d_model=32,
+        n_heads=4,
+        n_layers=3,
+        seq_len=16,
+        num_stages=3,
+        bottleneck_dim=8,
+        bottleneck_tokens=tokens,
+        seed=5,
+    )
+    pca = dataclasses.replace(random_init, bottleneck_init="pca")
+    orthogonal = dataclasses.replace(random_init, bottleneck_init="orthogonal")
+    model = build_full_model(pca)
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    stream = (
+        model.stages[0].cut_stream(ids).detach().reshape(-1, 32)
+    )  # what cut 0's pair compresses
+    for cut in (0, 1):
+        down = model.stages[cut].bottleneck_out.weight  # (b, d)
+        up = model.stages[cut + 1].bottleneck_in.weight  # (d, b)
+        torch.testing.assert_close(up, down.T, rtol=0, atol=0)  # one matrix U on both sides
+        torch.testing.assert_close(down @ up, torch.eye(8), atol=1e-5, rtol=0)  # orthonormal
+        torch.testing.assert_close(model.stages[cut].bottleneck_out.bias, torch.zeros(8))
+    # on data it was not computed from, U keeps more of the stream than the orthogonal init's random subspace
+    # and far more than its share of the width (8 of 32 dims = 25%)
+    u = model.stages[1].bottleneck_in.weight.detach()
+    q = build_full_model(orthogonal).stages[1].bottleneck_in.weight.detach()
+    kept = float((stream @ u).square().sum() / stream.square().sum())
+    kept_random = float((stream @ q).square().sum() / stream.square().sum())
+    assert kept > max(0.4, 1.5 * kept_random), (kept, kept_random)
+    # a replica building one stage alone gets the same matrices, bit for bit
+    torch.testing.assert_close(
+        build_stage(pca, 2).bottleneck_in.weight,
+        model.stages[2].bottleneck_in.weight,
+        rtol=0,
+        atol=0,
+    )
+    # every other parameter is the random init's
+    baseline = build_full_model(random_init)
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), baseline.named_parameters()):
+        if "bottleneck" not in name:
+            assert torch.equal(ours, theirs), name
+    # frozen: the same pair, which takes no gradient and no optimizer step
+    frozen = build_full_model(dataclasses.replace(pca, bottleneck_init="pca-frozen"))
+    for (name, ours), (_, theirs) in zip(frozen.named_parameters(), model.named_parameters()):
+        assert torch.equal(ours, theirs), name
+        assert ours.requires_grad == ("bottleneck" not in name), name
+    frozen.loss(ids[:, :-1], ids[:, 1:]).backward()
+    assert frozen.stages[0].bottleneck_out.weight.grad is None
+    assert (
+        frozen.stages[0].blocks[0].mlp.fc.weight.grad is not None
+    )  # the stage before still learns
+    optimized = {id(p) for group in adamw_param_groups(frozen, 0.1) for p in group["params"]}
+    assert id(frozen.stages[1].bottleneck_in.weight) not in optimized
+    # a version without these inits refuses the run instead of training another model
+    from swarm.model import config as model_config
+
+    saved = model_config.BOTTLENECK_INITS
+    model_config.BOTTLENECK_INITS = ("random", "orthogonal", "scaled")
+    try:
+        for init in ("pca", "pca-frozen"):
+            with pytest.raises(ValueError, match=f"got '{init}'"):
+                ModelConfig.from_dict(dataclasses.replace(pca, bottleneck_init=init).to_dict())
+    finally:
+        model_config.BOTTLENECK_INITS = saved
 
 
 def test_a_scaled_bottleneck_is_the_random_one_at_init_and_moves_gain_times_faster_under_adamw():

@@ -13,7 +13,9 @@ from typing import Any, ClassVar
 from swarm.model.hfconfig import HF_PRESETS, HFModelConfig
 from swarm.schema import parse_dataclass
 
-BOTTLENECK_INITS = ("random", "orthogonal", "scaled")
+BOTTLENECK_INITS = ("random", "orthogonal", "scaled", "pca", "pca-frozen")
+# the inits that start each cut's pair from the principal directions of its stream at init
+PRINCIPAL_INITS = ("pca", "pca-frozen")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -43,6 +45,10 @@ class ModelConfig:
     # N(0, 0.02) weights times a fixed gain 1 / (0.02 sqrt(fan_in)) in the forward: the same function at init,
     # but AdamW's steps, about lr per weight, move the pair as fast relative to its size as every other weight
     # instead of sqrt(fan_in) * 0.02 times slower). Older versions refuse "scaled" (an unknown init).
+    # "pca": down = U^T, up = U for U (d_model, bottleneck_dim) the top principal directions of the stream the
+    # cut compresses (h, or h - e with bottleneck_tokens) at init, on seeded calibration ids (swarm.model.stage.
+    # principal_directions: every peer computes it from the config alone); "pca-frozen": that pair, never trained
+    # (no gradient, no optimizer step). Older versions refuse both.
     bottleneck_init: str = "random"
     # With bottleneck_dim: the token ids cross each cut beside the bottleneck's values (1 byte per token for a
     # vocabulary of 256), and the stage after the cut adds its own learned token and position embeddings

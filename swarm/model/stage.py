@@ -10,6 +10,7 @@ the first take the token ids too (swarm.model.subspace).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -17,13 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from swarm.model.base import StageBase
-from swarm.model.config import AnyModelConfig, ModelConfig
+from swarm.model.config import PRINCIPAL_INITS, AnyModelConfig, ModelConfig
 from swarm.model.hfconfig import HFModelConfig
 from swarm.model.layers import INIT_STD, Block, Bottleneck, init_stage_parameters
 from swarm.model.subspace import (
     SubspaceBlock,
     check_joined_tokens,
     fixed_embeddings,
+    join_tokens,
     split_tokens,
     subspace_basis,
 )
@@ -63,6 +65,12 @@ class Stage(StageBase):
             self.bottleneck_out = Bottleneck(
                 d, config.bottleneck_dim, cut=index, scaled=config.bottleneck_init == "scaled"
             )
+        if (
+            config.bottleneck_init == "pca-frozen"
+        ):  # the pair stays at its init: no gradient, no optimizer step
+            for name in ("bottleneck_in", "bottleneck_out"):
+                if hasattr(self, name):
+                    getattr(self, name).requires_grad_(False)
         self.takes_tokens = config.takes_tokens(index)
         if self.takes_tokens:
             # registered last, so every other parameter draws the same values as without them
@@ -135,6 +143,16 @@ class Stage(StageBase):
     def forward(self, x: Tensor) -> Tensor:
         if self.config.subspace_dim is not None:
             return self._forward_subspace(x)
+        h = self.cut_stream(x)
+        if self.is_last:
+            return self.head(self.ln_f(h))  # (B, T, V)
+        if self.config.bottleneck_dim is not None:
+            return self.bottleneck_out(h)  # (B, T, b)
+        return h
+
+    def cut_stream(self, x: Tensor) -> Tensor:
+        """The stream this stage's blocks end with, (B, T, D): what its bottleneck (if any) compresses; with
+        bottleneck_tokens less the embedding this stage added (the receiver rebuilds it from the ids)."""
         # the token and position embedding this stage added to the stream, if it did
         embedded = None
         if self.is_first:
@@ -152,13 +170,9 @@ class Stage(StageBase):
             h = x  # (B, T, D)
         for block in self.blocks:
             h = block(h)  # (B, T, D)
-        if self.is_last:
-            return self.head(self.ln_f(h))  # (B, T, V)
-        if self.config.bottleneck_tokens:
+        if self.config.bottleneck_tokens and not self.is_last:
             # the receiver embeds the ids itself: the bottleneck carries only what the blocks wrote
-            return self.bottleneck_out(h - embedded)  # (B, T, b)
-        if self.config.bottleneck_dim is not None:
-            return self.bottleneck_out(h)  # (B, T, b)
+            return h - embedded  # (B, T, D)
         return h
 
 
@@ -191,6 +205,10 @@ def build_stage(
         raise ValueError(
             "--pretrained loads Hugging Face checkpoints; the built-in GPT starts from its seed"
         )
+    return _build_gpt_stage(config, index).to(device)
+
+
+def _build_gpt_stage(config: ModelConfig, index: int, *, principal_out: bool = True) -> Stage:
     # Build on the meta device so module constructors do not draw from (and advance) the global
     # RNG; then allocate real memory and fill every parameter from a per-stage generator on CPU.
     with torch.device("meta"):
@@ -200,8 +218,10 @@ def build_stage(
     init_stage_parameters(stage, config, generator)
     if config.bottleneck_tokens:
         _same_embedding_on_both_sides(stage, config)
+    if config.bottleneck_init in PRINCIPAL_INITS:
+        _principal_pair(stage, config, out=principal_out)
     stage.fill_fixed()
-    return stage.to(device)
+    return stage
 
 
 def _same_embedding_on_both_sides(stage: Stage, config: ModelConfig) -> None:
@@ -218,6 +238,50 @@ def _same_embedding_on_both_sides(stage: Stage, config: ModelConfig) -> None:
     with torch.no_grad():
         pair[0].weight.copy_(token)
         pair[1].weight.copy_(position)
+
+
+# stages whose activations a principal-subspace init of a cut is computed from
+CALIBRATION_BATCH = 16
+
+
+@functools.lru_cache(maxsize=8)
+def principal_directions(config: ModelConfig, cut: int) -> Tensor:
+    """The top ``bottleneck_dim`` principal directions (d_model, b), orthonormal columns, of the stream stage
+    ``cut`` hands its bottleneck at init (``Stage.cut_stream``: h, or h - e with bottleneck_tokens), on a
+    calibration batch of token ids drawn from (config.seed, cut): every peer computes the same matrix from the
+    config alone, without data (the embeddings are random at init, so random ids are as typical as text).
+    Uncentred (the second moment), so U U^T h is the best b-dimensional approximation of h itself."""
+    digest = hashlib.sha256(f"swarm-cut-calibration:{config.seed}:{cut}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    ids = torch.randint(
+        0, config.vocab_size, (CALIBRATION_BATCH, config.seq_len), generator=generator
+    )
+    x = ids
+    with torch.no_grad():
+        for index in range(cut + 1):
+            # stage `cut`'s own down projection is what is being computed: leave it random
+            stage = _build_gpt_stage(config, index, principal_out=index < cut)
+            x = stage.cut_stream(x) if index == cut else stage(x)
+            if config.bottleneck_tokens and index < cut:
+                x = join_tokens(x, ids)  # the ids ride beside the values
+    h = x.reshape(-1, config.d_model).double()  # (N, D)
+    eigenvalues, eigenvectors = torch.linalg.eigh(h.T @ h)  # ascending
+    top = eigenvectors[:, -config.bottleneck_dim :].flip(-1)  # (D, b), largest first
+    # fix each column's sign (eigh's is arbitrary) so every machine's LAPACK gives the same matrix
+    signs = torch.sign(top[top.abs().argmax(dim=0), torch.arange(top.shape[1])])
+    return (top * signs).float()
+
+
+def _principal_pair(stage: Stage, config: ModelConfig, *, out: bool = True) -> None:
+    """bottleneck_init "pca"/"pca-frozen": each cut's pair starts as U^T (down) and U (up), U the cut's
+    principal directions at init, so up(down(h)) is h's projection on its top-b subspace."""
+    with torch.no_grad():
+        if out and getattr(stage, "bottleneck_out", None) is not None:
+            stage.bottleneck_out.weight.copy_(principal_directions(config, stage.index).T)
+            stage.bottleneck_out.bias.zero_()
+        if getattr(stage, "bottleneck_in", None) is not None:
+            stage.bottleneck_in.weight.copy_(principal_directions(config, stage.index - 1))
+            stage.bottleneck_in.bias.zero_()
 
 
 def empty_stage(

@@ -131,6 +131,7 @@ def _run_child(request: dict, stdout_fd: int, close_fds: list[int]) -> None:
         os.chdir(request["cwd"])
         sys.argv = [sys.executable, *request["argv"]]
         _reseed()
+        _own_process_locks()
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit() and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(int(threads))
@@ -161,6 +162,21 @@ def _reseed() -> None:
         sys.modules["numpy"].random.seed(seed)
     if "torch" in sys.modules:
         sys.modules["torch"].manual_seed(seed)
+
+
+def _own_process_locks() -> None:
+    """Give the child its own copies of the process-wide locks hivemind creates at import. They are POSIX semaphores:
+    forked from the server, every child shared the server's, so a child frozen (SIGSTOP) while holding one stalled
+    the others' hivemind futures and averaging (tests/test_averaging.py's frozen replica, while a fresh process
+    would have its own)."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # its own locks (MPFuture's two, SharedBytes') and backend thread
+    wrappers = sys.modules.get("hivemind.utils.asyncio")
+    if wrappers is not None:
+        import multiprocessing
+
+        wrappers._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def serve(path: str) -> int:

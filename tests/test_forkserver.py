@@ -36,8 +36,6 @@ def test_a_forked_child_runs_the_command_with_the_callers_env_cwd_and_output(ser
     err = bad.stdout.read()
     assert bad.wait(timeout=60) == 2
     assert "--no-such-flag" in err
-    # the child is not the server and runs in its own session (the launcher signals its process group)
-    assert os.getpgid(os.getpid()) != proc.pid
 
 
 def test_signals_reach_the_child_and_its_exit_status_says_which(server, tmp_path):
@@ -92,3 +90,26 @@ def test_the_server_exits_with_its_caller(tmp_path):
         assert readable, f"the fork server {server_pid} outlived its caller by 60 s"
     finally:
         os.close(pidfd)
+
+
+def test_a_child_that_outlives_its_server_still_reports_its_end(tmp_path):
+    own, proc = forkserver.ForkServer(), None
+    try:
+        proc = own.start(
+            ["dht", "--host", "127.0.0.1", "--address-file", str(tmp_path / "addr")],
+            env=dict(os.environ),
+            cwd=str(tmp_path),
+        )
+        assert "DHT node is up" in proc.stdout.readline()
+        own._server.kill()
+        own._server.wait(timeout=30)
+        # no exit report can come now; polling does not block, and the running child is not reported ended
+        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1  # ended, its status unknown (it was the server's child)
+    finally:
+        if proc is not None and proc.returncode is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        own.close()

@@ -211,10 +211,16 @@ def test_a_replica_holding_samples_of_the_batch_is_counted_when_its_record_has_e
             await steps.close_batch([None, 1])
             # a replica that holds nothing of the batch is not looked for beyond the records
             await steps.close_batch([None, 2])
+            # b's last record is kept while b holds microbatches of this trainer, and forgotten after
+            assert (1, rec_b.peer_id) in steps._last_records
+            holdings.release(1, rec_b.peer_id)
+            await steps.close_batch([None, 3])
+            assert (1, rec_b.peer_id) not in steps._last_records
+            assert (1, rec_a.peer_id) in steps._last_records
         finally:
             await clients.close()
 
     loop_thread.run(close())
-    assert closes[a.peer_id] == [(0, 2), (1, 2), (2, 0)]
+    assert closes[a.peer_id][:3] == [(0, 2), (1, 2), (2, 0)]
     assert closes[b.peer_id] == [(0, 2), (1, 2)]
     assert holdings.redone == 0

@@ -296,28 +296,26 @@ class HivemindStageOptimizer:
             )
         live = control is not None and not control.done()
         forming = live and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
-        # its last peer left: step alone rather than wait averaging_timeout_s for a group
-        if alone and forming:
-            control.cancel()
-            opt.scheduled_grads, live, forming = None, False, False
         # since the batch closed, or since its all-reduce failed and this replica looked for a new group (_regroup)
         looking_since = max(
             self._closed_at[1], self._regrouped_at if self._regrouped == self.step else 0.0
         )
-        if (
-            forming
-            and self._closed_at[0] == self.step
+        # Matchmaking has its own deadline, but a groupmate frozen after it let this replica into its group holds it
+        # far longer (minutes, until the groupmate thaws: tests/test_averaging.py's frozen replica). The batch is
+        # closed: step without a group (and reload, see _finish_step) rather than stall the stage.
+        looked_too_long = (
+            self._closed_at[0] == self.step
             and time.perf_counter() - looking_since > self.config.averaging_timeout_s
-        ):
-            # Matchmaking has its own deadline, but a groupmate frozen after it let this replica into its group holds
-            # it far longer (minutes, until the groupmate thaws: tests/test_averaging.py's frozen replica). The batch
-            # is closed: step without a group (and reload, see _finish_step) rather than stall the stage.
-            logger.warning(
-                "stage %d: no all-reduce group for step %d within %.0fs; stepping without one",
-                self.stage_index,
-                self.step,
-                self.config.averaging_timeout_s,
-            )
+        )
+        if forming and (alone or looked_too_long):
+            # alone: its last peer left; step alone rather than wait averaging_timeout_s for a group
+            if not alone:
+                logger.warning(
+                    "stage %d: no all-reduce group for step %d within %.0fs; stepping without one",
+                    self.stage_index,
+                    self.step,
+                    self.config.averaging_timeout_s,
+                )
             control.cancel()
             opt.scheduled_grads, live, forming = None, False, False
         grouped = live and not forming

@@ -271,6 +271,7 @@ class ForkedProcess:
         self._conn = conn
         self._buffer = b""
         self._lock = threading.Lock()
+        self._server_gone = False
 
     def _read_exit(self, timeout: float | None) -> None:
         """Read the server's exit report, waiting up to ``timeout`` (None: forever). Several threads may wait at once
@@ -278,6 +279,12 @@ class ForkedProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._server_gone:
+                # the server died before the child: the child is not this process's to reap, so no status comes;
+                # once it ends, report a generic failure
+                if _ended(self.pid, left):
+                    self.returncode = 1
+                return
             readable, _, _ = select.select([self._conn], [], [], left)
             with self._lock:
                 if self.returncode is not None:
@@ -288,9 +295,8 @@ class ForkedProcess:
                     except BlockingIOError:
                         chunk = None  # another thread read it first
                     if chunk == b"":
-                        # the server died before the child: the child is not this process's to wait on
-                        self.returncode = _exit_without_server(self.pid)
-                        return
+                        self._server_gone = True
+                        continue
                     self._buffer += chunk or b""
                     if b"\n" in self._buffer:
                         reply = json.loads(self._buffer.split(b"\n", 1)[0])
@@ -323,17 +329,18 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _exit_without_server(pid: int) -> int:
-    """The fork server exited while its child ``pid`` ran: wait for the child by polling its existence (it is not
-    this process's child), bounded, and report a generic failure code once it is gone."""
-    deadline = time.monotonic() + 30.0
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return 1
-        time.sleep(0.1)
-    return 1
+def _ended(pid: int, timeout: float | None) -> bool:
+    """Whether process ``pid`` (not this process's child) ends within ``timeout`` seconds (None: however long)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        # a pidfd turns readable when its process ends
+        readable, _, _ = select.select([fd], [], [], timeout)
+        return bool(readable)
+    finally:
+        os.close(fd)
 
 
 class ForkServer:

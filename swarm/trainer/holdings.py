@@ -69,6 +69,10 @@ class Holdings:
         """The replicas of ``stage`` that counted gradients of batch ``batch_step``."""
         return {h.peer for h in self._held[stage] if h.batch_step == batch_step and h.peer}
 
+    def peers(self, stage: int) -> set[str]:
+        """The replicas of ``stage`` holding any microbatch kept here."""
+        return {h.peer for h in self._held[stage] if h.peer}
+
     def held_by(self, stage: int, peers: set[str]) -> list[Held]:
         return [h for h in self._held[stage] if h.peer in peers]
 

@@ -189,6 +189,7 @@ class StageSteps:
         for stage, record in targets:
             self._last_records[(stage, record.peer_id)] = record
         targets += self._unlisted_holders(batch_steps)
+        self._forget_unheld_records()
 
         async def alive(stage: int, record: StageRecord) -> bool | str | None:
             """True: it answered as a replica of ``stage``. False: it answered as something else (moved, starting).
@@ -275,6 +276,20 @@ class StageSteps:
                 if record is not None and peer not in self._gone:
                     out.append((stage, record))
         return out
+
+    def _forget_unheld_records(self) -> None:
+        """Keep the last records of the replicas listed now or holding microbatches of this trainer (all that
+        ``_unlisted_holders`` can ask): in a long run, peers come and go by the hundred."""
+        held = (
+            [self.holdings.peers(stage) for stage in range(len(self.records))]
+            if self.holdings is not None and self.holdings.enabled
+            else [set() for _ in self.records]
+        )
+        self._last_records = {
+            (stage, peer): record
+            for (stage, peer), record in self._last_records.items()
+            if peer in self.records[stage] or peer in held[stage]
+        }
 
     def _one_left(self, stage: int) -> bool:
         """Whether a replica this trainer saw in ``stage`` is known to have left it: its address refused (the process

@@ -309,6 +309,22 @@ class HivemindStageOptimizer:
         )
         if forming and (alone or looked_too_long):
             # alone: its last peer left; step alone rather than wait averaging_timeout_s for a group
+            control.cancel()
+            opt.scheduled_grads, live, forming = None, False, False
+            if not alone and self._regrouped != self.step:
+                # Once per step, look again first: a leader can count this replica in a group it never heard of
+                # (the leader's word lost on a loaded machine), and that group's all-reduce then fails for want of
+                # its part. Its members look for a new group for the same step (_regroup); stepping alone here, this
+                # replica would move the stage's step on past them and all of them would lose their samples
+                # (bench/soak.py: the largest cause left once groups were sized right).
+                self._regrouped, self._regrouped_at = self.step, time.perf_counter()
+                logger.warning(
+                    "stage %d: no all-reduce group for step %d within %.0fs; looking for a new one",
+                    self.stage_index,
+                    self.step,
+                    self.config.averaging_timeout_s,
+                )
+                return False
             if not alone:
                 logger.warning(
                     "stage %d: no all-reduce group for step %d within %.0fs; stepping without one",
@@ -316,8 +332,6 @@ class HivemindStageOptimizer:
                     self.step,
                     self.config.averaging_timeout_s,
                 )
-            control.cancel()
-            opt.scheduled_grads, live, forming = None, False, False
         grouped = live and not forming
         if tracker.global_epoch > self.step and not grouped:
             # A peer already stepped past this replica's step and this replica is in no group: groups only join

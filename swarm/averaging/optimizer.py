@@ -277,6 +277,17 @@ class HivemindStageOptimizer:
             and self.local_samples == 0
         ):
             return False  # nothing to average (this replica's own samples count before the records show them)
+        if (
+            self.local_samples == 0
+            and self._closed_through < self.step
+            and tracker.global_epoch <= self.step
+        ):
+            # None of the batch is here and the trainer has not closed it here yet (a replica that just joined, or
+            # got no microbatch of it): looking for a group now, it could take the place of a replica that holds
+            # samples in a group sized by the trainer's count, which did not count it yet (bench/soak.py: a
+            # newcomer averaged 0 samples with one peer while the third, holding 24, was left out). Its close comes
+            # with its peers'; if their group forms first, it takes their state (below) and loses nothing.
+            return False
         if not tracker.ready_to_update_epoch:
             if tracker.global_progress.num_peers > 1:
                 hp.schedule_gradient_averaging(opt)

@@ -1,0 +1,86 @@
+"""A replica that holds none of a batch (it joined mid-batch, or got no microbatch of it) and whose batch the trainer
+has not closed yet does not look for the step's all-reduce group: it could take the place of a replica that holds
+samples in a group sized by the trainer's count, which had not counted it yet (bench/soak.py: a newcomer averaged 0
+samples with one peer while the third, holding 24 of the batch's 32, was left out and lost them). The replicas
+holding the batch average it together; the empty one takes their state. Three real averaging replicas in this
+process, on a real DHT, in a run whose batch fills by samples (the soak's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+from hivemind.averaging.control import AveragingStage
+from livepeers import (
+    CLOSE_DRIVEN_RUN,
+    STEP0_LINE,
+    B,
+    assert_same_tensors,
+    averaging_replica,
+    get_state,
+    one_microbatch,
+    params,
+    until,
+)
+
+from swarm.peer.lifecycle import Peer
+
+pytestmark = pytest.mark.integration
+
+FULL_AT_TWO = dataclasses.replace(CLOSE_DRIVEN_RUN, target_batch_size=2 * B)
+
+
+def _looking_for_group(peer: Peer) -> bool:
+    control = peer.executor.optimizer.opt.scheduled_grads
+    return control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP
+
+
+def test_a_replica_holding_none_of_the_batch_waits_for_its_close_before_looking_for_a_group(
+    loop_thread, boot, caplog
+):
+    caplog.set_level(logging.DEBUG, logger="swarm.averaging.optimizer")
+
+    async def body():
+        replicas = [
+            await Peer.create(
+                averaging_replica("empty0", boot, matchmaking_s=1.0, group_wait_s=4.0),
+                run=FULL_AT_TWO,
+            )
+            for _ in range(3)
+        ]
+        *holders, empty = replicas
+        try:
+            for seed, peer in enumerate(holders):
+                await one_microbatch(peer, seed)
+            # the batch is full by the stage's records: every replica sees it, the empty one too
+            await until(
+                lambda: (
+                    empty.executor.optimizer.opt.tracker.global_progress.samples_accumulated
+                    == 2 * B
+                ),
+                "the empty replica sees the batch full",
+            )
+            # the trainer's count, taken before the empty replica was listed: the two holders
+            holders[0].executor.close_batch(0, replicas=2)
+            await until(
+                lambda: _looking_for_group(holders[0]), "the first holder looks for a group"
+            )
+            assert empty.executor.optimizer.opt.scheduled_grads is None, (
+                "a replica holding none of the batch, not closed yet, looks for a group"
+            )
+            holders[1].executor.close_batch(0, replicas=2)
+            await until(lambda: all(p.executor.step == 1 for p in holders), "the holders step")
+            empty.executor.close_batch(0, replicas=3)
+            await until(lambda: empty.executor.step == 1, "the empty replica takes their state")
+            states = [params(await get_state(p)) for p in replicas]
+            for state in states[1:]:
+                assert_same_tensors(state, states[0])
+        finally:
+            for peer in replicas:
+                await peer.shutdown()
+
+    loop_thread.run(body(), timeout_s=300)  # three averaging peers start slowly at load 40+
+    steps = sorted(m.groups() for m in map(STEP0_LINE.search, caplog.messages) if m)
+    # both holders' samples are in the step: the step averaged the whole batch
+    assert steps.count(("averaged", str(B))) == 2, steps

@@ -7,6 +7,7 @@ import socket
 import time
 
 import torch
+from hivemind.averaging.control import AveragingStage
 
 from swarm.averaging.config import AveragingConfig
 from swarm.compression import get_codec
@@ -98,6 +99,12 @@ async def until(condition, what: str, timeout_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
         await asyncio.sleep(0.05)
+
+
+def looking_for_group(peer: Peer) -> bool:
+    """Whether ``peer``'s averager is in matchmaking for its next all-reduce group."""
+    control = peer.executor.optimizer.opt.scheduled_grads
+    return control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP
 
 
 async def one_microbatch(peer: Peer, seed: int, batch_step: int = 0) -> None:

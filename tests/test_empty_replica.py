@@ -11,7 +11,6 @@ import dataclasses
 import logging
 
 import pytest
-from hivemind.averaging.control import AveragingStage
 from livepeers import (
     CLOSE_DRIVEN_RUN,
     STEP0_LINE,
@@ -19,6 +18,7 @@ from livepeers import (
     assert_same_tensors,
     averaging_replica,
     get_state,
+    looking_for_group,
     one_microbatch,
     params,
     until,
@@ -29,11 +29,6 @@ from swarm.peer.lifecycle import Peer
 pytestmark = pytest.mark.integration
 
 FULL_AT_TWO = dataclasses.replace(CLOSE_DRIVEN_RUN, target_batch_size=2 * B)
-
-
-def _looking_for_group(peer: Peer) -> bool:
-    control = peer.executor.optimizer.opt.scheduled_grads
-    return control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP
 
 
 def test_a_replica_holding_none_of_the_batch_waits_for_its_close_before_looking_for_a_group(
@@ -63,9 +58,7 @@ def test_a_replica_holding_none_of_the_batch_waits_for_its_close_before_looking_
             )
             # the trainer's count, taken before the empty replica was listed: the two holders
             holders[0].executor.close_batch(0, replicas=2)
-            await until(
-                lambda: _looking_for_group(holders[0]), "the first holder looks for a group"
-            )
+            await until(lambda: looking_for_group(holders[0]), "the first holder looks for a group")
             assert empty.executor.optimizer.opt.scheduled_grads is None, (
                 "a replica holding none of the batch, not closed yet, looks for a group"
             )

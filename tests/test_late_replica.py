@@ -11,7 +11,6 @@ import asyncio
 import logging
 
 import pytest
-from hivemind.averaging.control import AveragingStage
 from livepeers import (
     CLOSE_DRIVEN_RUN,
     STEP0_LINE,
@@ -19,6 +18,7 @@ from livepeers import (
     assert_same_tensors,
     averaging_replica,
     get_state,
+    looking_for_group,
     one_microbatch,
     params,
     until,
@@ -29,11 +29,6 @@ from swarm.peer.lifecycle import Peer
 pytestmark = pytest.mark.integration
 
 MATCHMAKING_S = 1.0
-
-
-def _looking_for_group(peer: Peer) -> bool:
-    control = peer.executor.optimizer.opt.scheduled_grads
-    return control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP
 
 
 def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
@@ -62,7 +57,7 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
             for peer in early:
                 peer.executor.close_batch(0, replicas=2)
             await until(
-                lambda: all(_looking_for_group(p) for p in early), "the early two look for a group"
+                lambda: all(looking_for_group(p) for p in early), "the early two look for a group"
             )
             # The late replica hears of the close well after the early two's matchmaking time: deliberate lateness,
             # the fault under test (hivemind's leader would have assembled without it by then).

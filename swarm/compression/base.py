@@ -18,6 +18,7 @@ Contract (all codecs):
 from __future__ import annotations
 
 import abc
+import math
 import sys
 from typing import ClassVar
 
@@ -52,14 +53,19 @@ class Codec(abc.ABC):
         encoded = self.encode_view(flat)
         return encoded if isinstance(encoded, bytes) else encoded.tobytes()
 
-    def encode_view(self, flat: torch.Tensor) -> bytes | memoryview:
+    def encode_view(self, flat: torch.Tensor, *, known_finite: bool = False) -> bytes | memoryview:
         """``encode``'s bytes, or a memoryview of them that may share memory with ``flat`` (codec ``none``): read it
         before ``flat`` changes. Saves ``encode``'s final copy for a caller that copies the bytes anyway (the
-        transport builds its frame from them). Raises like ``encode``."""
+        transport builds its frame from them). Raises like ``encode``. ``known_finite``: the caller has just
+        checked that ``flat`` holds no NaN/Inf, so a codec whose only check is that one (``none``) skips it; the
+        others check as part of their encoding and do regardless."""
         _check_flat(flat)
-        flat = flat.detach()
+        if flat.requires_grad:  # only then: each torch op on an event loop is a GIL handoff
+            flat = flat.detach()
         if not flat.dtype.is_floating_point:
             return raw_view(flat)
+        if known_finite:
+            return self._encode_finite(flat)
         return self._encode_float(flat)
 
     def decode(self, payload: Payload, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -129,6 +135,11 @@ class Codec(abc.ABC):
         """Encode a validated 1-D contiguous floating tensor; must raise on NaN/Inf (see module docstring). May
         return a memoryview (see ``encode_view``)."""
 
+    def _encode_finite(self, flat: torch.Tensor) -> bytes | memoryview:
+        """``_encode_float`` of a tensor known to hold no NaN/Inf; codecs whose finite check is a pass of its own
+        skip it here."""
+        return self._encode_float(flat)
+
     @abc.abstractmethod
     def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> bool | None:
         """Decode a payload of the right length into ``out`` (1-D contiguous floating, numel > 0). Return True only
@@ -160,15 +171,19 @@ def _check_flat(flat: torch.Tensor) -> None:
 
 def raw_view(flat: torch.Tensor) -> memoryview:
     """The little-endian bytes of a 1-D contiguous CPU tensor, as a view of its memory (no copy)."""
-    # view(uint8) first: numpy has no bfloat16, and bytes are all we want anyway
-    return memoryview(flat.view(torch.uint8).numpy())
+    # numpy has no bfloat16: view those as bytes first (a torch op; the other dtypes need none)
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
 
 
 def copy_raw_into(payload: bytes | memoryview, out: torch.Tensor) -> None:
     """Copy raw little-endian ``payload`` bytes into the 1-D contiguous tensor ``out`` of the same byte size."""
     # through numpy: it reads a read-only buffer without copying it first (torch.frombuffer would warn about
     # read-only memory), and the one copy lands in memory that ``out`` owns
-    target = out.view(torch.uint8).numpy()
+    # (numpy's view as bytes, not torch's: a torch op on an event loop is a GIL handoff; numpy has no bfloat16)
+    wide = out.view(torch.uint8) if out.dtype == torch.bfloat16 else out
+    target = wide.numpy().view(np.uint8)
     target[:] = np.frombuffer(payload, dtype=np.uint8)
     if out.dtype == torch.bool and bool((target > 1).any()):
         raise CodecError("bool payload holds bytes other than 0 and 1: the payload is corrupt")
@@ -185,7 +200,9 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` holds no NaN/±Inf."""
     # fast path: a sum is finite only if every term is (NaN and ±Inf propagate, Inf - Inf is NaN), and summing is
     # ~10x faster than isfinite(); a non-finite sum may still be an overflow of finite terms, so check exactly then
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+    # (two torch ops, the sum and its read, where isfinite would add a third: each one on an event loop is a GIL
+    # handoff)
+    return math.isfinite(tensor.sum()) or bool(torch.isfinite(tensor).all())
 
 
 def require_finite(tensor: torch.Tensor, what: str, hint: str) -> None:

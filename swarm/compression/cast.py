@@ -37,6 +37,9 @@ class NoneCodec(Codec):
         require_finite(flat, "tensor to encode", _ENCODE_HINT)
         return raw_view(flat)
 
+    def _encode_finite(self, flat: torch.Tensor) -> memoryview:
+        return raw_view(flat)
+
     def _decode_float_into(self, payload: bytes | memoryview, out: torch.Tensor) -> None:
         copy_raw_into(payload, out)
 

@@ -55,7 +55,8 @@ class BlockwiseInt8Codec(Codec):
 
     def _encode_float(self, flat: torch.Tensor) -> memoryview:
         # float64 keeps its precision while quantizing; everything narrower is widened to float32
-        work = flat if flat.dtype == torch.float64 else flat.float()  # (N,)
+        # (no op at all for float32 and float64: each torch op on an event loop is a GIL handoff)
+        work = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()  # (N,)
         out = torch.empty(self._encoded_float_size(flat.numel(), flat.dtype), dtype=torch.uint8)
         for blocks, rows in self._block_views(work, out):
             _quantize_into(blocks, rows, flat)
@@ -81,12 +82,15 @@ class BlockwiseInt8Codec(Codec):
         num_full = values.numel() // block
         full_values = num_full * block
         full_bytes = num_full * (block + _SCALE_BYTES)
+        tail = values.numel() - full_values
+        if num_full and not tail:  # no slicing ops: on an event loop each torch op is a GIL handoff
+            yield values.view(num_full, block), payload.view(num_full, block + _SCALE_BYTES)
+            return
         if num_full:
             yield (
                 values[:full_values].view(num_full, block),
                 payload[:full_bytes].view(num_full, block + _SCALE_BYTES),
             )
-        tail = values.numel() - full_values
         if tail:
             yield (
                 values[full_values:].view(1, tail),
@@ -98,7 +102,10 @@ def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Ten
     """Quantize ``blocks`` (nb, b) into payload ``rows`` (nb, 2 + b) uint8, in place."""
     # |x| then its maximum: faster than amax and amin, and than aminmax over dim 1 (5x slower in torch 2.13);
     # NaN propagates, Inf stays Inf
-    absmax = blocks.abs().amax(dim=1).to(torch.float32)  # (nb,)
+    magnitude = blocks.abs()  # (nb, b); reused below for q: one fresh buffer per call, not two
+    absmax = magnitude.amax(dim=1, keepdim=True)  # (nb, 1)
+    if absmax.dtype != torch.float32:
+        absmax = absmax.to(torch.float32)
     # one sync for every check below: the smallest and largest block maximum (NaN propagates to both)
     smallest, largest = torch.aminmax(absmax)
     smallest, largest = float(smallest), float(largest)
@@ -112,27 +119,27 @@ def _quantize_into(blocks: torch.Tensor, rows: torch.Tensor, original: torch.Ten
         raise_scale_overflow(original, "int8")
     bits = absmax.view(torch.int32)  # a bfloat16 is the upper half of a float32
     # round up to the next bfloat16 (see bfloat16_at_least), kept as the float32 of the same value
-    scale = bits.add_(0xFFFF).bitwise_and_(_UPPER_HALF).view(torch.float32)  # (nb,)
+    scale = bits.add_(0xFFFF).bitwise_and_(_UPPER_HALF).view(torch.float32)  # (nb, 1)
     column = _scale_column(rows)
     if column is not None:  # the bfloat16 bits, through one strided int16 write
         column.copy_(bits.bitwise_right_shift(16))
     else:
         rows[:, :_SCALE_BYTES] = scale.view(torch.uint8).view(-1, 4)[:, 2:]
-    wide_scale = scale.to(blocks.dtype)  # (nb,)
+    wide_scale = scale if blocks.dtype == torch.float32 else scale.to(blocks.dtype)  # (nb, 1)
     if smallest < _TINY_SCALE:
         # 127 / scale overflows for scales below ~2**-120, so such blocks are first lifted by the exact factor
         # 2**100; all-zero blocks (and float64 blocks whose maximum underflows float32) get multiplier 0. Every
         # factor is chosen per block, so a block encodes the same bytes whatever segment it travels in.
-        lift = torch.where(wide_scale < _TINY_SCALE, _LIFT, 1.0).to(blocks.dtype)  # (nb,)
-        blocks = blocks * lift[:, None]
+        lift = torch.where(wide_scale < _TINY_SCALE, _LIFT, 1.0).to(blocks.dtype)  # (nb, 1)
+        blocks = blocks * lift
         wide_scale = wide_scale * lift
-        multiplier = torch.where(wide_scale > 0, _QMAX / wide_scale, 0.0)  # (nb,)
+        multiplier = torch.where(wide_scale > 0, _QMAX / wide_scale, 0.0)  # (nb, 1)
     else:
-        multiplier = _QMAX / wide_scale  # (nb,)
+        multiplier = _QMAX / wide_scale  # (nb, 1)
     # q = round(x / scale * 127), computed as x * (127 / scale): one multiply per element instead of a division.
     # |x| <= scale (rounded up), so |x * (127 / scale)| exceeds 127 by a few ulps at most and rounds to <= 127:
     # no clamp. The float -> int8 conversion writes straight into the payload rows.
-    q = torch.mul(blocks, multiplier[:, None]).round_()  # (nb, b)
+    q = torch.mul(blocks, multiplier, out=magnitude).round_()  # (nb, b)
     rows[:, _SCALE_BYTES:].view(torch.int8).copy_(q)
 
 
@@ -167,11 +174,11 @@ def bfloat16_at_least(values: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_column(rows: torch.Tensor) -> torch.Tensor | None:
-    """The block scales of payload ``rows`` (nb, 2 + b) uint8 as an (nb,) int16 view (each row starts with its
+    """The block scales of payload ``rows`` (nb, 2 + b) uint8 as an (nb, 1) int16 view (each row starts with its
     little-endian bfloat16 bits); None where the rows cannot be viewed as int16 (a tail row of odd length)."""
     if rows.shape[1] % 2 or rows.stride(0) % 2 or rows.storage_offset() % 2:
         return None
-    return rows.view(torch.int16)[:, 0]
+    return rows.view(torch.int16)[:, :1]
 
 
 def _dequantize_into(rows: torch.Tensor, blocks: torch.Tensor) -> bool:
@@ -180,10 +187,10 @@ def _dequantize_into(rows: torch.Tensor, blocks: torch.Tensor) -> bool:
     column = _scale_column(rows)
     if column is None:  # a private, densely packed copy of the tail row's scale bytes
         packed = torch.empty(rows.shape[0], _SCALE_BYTES, dtype=torch.uint8)
-        column = packed.copy_(rows[:, :_SCALE_BYTES]).view(torch.int16)[:, 0]
+        column = packed.copy_(rows[:, :_SCALE_BYTES]).view(torch.int16)  # (nb, 1)
     # a bfloat16 is the upper half of a float32: widen the 16 bits to int32 and shift them there (the int16's sign
     # extension is shifted out)
-    scale = column.to(torch.int32).bitwise_left_shift_(16).view(torch.float32)[:, None]  # (nb, 1)
+    scale = column.to(torch.int32).bitwise_left_shift_(16).view(torch.float32)  # (nb, 1)
     smallest, largest = torch.aminmax(scale)  # NaN propagates to both
     smallest, largest = float(smallest), float(largest)
     # an absmax is never negative; NaN scales are caught by the finite check later
@@ -192,8 +199,11 @@ def _dequantize_into(rows: torch.Tensor, blocks: torch.Tensor) -> bool:
             "int8 payload holds a negative block scale: the payload is corrupt or not int8-encoded"
         )
     q = rows[:, _SCALE_BYTES:].view(torch.int8)  # (nb, b)
-    # scale / 127 first, so that even the largest scale cannot overflow (|q| <= 127 for every encoded payload);
-    # the int8 -> float conversion happens inside the multiply, which writes straight into ``blocks``
-    torch.mul(q, scale.to(blocks.dtype) / _QMAX, out=blocks)
+    # scale / 127 first, so that even the largest scale cannot overflow (|q| <= 127 for every encoded payload).
+    # The int8 -> float conversion is a copy into ``blocks``, then one multiply in place: faster than one
+    # multiply of mixed dtypes (bench/results/codecs.md, third round), and the same values.
+    step = scale if blocks.dtype == torch.float32 else scale.to(blocks.dtype)
+    blocks.copy_(q)
+    blocks.mul_(step / _QMAX)
     # |q| <= 128 (a corrupt payload may hold -128), so with finite scales up to _SAFE_SCALE every value is finite
     return largest <= _SAFE_SCALE

@@ -159,21 +159,19 @@ class StageService(pb_grpc.StagePeerServicer):
                 else:
                     work.update(forward=True, backward=False)
                     output, version = await self._compute(
-                        self._versioned(self.executor.forward, params_step),
+                        self._versioned(
+                            _finite_output(self.executor.forward, stage.index), params_step
+                        ),
                         meta.microbatch_id,
                         x,
                         keep=not meta.eval_only,
                         params_step=params_step,
                         work=work,
                     )
-                    if not all_finite(output):
-                        # this replica's fault, not the request's: the caller retries elsewhere
-                        raise SwarmError(
-                            f"stage {stage.index} computed non-finite activations for microbatch "
-                            f"{meta.microbatch_id} on this peer; try another peer of the stage"
-                        )
                     reply = self._reply(num_tensors=1, version=version, compute_s=work["compute_s"])
-                    async for frame in tensor_frames("output", output, codec, lead=[reply]):
+                    # checked on the compute thread (_finite_output)
+                    sent = tensor_frames("output", output, codec, lead=[reply], known_finite=True)
+                    async for frame in sent:
                         yield frame
 
     @stream_handler
@@ -512,7 +510,7 @@ class StageService(pb_grpc.StagePeerServicer):
                     f"of this call {first[0][1]} of {first[0][2]}"
                 )
             first.append((name, samples, tokens))
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize  # no tensor: a torch op is a GIL handoff
             reservation.reserve(nbytes, f"tensor '{name}' of shape {list(shape)}")
 
         return check
@@ -554,6 +552,23 @@ class StageService(pb_grpc.StagePeerServicer):
         if loss is not None:
             meta.loss, meta.has_loss = loss, True
         return pb.Frame(reply=meta)
+
+
+def _finite_output(forward: Callable, stage_index: int) -> Callable:
+    """``forward(microbatch_id, x, ...)``, refusing a non-finite output where it runs: on the compute thread, whose
+    torch ops cost the event loop no GIL handoff (the codec checks it again only where its encoding does anyway)."""
+
+    def run(microbatch_id: str, *args, **kwargs):
+        output = forward(microbatch_id, *args, **kwargs)
+        if not all_finite(output):
+            # this replica's fault, not the request's: the caller retries elsewhere
+            raise SwarmError(
+                f"stage {stage_index} computed non-finite activations for microbatch "
+                f"{microbatch_id} on this peer; try another peer of the stage"
+            )
+        return output
+
+    return run
 
 
 def _params_step(meta: pb.RequestMeta) -> int | None:

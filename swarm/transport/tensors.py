@@ -50,7 +50,7 @@ class StreamLimits:
 
 def segment_numel_for(codec: Codec, dtype: torch.dtype, segment_bytes: int) -> int:
     """Elements per chunk: about ``segment_bytes`` of raw data, rounded down to the codec's alignment."""
-    element_size = torch.empty((), dtype=dtype).element_size()
+    element_size = dtype.itemsize  # no tensor: a torch op on the event loop is a GIL handoff
     align = codec.alignment(dtype)
     return max(align, (segment_bytes // element_size) // align * align)
 
@@ -69,8 +69,10 @@ def _offload(fn: Callable, *args) -> asyncio.Future:
     return asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-def _encode_chunk(codec: Codec, segment: torch.Tensor, lead: list[pb.Frame]) -> Chunk | Batch:
-    return pack(lead, codec.encode_view(segment))
+def _encode_chunk(
+    codec: Codec, segment: torch.Tensor, lead: list[pb.Frame], known_finite: bool
+) -> Chunk | Batch:
+    return pack(lead, codec.encode_view(segment, known_finite=known_finite))
 
 
 async def tensor_frames(
@@ -80,11 +82,13 @@ async def tensor_frames(
     *,
     segment_bytes: int = 1 << 20,
     lead: Sequence[pb.Frame] | None = None,
+    known_finite: bool = False,
 ) -> AsyncIterator[pb.Frame | Chunk | Batch]:
     """Yield the header and chunk frames of ``tensor``; the next segment encodes while one is sent. With ``lead``
     (frames to send first, possibly none), they, the header and the first chunk travel as one :class:`Batch`
-    message; without, the header travels alone."""
-    flat = tensor.detach().to("cpu").contiguous().view(-1)
+    message; without, the header travels alone. ``known_finite``: the caller has checked ``tensor`` for NaN/Inf
+    (see ``Codec.encode_view``)."""
+    flat = flat_cpu(tensor)
     seg = segment_numel_for(codec, flat.dtype, segment_bytes)
     header = pb.Frame(
         tensor=pb.TensorHeader(
@@ -99,22 +103,39 @@ async def tensor_frames(
     if lead is None or flat.numel() == 0:
         yield pack(first)
         first = []
-    starts = range(0, flat.numel(), seg)
-    offload = _offloads(seg * flat.element_size(), flat.numel() * flat.element_size())
+    numel = flat.numel()
+    starts = range(0, numel, seg)
+    offload = _offloads(seg * flat.element_size(), numel * flat.element_size())
     if not offload:
+        if 0 < numel <= seg:  # one segment: the tensor itself, without a slicing op
+            yield _encode_chunk(codec, flat, first, known_finite)
+            return
         for start in starts:
-            yield _encode_chunk(codec, flat[start : start + seg], first)
+            yield _encode_chunk(codec, flat[start : start + seg], first, known_finite)
             first = []
         return
     pending = None
     for start in starts:
-        task = _offload(_encode_chunk, codec, flat[start : start + seg], first)
+        task = _offload(_encode_chunk, codec, flat[start : start + seg], first, known_finite)
         first = []
         if pending is not None:
             yield await pending
         pending = task
     if pending is not None:
         yield await pending
+
+
+def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a 1-D contiguous CPU tensor without autograd history (a view where it can be), calling only
+    the torch ops it needs: on an event loop each one releases and retakes the GIL, which costs far more than the
+    op when other threads hold it (bench/results/hop_overhead.md). Attribute reads do not release it."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
 class MalformedFrame(InvalidRequest):
@@ -254,7 +275,8 @@ class FrameReader:
 def _decode_into(
     codec: Codec, payload: bytes | memoryview, out: torch.Tensor, start: int, count: int
 ) -> None:
-    codec.decode_into(payload, out[start : start + count])
+    # a tensor of one segment decodes into itself, without a slicing op
+    codec.decode_into(payload, out if count == out.numel() else out[start : start + count])
 
 
 def codec_or_invalid(name: str) -> Codec:

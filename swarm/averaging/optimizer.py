@@ -230,13 +230,15 @@ class HivemindStageOptimizer:
         although the stage's progress records still count a replica just killed (they outlive it); more, and it
         averages, although the records may not show its peers yet (stepping alone, it would drift apart). Any
         thread: the next ``maybe_step`` reads it."""
+        # The count first, then the close: maybe_step runs on the compute thread and steps once it sees the close,
+        # reading the count then (read before it was set, a replica of several stepped alone: tests/test_regroup.py).
+        if replicas:  # the latest count wins: a trainer closes again while it waits
+            self._replicas[batch_step] = replicas
+            self._last_count, self._last_count_step = replicas, batch_step
         self._closed_through = max(self._closed_through, batch_step)
         logger.debug(
             "stage %d: batch %d closed, %d replicas counted", self.stage_index, batch_step, replicas
         )
-        if replicas:  # the latest count wins: a trainer closes again while it waits
-            self._replicas[batch_step] = replicas
-            self._last_count, self._last_count_step = replicas, batch_step
 
     def _catch_up(self) -> None:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
@@ -293,7 +295,8 @@ class HivemindStageOptimizer:
                 hp.schedule_gradient_averaging(opt)
             return False
         control = opt.scheduled_grads
-        self._replicas = {k: n for k, n in self._replicas.items() if k >= self.step}
+        for k in [k for k in list(self._replicas) if k < self.step]:
+            self._replicas.pop(k, None)  # in place: close_batch adds counts from another thread
         replicas = self._replicas.get(self.step, 0)
         # Unknown for this batch yet: the progress records, unless the trainer last counted more replicas (records
         # read while the DHT is slow to answer can show none, and a replica stepping alone then drifts apart).

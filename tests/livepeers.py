@@ -146,3 +146,12 @@ def averaging_replica(run_id: str, boot, **averaging) -> PeerConfig:
 CLOSE_DRIVEN_RUN = RunConfig(model=MODEL, target_batch_size=64 * B, warmup_steps=0)
 # an averaging replica's log line of stage 1's step 0: how it went and the samples it put in
 STEP0_LINE = re.compile(r"stage 1 step 0: (.+?), (\d+) samples in")
+
+
+async def averaging_replicas(
+    n: int, run_id: str, boot, *, run: RunConfig = CLOSE_DRIVEN_RUN, **averaging
+) -> list[Peer]:
+    """``n`` averaging replicas of stage 1 in this process (``averaging``: AveragingConfig fields), one by one."""
+    return [
+        await Peer.create(averaging_replica(run_id, boot, **averaging), run=run) for _ in range(n)
+    ]

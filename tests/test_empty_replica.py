@@ -16,14 +16,12 @@ from livepeers import (
     STEP0_LINE,
     B,
     assert_same_tensors,
-    averaging_replica,
+    averaging_replicas,
     get_state,
     one_microbatch,
     params,
     until,
 )
-
-from swarm.peer.lifecycle import Peer
 
 pytestmark = pytest.mark.integration
 
@@ -36,13 +34,9 @@ def test_a_replica_holding_none_of_the_batch_waits_for_its_close_before_looking_
     caplog.set_level(logging.DEBUG, logger="swarm.averaging.optimizer")
 
     async def body():
-        replicas = [
-            await Peer.create(
-                averaging_replica("empty0", boot, matchmaking_s=1.0, group_wait_s=4.0),
-                run=FULL_AT_TWO,
-            )
-            for _ in range(3)
-        ]
+        replicas = await averaging_replicas(
+            3, "empty0", boot, run=FULL_AT_TWO, matchmaking_s=1.0, group_wait_s=4.0
+        )
         *holders, empty = replicas
         try:
             for seed, peer in enumerate(holders):

@@ -12,19 +12,16 @@ import logging
 
 import pytest
 from livepeers import (
-    CLOSE_DRIVEN_RUN,
     STEP0_LINE,
     B,
     assert_same_tensors,
-    averaging_replica,
+    averaging_replicas,
     get_state,
     looking_for_group,
     one_microbatch,
     params,
     until,
 )
-
-from swarm.peer.lifecycle import Peer
 
 pytestmark = pytest.mark.integration
 
@@ -37,13 +34,9 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
     caplog.set_level(logging.DEBUG, logger="swarm.averaging.optimizer")
 
     async def body():
-        replicas = [
-            await Peer.create(
-                averaging_replica("late0", boot, matchmaking_s=MATCHMAKING_S, group_wait_s=20.0),
-                run=CLOSE_DRIVEN_RUN,
-            )
-            for _ in range(3)
-        ]
+        replicas = await averaging_replicas(
+            3, "late0", boot, matchmaking_s=MATCHMAKING_S, group_wait_s=20.0
+        )
         early, late = replicas[:2], replicas[2]
         try:
             for seed, peer in enumerate(replicas):

@@ -12,11 +12,10 @@ import threading
 import pytest
 from hivemind.averaging.control import AveragingStage
 from livepeers import (
-    CLOSE_DRIVEN_RUN,
     STEP0_LINE,
     B,
     assert_same_tensors,
-    averaging_replica,
+    averaging_replicas,
     get_state,
     one_microbatch,
     params,
@@ -39,20 +38,15 @@ def test_replicas_whose_groupmate_stalls_mid_all_reduce_average_again_without_it
     caplog.set_level(logging.DEBUG, logger="swarm.averaging.optimizer")
 
     async def body():
-        replicas = [
-            await Peer.create(
-                averaging_replica(
-                    "regroup0",
-                    boot,
-                    matchmaking_s=1.0,
-                    group_wait_s=3.0,
-                    chunk_timeout_s=2.0,
-                    averaging_timeout_s=20.0,
-                ),
-                run=CLOSE_DRIVEN_RUN,
-            )
-            for _ in range(3)
-        ]
+        replicas = await averaging_replicas(
+            3,
+            "regroup0",
+            boot,
+            matchmaking_s=1.0,
+            group_wait_s=3.0,
+            chunk_timeout_s=2.0,
+            averaging_timeout_s=20.0,
+        )
         *pair, stalled = replicas
         release = threading.Event()
         held = threading.Event()

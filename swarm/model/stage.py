@@ -246,19 +246,11 @@ CALIBRATION_BATCH = 16
 
 @functools.lru_cache(maxsize=8)
 def principal_directions(config: ModelConfig, cut: int) -> Tensor:
-    """See :func:`_principal_directions`; a copy, so the caller may change it."""
-    return _principal_directions(config, cut).clone()
-
-
-@functools.lru_cache(maxsize=32)
-def _principal_directions(config: ModelConfig, cut: int) -> Tensor:
     """The top ``bottleneck_dim`` principal directions (d_model, b), orthonormal columns, of the stream stage
     ``cut`` hands its bottleneck at init (``Stage.cut_stream``: h, or h - e with bottleneck_tokens), on a
     calibration batch of token ids drawn from (config.seed, cut): every peer computes the same matrix from the
     config alone, without data (the embeddings are random at init, so random ids are as typical as text).
-    Uncentred (the second moment), so U U^T h is the best b-dimensional approximation of h itself. Cached: the
-    stages before the cut start from their own cuts' directions, so without it a cut's matrix rebuilt every earlier
-    stage once per cut before it (2^cut builds), and each stage's two bottlenecks asked twice."""
+    Uncentred (the second moment), so U U^T h is the best b-dimensional approximation of h itself."""
     digest = hashlib.sha256(f"swarm-cut-calibration:{config.seed}:{cut}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
     ids = torch.randint(

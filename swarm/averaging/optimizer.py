@@ -295,8 +295,10 @@ class HivemindStageOptimizer:
                 hp.schedule_gradient_averaging(opt)
             return False
         control = opt.scheduled_grads
-        for k in [k for k in list(self._replicas) if k < self.step]:
-            self._replicas.pop(k, None)  # in place: close_batch adds counts from another thread
+        # in place, from a snapshot: close_batch adds counts from another thread
+        for k in list(self._replicas):
+            if k < self.step:
+                self._replicas.pop(k, None)
         replicas = self._replicas.get(self.step, 0)
         # Unknown for this batch yet: the progress records, unless the trainer last counted more replicas (records
         # read while the DHT is slow to answer can show none, and a replica stepping alone then drifts apart).
@@ -325,27 +327,23 @@ class HivemindStageOptimizer:
             # alone: its last peer left; step alone rather than wait averaging_timeout_s for a group
             control.cancel()
             opt.scheduled_grads, live, forming = None, False, False
-            if not alone and self._regrouped != self.step:
+            if not alone:
                 # Once per step, look again first: a leader can count this replica in a group it never heard of
                 # (the leader's word lost on a loaded machine), and that group's all-reduce then fails for want of
                 # its part. Its members look for a new group for the same step (_regroup); stepping alone here, this
                 # replica would move the stage's step on past them and all of them would lose their samples
                 # (bench/soak.py: the largest cause left once groups were sized right).
-                self._regrouped, self._regrouped_at = self.step, time.perf_counter()
+                again = self._regrouped != self.step
                 logger.warning(
-                    "stage %d: no all-reduce group for step %d within %.0fs; looking for a new one",
+                    "stage %d: no all-reduce group for step %d within %.0fs; %s",
                     self.stage_index,
                     self.step,
                     self.config.averaging_timeout_s,
+                    "looking for a new one" if again else "stepping without one",
                 )
-                return False
-            if not alone:
-                logger.warning(
-                    "stage %d: no all-reduce group for step %d within %.0fs; stepping without one",
-                    self.stage_index,
-                    self.step,
-                    self.config.averaging_timeout_s,
-                )
+                if again:
+                    self._regrouped, self._regrouped_at = self.step, time.perf_counter()
+                    return False
         grouped = live and not forming
         if tracker.global_epoch > self.step and not grouped:
             # A peer already stepped past this replica's step and this replica is in no group: groups only join

@@ -78,6 +78,13 @@ def params(reply) -> dict[str, torch.Tensor]:
     return {k.removeprefix("param/"): v for k, v in reply.tensors.items() if k.startswith("param/")}
 
 
+async def assert_one_state(peers: list[Peer]) -> None:
+    """Every peer in ``peers`` serves bit-identical parameters (its GetState)."""
+    states = [params(await get_state(p)) for p in peers]
+    for state in states[1:]:
+        assert_same_tensors(state, states[0])
+
+
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():

@@ -15,11 +15,9 @@ from livepeers import (
     CLOSE_DRIVEN_RUN,
     STEP0_LINE,
     B,
-    assert_same_tensors,
+    assert_one_state,
     averaging_replicas,
-    get_state,
     one_microbatch,
-    params,
     until,
 )
 
@@ -66,9 +64,7 @@ def test_a_replica_holding_none_of_the_batch_waits_for_its_close_before_looking_
             await until(lambda: all(p.executor.step == 1 for p in holders), "the holders step")
             empty.executor.close_batch(0, replicas=3)
             await until(lambda: empty.executor.step == 1, "the empty replica takes their state")
-            states = [params(await get_state(p)) for p in replicas]
-            for state in states[1:]:
-                assert_same_tensors(state, states[0])
+            await assert_one_state(replicas)
         finally:
             for peer in replicas:
                 await peer.shutdown()

@@ -14,12 +14,10 @@ import pytest
 from livepeers import (
     STEP0_LINE,
     B,
-    assert_same_tensors,
+    assert_one_state,
     averaging_replicas,
-    get_state,
     looking_for_group,
     one_microbatch,
-    params,
     until,
 )
 
@@ -58,9 +56,7 @@ def test_a_replica_that_looks_for_its_group_late_still_averages_its_samples(
             assert all(p.executor.step == 0 for p in early), "the early two stepped without it"
             late.executor.close_batch(0, replicas=2)
             await until(lambda: all(p.executor.step == 1 for p in replicas), "all three step")
-            states = [params(await get_state(p)) for p in replicas]
-            for state in states[1:]:
-                assert_same_tensors(state, states[0])
+            await assert_one_state(replicas)
         finally:
             for peer in replicas:
                 await peer.shutdown()

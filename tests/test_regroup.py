@@ -14,11 +14,9 @@ from hivemind.averaging.control import AveragingStage
 from livepeers import (
     STEP0_LINE,
     B,
-    assert_same_tensors,
+    assert_one_state,
     averaging_replicas,
-    get_state,
     one_microbatch,
-    params,
     until,
 )
 
@@ -73,9 +71,7 @@ def test_replicas_whose_groupmate_stalls_mid_all_reduce_average_again_without_it
             release.set()
             await until(lambda: blocked.done(), "the stalled replica's compute thread is free")
             await until(lambda: stalled.executor.step == 1, "the stalled replica takes their state")
-            states = [params(await get_state(p)) for p in replicas]
-            for state in states[1:]:
-                assert_same_tensors(state, states[0])
+            await assert_one_state(replicas)
         finally:
             release.set()
             for peer in replicas:

@@ -10,8 +10,10 @@ What it reports, from the trainer's summary and each peer's per-step log line (p
 
 - microbatches the trainer started, completed, retried, and commits it could not confirm;
 - per stage, the samples its steps averaged against the samples trained: more is a microbatch applied twice,
-  fewer is one lost (a replica that stepped alone while its peers averaged, or reloaded, loses its part);
-- the share of the stage's steps that averaged the whole global batch (``target`` samples);
+  fewer is one lost (a replica that stepped alone while its peers averaged, or reloaded, loses its part); a
+  replica whose peers' group ran without it hands its samples over into the next step, counted for their own batch
+  (and apart, as "one step late");
+- the share of the stage's steps that averaged the whole global batch (``target`` samples) in that step;
 - whether the replicas of each stage hold the same parameters at the end (``swarm status --json``);
 - tokens/s of the soak against the calm stretch, and the time-weighted share of replicas alive;
 - a loss-curve PNG (calm and soak) under ``docs/``.
@@ -56,14 +58,17 @@ PEER_FLAGS = [
 STEP_LINE = re.compile(
     r"stage (\d+) step (\d+): (averaged|stepped alone|skipped its step|stepped without its peers' gradients|"
     r"received part of the all-reduce only|stepped alone beside a replica holding samples), (\d+) samples in"
+    r"(?: \((\d+) of them of step \d+, handed over\))?"
 )
 CONTRIBUTED = ("averaged", "stepped alone")  # a replica's samples reached its stage's step
 BEHIND_LINE = re.compile(
     r"stage (\d+) replica is behind its peers \(step (\d+) < \d+\): loading their state \((\d+) samples"
 )
+HANDED_LINE = re.compile(r"stage (\d+): (\d+) samples of step (\d+) handed over into step \d+")
 # why a replica's samples missed its stage's step, by its log line
 CAUSES = {
     "behind": "missed its group (its peers' group assembled without it; it loaded their state)",
+    "handed": "of those, handed over into the next step (applied one step late, not lost)",
     "stepped without its peers' gradients": "found no group within --averaging-timeout-s (stepped on its own, "
     "then reloaded)",
     "received part of the all-reduce only": "a groupmate's part missing (frozen or killed mid all-reduce; reloaded)",
@@ -135,13 +140,15 @@ class Soak:
             self.alive_samples.append(alive / (2 * self.peers_per_stage))
 
 
-def step_contributions(workdir: Path) -> dict[int, dict[int, list[tuple[str, int]]]]:
-    """stage -> step -> [(outcome, samples in)] over every peer's log."""
-    out: dict[int, dict[int, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
+def step_contributions(workdir: Path) -> dict[int, dict[int, list[tuple[str, int, int]]]]:
+    """stage -> step -> [(outcome, samples of that step's batch in it, samples of the batch before in it)] over every
+    peer's log (a replica whose peers' group ran without it hands its samples over into the next step)."""
+    out: dict[int, dict[int, list[tuple[str, int, int]]]] = defaultdict(lambda: defaultdict(list))
     for log in workdir.glob("s*-*.log"):
         for match in STEP_LINE.finditer(log.read_text(errors="replace")):
-            stage, step, outcome, samples = match.groups()
-            out[int(stage)][int(step)].append((outcome, int(samples)))
+            stage, step, outcome, samples, earlier = match.groups()
+            earlier = int(earlier or 0)
+            out[int(stage)][int(step)].append((outcome, int(samples) - earlier, earlier))
     return out
 
 
@@ -151,13 +158,16 @@ def miss_rows(workdir: Path) -> list[list[object]]:
     for log in workdir.glob("s*-*.log"):
         text = log.read_text(errors="replace")
         for match in STEP_LINE.finditer(text):
-            _, _, outcome, samples = match.groups()
+            _, _, outcome, samples, _ = match.groups()
             if outcome not in CONTRIBUTED:
                 found[outcome][0] += 1
                 found[outcome][1] += int(samples)
         for match in BEHIND_LINE.finditer(text):
             found["behind"][0] += 1
             found["behind"][1] += int(match.group(3))
+        for match in HANDED_LINE.finditer(text):
+            found["handed"][0] += 1
+            found["handed"][1] += int(match.group(2))
     return [[CAUSES[k], n, samples] for k, (n, samples) in sorted(found.items())]
 
 
@@ -165,17 +175,23 @@ def stage_rows(contributions, steps: int) -> list[list[object]]:
     rows = []
     for stage in (0, 1):
         per_step = contributions.get(stage, {})
-        averaged = {
-            s: sum(n for outcome, n in per_step.get(s, []) if outcome in CONTRIBUTED)
+        # samples of batch s averaged in step s, and in step s + 1 (handed over by a replica that missed step s)
+        in_step = {
+            s: sum(n for outcome, n, _ in per_step.get(s, []) if outcome in CONTRIBUTED)
             for s in range(steps)
         }
-        whole = sum(1 for s in range(steps) if averaged[s] == TARGET)
+        late = {
+            s: sum(k for outcome, _, k in per_step.get(s + 1, []) if outcome in CONTRIBUTED)
+            for s in range(steps)
+        }
+        averaged = {s: in_step[s] + late[s] for s in range(steps)}
+        whole = sum(1 for s in range(steps) if in_step[s] == TARGET)
         twice = sum(max(0, n - TARGET) for n in averaged.values())
         lost = sum(max(0, TARGET - n) for n in averaged.values())
         reloads = sum(
             1
             for s in range(steps)
-            for outcome, _ in per_step.get(s, [])
+            for outcome, _, _ in per_step.get(s, [])
             if outcome not in CONTRIBUTED
         )
         rows.append(
@@ -183,6 +199,7 @@ def stage_rows(contributions, steps: int) -> list[list[object]]:
                 stage,
                 steps * TARGET,
                 sum(averaged.values()),
+                sum(late.values()),
                 twice,
                 lost,
                 f"{whole}/{steps} = {whole / max(steps, 1):.3f}",
@@ -338,6 +355,7 @@ def main() -> int:
                     "stage",
                     "samples trained",
                     "samples its steps averaged",
+                    "of them one step late",
                     "applied twice",
                     "lost",
                     "steps with the whole batch",

@@ -118,6 +118,30 @@ class SampleSumGradientAverager(GradientAverager):
             ):
                 await matchmaking.leader_assemble_group()
 
+    # samples of the batch before, in the accumulators beside this batch's (see carry_in): they are averaged with it
+    # but never reported as this batch's progress, or the stage would step before its batch is in
+    carried_samples = 0
+
+    @torch.no_grad()
+    def carry_in(self, sums: list[torch.Tensor], samples: int) -> None:
+        """Add gradient sums of ``samples`` samples of an earlier batch to the accumulators (one step late rather than
+        lost: see HivemindStageOptimizer's hand-over)."""
+        self.local_samples_accumulated += samples
+        self.local_times_accumulated += 1
+        self.carried_samples += samples
+        for grad_acc, carried in zip(self._grad_accumulators(), sums):
+            grad_acc.add_(carried.to(grad_acc.device))
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self):
+        super().reset_accumulated_grads_()
+        self.carried_samples = 0
+
+    @property
+    def batch_samples(self) -> int:
+        """The samples accumulated of the current batch (the carried ones apart)."""
+        return self.local_samples_accumulated - self.carried_samples
+
     @torch.no_grad()
     def accumulate_grads_(self, batch_size: int):
         self.local_samples_accumulated += batch_size
@@ -255,9 +279,11 @@ class GlobalBatchOptimizer(hivemind.Optimizer):
 
 
 def accumulate_gradients(opt: GlobalBatchOptimizer, num_samples: int) -> None:
-    """Add the parameters' .grad to the accumulators and report the samples to the stage's progress."""
-    # Private: step() would also take the global step when hivemind's rules say so; a commit must only accumulate.
-    opt._check_and_accumulate_gradients(num_samples, None)
+    """Add the parameters' .grad to the accumulators and report the batch's samples to the stage's progress."""
+    # What hivemind's private _check_and_accumulate_gradients does without a grad scaler, but reporting the batch's
+    # samples only: samples carried from the batch before (SampleSumGradientAverager.carry_in) are not this batch's.
+    opt.grad_averager.accumulate_grads_(num_samples)
+    opt.tracker.report_local_progress(opt.local_epoch, opt.grad_averager.batch_samples)
 
 
 def schedule_gradient_averaging(opt: GlobalBatchOptimizer) -> None:

@@ -102,6 +102,7 @@ class HivemindStageOptimizer:
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
         self._handed = 0  # samples this replica put into the step under way
+        self._handed_over = 0  # of them, samples of the step before (see _hand_over)
         self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
         self._regrouped_at = 0.0
         self._beside_others = False  # see _begin_step
@@ -218,7 +219,8 @@ class HivemindStageOptimizer:
         hp.accumulate_gradients(opt, num_samples)
         for p in self.params:
             p.grad = None
-        if opt.tracker.global_progress.num_peers > 1:
+        if opt.tracker.global_progress.num_peers > 1 and opt.tracker.global_epoch <= self.step:
+            # (behind its peers, no group of this step will form: maybe_step loads their state instead)
             hp.schedule_gradient_averaging(opt)
         return False
 
@@ -305,8 +307,12 @@ class HivemindStageOptimizer:
         alone = replicas == 1 or (
             replicas == 0 and tracker.global_progress.num_peers <= 1 and self._recent_count() <= 1
         )
-        if not alone and (control is None or control.done()):
-            # The batch filled before any group was scheduled.
+        behind = tracker.global_epoch > self.step
+        if not alone and not behind and (control is None or control.done()):
+            # The batch filled before any group was scheduled. (Behind its peers, no group of its step will form:
+            # a search started now would still run in hivemind's averager while this replica, having loaded their
+            # state, looks for the next step's group, and could join that group in its place: its samples of the
+            # next step then missed it too: tests/test_hand_over.py.)
             opt.scheduled_grads = control = opt.grad_averager.schedule_step(
                 timeout=opt.averaging_timeout
             )
@@ -345,21 +351,24 @@ class HivemindStageOptimizer:
                     self._regrouped, self._regrouped_at = self.step, time.perf_counter()
                     return False
         grouped = live and not forming
-        if tracker.global_epoch > self.step and not grouped:
+        if behind and not grouped:
             # A peer already stepped past this replica's step and this replica is in no group: groups only join
             # replicas at the same step, and that step's group could not complete without this replica's part, so
             # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
             # Take their state now, in time to look for the next step's group.
+            # Its samples of that step are not lost: handed over into the next step, one step late (see _hand_over).
+            missed, held = self.step, self._held_sums()
             logger.warning(
                 "stage %d replica is behind its peers (step %d < %d): loading their state (%d samples of its "
                 "own left out of step %d)",
                 self.stage_index,
-                self.step,
+                missed,
                 tracker.global_epoch,
-                self.local_samples,
-                self.step,
+                held[1] if held else 0,
+                missed,
             )
             self._load_from_peers(tracker.global_epoch)
+            self._hand_over(held, missed)
             self._catch_up()
             return True
         if forming:
@@ -381,6 +390,48 @@ class HivemindStageOptimizer:
             return False  # the all-reduce runs; a later check finishes the step
         self._catch_up()
         return True
+
+    def _held_sums(self) -> tuple[list[torch.Tensor], int] | None:
+        """A copy of this replica's gradient sums of its current step and their samples (None if it holds none)."""
+        samples = self.local_samples
+        if samples == 0:
+            return None
+        return [acc.detach().clone() for acc in hp.gradient_accumulators(self.opt)], samples
+
+    def _hand_over(self, held: tuple[list[torch.Tensor], int] | None, missed: int) -> None:
+        """After loading its peers' state past step ``missed``, whose all-reduce ran without this replica: add the
+        gradient sums it held of that step to the next one, so its samples reach the stage's parameters one step late
+        instead of never (the issue's "late join": every sample the trainer committed is applied once). Only when the
+        state it loaded is of step ``missed + 1``: gradients more than one step stale, or a load that did not arrive,
+        and the samples stay out (logged)."""
+        if held is None:
+            return
+        sums, samples = held
+        if self.step == missed:
+            # Still at the step it missed (no donor answered in time): its sums are still that step's; keep them.
+            self.opt.grad_averager.reset_accumulated_grads_()
+            self.opt.grad_averager.carry_in(sums, samples)
+            self.opt.grad_averager.carried_samples = 0
+            self.opt.tracker.report_local_progress(self.step, samples)
+            return
+        if self.step != missed + 1:
+            logger.warning(
+                "stage %d: loaded step %d, %d past the step %d its %d samples were computed for; leaving them out",
+                self.stage_index,
+                self.step,
+                self.step - missed,
+                missed,
+                samples,
+            )
+            return
+        self.opt.grad_averager.carry_in(sums, samples)
+        logger.info(
+            "stage %d: %d samples of step %d handed over into step %d",
+            self.stage_index,
+            samples,
+            missed,
+            self.step,
+        )
 
     def _expected_group(self) -> int:
         """The replicas this step's all-reduce group should hold: the trainer's count of the stage's replicas that
@@ -437,11 +488,12 @@ class HivemindStageOptimizer:
         tracker = self.opt.tracker
         self._beside_others = alone and (
             tracker.global_epoch == self.step
-            and tracker.global_progress.samples_accumulated > self.local_samples
+            and tracker.global_progress.samples_accumulated > self.opt.grad_averager.batch_samples
         )
         set_learning_rate(self.opt.opt, self.run, self.step)
         self.opt.used_local_gradients = False
         self._handed = self.local_samples
+        self._handed_over = self.opt.grad_averager.carried_samples
         began = hp.begin_global_step(self.opt)
         self._hold_s = time.perf_counter() - self._step_started[2]
         self._pending = self.opt.scheduled_grads if began else None
@@ -505,11 +557,14 @@ class HivemindStageOptimizer:
         # One line per step (bench/soak.py sums the samples each stage averaged from these): how the step went,
         # the samples this replica put in, and the time from the batch's close to the group and to the update.
         logger.debug(
-            "stage %d step %d: %s, %d samples in, group %.3fs after the batch closed, all-reduce %.3fs",
+            "stage %d step %d: %s, %d samples in%s, group %.3fs after the batch closed, all-reduce %.3fs",
             self.stage_index,
             before,
             why or ("averaged" if began else "stepped alone"),
             self._handed,
+            f" ({self._handed_over} of them of step {before - 1}, handed over)"
+            if self._handed_over
+            else "",
             started - closed,
             now - started,
         )

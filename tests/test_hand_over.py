@@ -1,0 +1,72 @@
+"""A replica whose peers took a step without it (their group assembled before its samples of the batch arrived: a
+commit that came late, a replica still finishing the step before) hands its samples of that batch over into the next
+step instead of losing them: it loads its peers' state, keeps its gradient sums, and averages them with the next
+batch, weighted by their samples, one step late. They never count as the next batch's progress (the stage would step
+before its batch is in). Two real averaging replicas in this process, on a real DHT."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+from livepeers import (
+    STEP0_LINE,
+    B,
+    assert_one_state,
+    averaging_replicas,
+    one_microbatch,
+    until,
+)
+
+pytestmark = pytest.mark.integration
+
+STEP1_LINE = re.compile(
+    r"stage 1 step 1: (.+?), (\d+) samples in(?: \((\d+) of them of step 0, handed over\))?"
+)
+
+
+def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(
+    loop_thread, boot, caplog
+):
+    caplog.set_level(logging.DEBUG, logger="swarm.averaging.optimizer")
+
+    async def body():
+        ahead, late = await averaging_replicas(2, "handover0", boot, matchmaking_s=1.0)
+        try:
+            # Batch 0: only the first replica's microbatch is in when the trainer closes it there, counting one
+            # replica (the other's commit is still on its way): it steps alone.
+            await one_microbatch(ahead, 0)
+            ahead.executor.close_batch(0, replicas=1)
+            await until(lambda: ahead.executor.step == 1, "the first replica steps")
+            # The late commit of batch 0 lands on the other replica, now one step behind its peer.
+            await one_microbatch(late, 1)
+            await until(lambda: late.executor.step == 1, "the late replica takes its peer's state")
+            grad_averager = late.executor.optimizer.opt.grad_averager
+            assert grad_averager.local_samples_accumulated == B, (
+                "its samples of batch 0 were dropped"
+            )
+            assert grad_averager.carried_samples == B
+            assert any(s.abs().sum() > 0 for s in late.executor.optimizer.grad_sums())
+            # handed over, not batch 1's progress: batch 1 is still empty for the stage
+            assert late.executor.optimizer.opt.tracker.local_progress.samples_accumulated == 0
+            # Batch 1: one microbatch each, closed with both counted: they average together, the late replica's
+            # samples of batch 0 with them.
+            await one_microbatch(ahead, 2, batch_step=1)
+            await one_microbatch(late, 3, batch_step=1)
+            for peer in (ahead, late):
+                peer.executor.close_batch(1, replicas=2)
+            await until(lambda: ahead.executor.step == late.executor.step == 2, "both step")
+            await assert_one_state([ahead, late])
+        finally:
+            for peer in (ahead, late):
+                await peer.shutdown()
+
+    loop_thread.run(body(), timeout_s=300)  # averaging peers start slowly on a loaded machine
+    assert [m.groups() for m in map(STEP0_LINE.search, caplog.messages) if m] == [
+        ("stepped alone", str(B))
+    ]
+    assert any(f"{B} samples of step 0 handed over into step 1" in m for m in caplog.messages)
+    step1 = sorted(m.groups() for m in map(STEP1_LINE.search, caplog.messages) if m)
+    # step 1 averaged both replicas' microbatches of batch 1 and the late one of batch 0: every sample once
+    assert step1 == [("averaged", str(B), None), ("averaged", str(2 * B), str(B))], step1

@@ -58,7 +58,7 @@ PEER_FLAGS = [
 STEP_LINE = re.compile(
     r"stage (\d+) step (\d+): (averaged|stepped alone|skipped its step|stepped without its peers' gradients|"
     r"received part of the all-reduce only|stepped alone beside a replica holding samples), (\d+) samples in"
-    r"(?: \((\d+) of them of step \d+, handed over\))?"
+    r"(?: \(handed over: ([^)]*)\))?"
 )
 CONTRIBUTED = ("averaged", "stepped alone")  # a replica's samples reached its stage's step
 BEHIND_LINE = re.compile(
@@ -68,7 +68,7 @@ HANDED_LINE = re.compile(r"stage (\d+): (\d+) samples of step (\d+) handed over 
 # why a replica's samples missed its stage's step, by its log line
 CAUSES = {
     "behind": "missed its group (its peers' group assembled without it; it loaded their state)",
-    "handed": "of those, handed over into the next step (applied one step late, not lost)",
+    "handed": "of those, handed over into the next step (applied in the next step, not lost)",
     "stepped without its peers' gradients": "found no group within --averaging-timeout-s (stepped on its own, "
     "then reloaded)",
     "received part of the all-reduce only": "a groupmate's part missing (frozen or killed mid all-reduce; reloaded)",
@@ -140,15 +140,25 @@ class Soak:
             self.alive_samples.append(alive / (2 * self.peers_per_stage))
 
 
-def step_contributions(workdir: Path) -> dict[int, dict[int, list[tuple[str, int, int]]]]:
-    """stage -> step -> [(outcome, samples of that step's batch in it, samples of the batch before in it)] over every
-    peer's log (a replica whose peers' group ran without it hands its samples over into the next step)."""
-    out: dict[int, dict[int, list[tuple[str, int, int]]]] = defaultdict(lambda: defaultdict(list))
+HANDED_PART = re.compile(r"(\d+) of step (\d+)")
+
+
+def step_contributions(
+    workdir: Path,
+) -> dict[int, dict[int, list[tuple[str, int, dict[int, int]]]]]:
+    """stage -> step -> [(outcome, samples of that step's batch in it, {earlier batch: its samples in it})] over
+    every peer's log (a replica whose peers' group ran without it, or whose microbatch came after its step's
+    all-reduce began, hands those samples over into the next step)."""
+    out: dict[int, dict[int, list[tuple[str, int, dict[int, int]]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     for log in workdir.glob("s*-*.log"):
         for match in STEP_LINE.finditer(log.read_text(errors="replace")):
-            stage, step, outcome, samples, earlier = match.groups()
-            earlier = int(earlier or 0)
-            out[int(stage)][int(step)].append((outcome, int(samples) - earlier, earlier))
+            stage, step, outcome, samples, handed = match.groups()
+            earlier = {int(k): int(n) for n, k in HANDED_PART.findall(handed or "")}
+            out[int(stage)][int(step)].append(
+                (outcome, int(samples) - sum(earlier.values()), earlier)
+            )
     return out
 
 
@@ -175,15 +185,17 @@ def stage_rows(contributions, steps: int) -> list[list[object]]:
     rows = []
     for stage in (0, 1):
         per_step = contributions.get(stage, {})
-        # samples of batch s averaged in step s, and in step s + 1 (handed over by a replica that missed step s)
+        # samples of batch s averaged in step s, and in later steps (handed over)
         in_step = {
             s: sum(n for outcome, n, _ in per_step.get(s, []) if outcome in CONTRIBUTED)
             for s in range(steps)
         }
-        late = {
-            s: sum(k for outcome, _, k in per_step.get(s + 1, []) if outcome in CONTRIBUTED)
-            for s in range(steps)
-        }
+        late = dict.fromkeys(range(steps), 0)
+        for entries in per_step.values():
+            for outcome, _, earlier in entries:
+                if outcome in CONTRIBUTED:
+                    for batch, n in earlier.items():
+                        late[batch] = late.get(batch, 0) + n
         averaged = {s: in_step[s] + late[s] for s in range(steps)}
         whole = sum(1 for s in range(steps) if in_step[s] == TARGET)
         twice = sum(max(0, n - TARGET) for n in averaged.values())
@@ -355,7 +367,7 @@ def main() -> int:
                     "stage",
                     "samples trained",
                     "samples its steps averaged",
-                    "of them one step late",
+                    "of them in a later step",
                     "applied twice",
                     "lost",
                     "steps with the whole batch",

@@ -2,7 +2,8 @@
 commit that came late, a replica still finishing the step before) hands its samples of that batch over into the next
 step instead of losing them: it loads its peers' state, keeps its gradient sums, and averages them with the next
 batch, weighted by their samples, one step late. They never count as the next batch's progress (the stage would step
-before its batch is in). Two real averaging replicas in this process, on a real DHT."""
+before its batch is in). A commit of a batch whose step was taken joins the next step the same way. Two real
+averaging replicas in this process, on a real DHT."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ from livepeers import (
 pytestmark = pytest.mark.integration
 
 STEP1_LINE = re.compile(
-    r"stage 1 step 1: (.+?), (\d+) samples in(?: \((\d+) of them of step 0, handed over\))?"
+    r"stage 1 step 1: (.+?), (\d+) samples in(?: \(handed over: (\d+) of step 0\))?"
+)
+
+STEP2_LINE = re.compile(
+    r"stage 1 step 2: (.+?), (\d+) samples in(?: \(handed over: (\d+) of step 1\))?"
 )
 
 
@@ -58,6 +63,17 @@ def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(
                 peer.executor.close_batch(1, replicas=2)
             await until(lambda: ahead.executor.step == late.executor.step == 2, "both step")
             await assert_one_state([ahead, late])
+            # A commit of batch 1 that lands after its step was taken (the trainer's commit came late) joins step 2
+            # the same way: as batch 1's samples, not batch 2's progress.
+            await one_microbatch(ahead, 4, batch_step=1)
+            assert ahead.executor.optimizer.opt.grad_averager.carried == {1: B}
+            assert ahead.executor.optimizer.opt.tracker.local_progress.samples_accumulated == 0
+            await one_microbatch(ahead, 5, batch_step=2)
+            await one_microbatch(late, 6, batch_step=2)
+            for peer in (ahead, late):
+                peer.executor.close_batch(2, replicas=2)
+            await until(lambda: ahead.executor.step == late.executor.step == 3, "both step")
+            await assert_one_state([ahead, late])
         finally:
             for peer in (ahead, late):
                 await peer.shutdown()
@@ -70,3 +86,5 @@ def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(
     step1 = sorted(m.groups() for m in map(STEP1_LINE.search, caplog.messages) if m)
     # step 1 averaged both replicas' microbatches of batch 1 and the late one of batch 0: every sample once
     assert step1 == [("averaged", str(B), None), ("averaged", str(2 * B), str(B))], step1
+    step2 = sorted(m.groups() for m in map(STEP2_LINE.search, caplog.messages) if m)
+    assert step2 == [("averaged", str(B), None), ("averaged", str(2 * B), str(B))], step2

@@ -118,24 +118,33 @@ class SampleSumGradientAverager(GradientAverager):
             ):
                 await matchmaking.leader_assemble_group()
 
-    # samples of the batch before, in the accumulators beside this batch's (see carry_in): they are averaged with it
-    # but never reported as this batch's progress, or the stage would step before its batch is in
-    carried_samples = 0
+    # samples of earlier batches in the accumulators beside this batch's, by their batch (see carry_in): averaged with
+    # it, never reported as its progress, or the stage would step before its batch is in (replaced, never mutated)
+    carried: dict[int, int] = {}
+
+    @property
+    def carried_samples(self) -> int:
+        return sum(self.carried.values())
 
     @torch.no_grad()
-    def carry_in(self, sums: list[torch.Tensor], samples: int) -> None:
-        """Add gradient sums of ``samples`` samples of an earlier batch to the accumulators (one step late rather than
-        lost: see HivemindStageOptimizer's hand-over)."""
-        self.local_samples_accumulated += samples
+    def carry_in(self, sums: list[torch.Tensor | None], samples: dict[int, int]) -> None:
+        """Add gradient sums (in the accumulators' order; None: zero) of earlier batches' samples (batch -> samples) to
+        the accumulators: one step late rather than lost (see HivemindStageOptimizer.accumulate and _hand_over)."""
+        added = sum(samples.values())
+        self.local_samples_accumulated += added
         self.local_times_accumulated += 1
-        self.carried_samples += samples
-        for grad_acc, carried in zip(self._grad_accumulators(), sums):
-            grad_acc.add_(carried.to(grad_acc.device))
+        carried = dict(self.carried)
+        for batch, n in samples.items():
+            carried[batch] = carried.get(batch, 0) + n
+        self.carried = carried
+        for grad_acc, late in zip(self._grad_accumulators(), sums):
+            if late is not None:
+                grad_acc.add_(late.to(grad_acc.device))
 
     @torch.no_grad()
     def reset_accumulated_grads_(self):
         super().reset_accumulated_grads_()
-        self.carried_samples = 0
+        self.carried = {}
 
     @property
     def batch_samples(self) -> int:

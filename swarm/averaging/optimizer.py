@@ -102,7 +102,12 @@ class HivemindStageOptimizer:
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
         self._handed = 0  # samples this replica put into the step under way
-        self._handed_over = 0  # of them, samples of the step before (see _hand_over)
+        self._handed_over: dict[
+            int, int
+        ] = {}  # of them, samples of earlier batches, by batch (see _hand_over)
+        # microbatches of a batch whose step's all-reduce already runs: (batch, sums in the optimizer's order, samples),
+        # handed over into the next step once it is taken (see accumulate)
+        self._late: list[tuple[int, list[torch.Tensor | None], int]] = []
         self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
         self._regrouped_at = 0.0
         self._beside_others = False  # see _begin_step
@@ -183,7 +188,7 @@ class HivemindStageOptimizer:
     def holds_unaveraged(self) -> bool:
         """Whether this replica holds samples its stage has not averaged yet: of the current batch, or handed to an
         all-reduce still running. A replica that leaves now drops them from the stage's step."""
-        return self.local_samples > 0 or self._pending is not None
+        return self.local_samples > 0 or self._pending is not None or bool(self._late)
 
     def accumulate(self, grads, num_samples, batch_step=None):
         """Add one microbatch toward step ``batch_step``: now if that is the stage's current step (or an
@@ -203,11 +208,26 @@ class HivemindStageOptimizer:
                 # (its trainer restarted, a replica holding part of it died). Step on what the stage has.
                 self.close_batch(self.step)
             return False
+        batch = self.step if batch_step is None else batch_step
         if self._pending is not None:
-            # This step's gradients already went to the all-reduce: a late microbatch joins the next batch.
-            self._later.add(self.step + 1, self.step, grads, num_samples)
+            # This step's gradients already went to the all-reduce: a late microbatch joins the next step, one step
+            # late, as a sample of its own batch (not the next batch's progress: the stage would step before that
+            # batch is in).
+            self._late.append((batch, self._in_optimizer_order(grads), num_samples))
+            return False
+        if batch < self.step:
+            # a microbatch of a batch whose step was taken (its commit came late): the same, now
+            self.opt.grad_averager.carry_in(self._in_optimizer_order(grads), {batch: num_samples})
             return False
         return self._add(grads, num_samples)
+
+    def _in_optimizer_order(self, grads) -> list[torch.Tensor | None]:
+        """Gradients in the stage's parameter order, detached copies in the order of hivemind's accumulators."""
+        by_param = {id(p): g for p, g in zip(self.params, grads)}
+        return [
+            None if by_param[id(p)] is None else by_param[id(p)].detach().clone()
+            for p in self._order
+        ]
 
     def _add(self, grads, num_samples: int) -> bool:
         """hivemind.Optimizer.step() up to, not including, the global step: accumulate, report progress, and
@@ -246,6 +266,9 @@ class HivemindStageOptimizer:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
         while (due := self._later.pop_due(self.step)) is not None:
             self._add(*due)
+        late, self._late = self._late, []
+        for batch, sums, samples in late:
+            self.opt.grad_averager.carry_in(sums, {batch: samples})
 
     def maybe_step(self) -> bool:
         """Take the stage's optimizer step if its global batch is in and the all-reduce group has formed
@@ -364,7 +387,7 @@ class HivemindStageOptimizer:
                 self.stage_index,
                 missed,
                 tracker.global_epoch,
-                held[1] if held else 0,
+                sum(held[1].values()) if held else 0,
                 missed,
             )
             self._load_from_peers(tracker.global_epoch)
@@ -391,28 +414,37 @@ class HivemindStageOptimizer:
         self._catch_up()
         return True
 
-    def _held_sums(self) -> tuple[list[torch.Tensor], int] | None:
-        """A copy of this replica's gradient sums of its current step and their samples (None if it holds none)."""
+    def _held_sums(self) -> tuple[list[torch.Tensor], dict[int, int]] | None:
+        """A copy of this replica's gradient sums and their samples by batch: its current step's, and any handed over
+        from earlier batches (None if it holds none)."""
         samples = self.local_samples
         if samples == 0:
             return None
-        return [acc.detach().clone() for acc in hp.gradient_accumulators(self.opt)], samples
+        by_batch = dict(self.opt.grad_averager.carried)
+        own = samples - sum(by_batch.values())
+        if own:
+            by_batch[self.step] = by_batch.get(self.step, 0) + own
+        return [acc.detach().clone() for acc in hp.gradient_accumulators(self.opt)], by_batch
 
-    def _hand_over(self, held: tuple[list[torch.Tensor], int] | None, missed: int) -> None:
+    def _hand_over(
+        self, held: tuple[list[torch.Tensor], dict[int, int]] | None, missed: int
+    ) -> None:
         """After loading its peers' state past step ``missed``, whose all-reduce ran without this replica: add the
-        gradient sums it held of that step to the next one, so its samples reach the stage's parameters one step late
-        instead of never (the issue's "late join": every sample the trainer committed is applied once). Only when the
-        state it loaded is of step ``missed + 1``: gradients more than one step stale, or a load that did not arrive,
-        and the samples stay out (logged)."""
+        gradient sums it held to the next step, so its samples reach the stage's parameters one step late instead of
+        never (the issue's "late join": every sample the trainer committed is applied once), weighted by their
+        samples and never counted as the next batch's progress. Only when the state it loaded is of step
+        ``missed + 1``: with gradients more than one step stale, or a load that did not arrive, the samples stay out
+        (logged). A replica that misses again carries them again (bench/soak.py saw three in a row)."""
         if held is None:
             return
-        sums, samples = held
+        sums, by_batch = held
+        averager, samples = self.opt.grad_averager, sum(by_batch.values())
         if self.step == missed:
             # Still at the step it missed (no donor answered in time): its sums are still that step's; keep them.
-            self.opt.grad_averager.reset_accumulated_grads_()
-            self.opt.grad_averager.carry_in(sums, samples)
-            self.opt.grad_averager.carried_samples = 0
-            self.opt.tracker.report_local_progress(self.step, samples)
+            own = by_batch.pop(missed, 0)
+            averager.carry_in(sums, by_batch)
+            averager.local_samples_accumulated += own
+            self.opt.tracker.report_local_progress(self.step, own)
             return
         if self.step != missed + 1:
             logger.warning(
@@ -424,7 +456,7 @@ class HivemindStageOptimizer:
                 samples,
             )
             return
-        self.opt.grad_averager.carry_in(sums, samples)
+        averager.carry_in(sums, by_batch)
         logger.info(
             "stage %d: %d samples of step %d handed over into step %d",
             self.stage_index,
@@ -493,7 +525,7 @@ class HivemindStageOptimizer:
         set_learning_rate(self.opt.opt, self.run, self.step)
         self.opt.used_local_gradients = False
         self._handed = self.local_samples
-        self._handed_over = self.opt.grad_averager.carried_samples
+        self._handed_over = self.opt.grad_averager.carried
         began = hp.begin_global_step(self.opt)
         self._hold_s = time.perf_counter() - self._step_started[2]
         self._pending = self.opt.scheduled_grads if began else None
@@ -562,7 +594,9 @@ class HivemindStageOptimizer:
             before,
             why or ("averaged" if began else "stepped alone"),
             self._handed,
-            f" ({self._handed_over} of them of step {before - 1}, handed over)"
+            " (handed over: "
+            + ", ".join(f"{n} of step {k}" for k, n in sorted(self._handed_over.items()))
+            + ")"
             if self._handed_over
             else "",
             started - closed,

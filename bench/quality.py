@@ -452,6 +452,12 @@ def main() -> None:
         help="trainer data-order seed (the model init is the run's, seed 0, either way)",
     )
     parser.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(MODEL_PRESETS),
+        help="model preset every scheme trains (tiny = the demo's; w2 = the W2 workload of BENCHMARKS.md)",
+    )
+    parser.add_argument(
         "--workdir", type=Path, default=None, help="process logs (default: a temporary folder)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quality.md")
@@ -459,6 +465,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = QualityConfig(
         codecs=tuple(c for c in args.codecs.split(",") if c),
+        preset=args.preset,
         steps=args.steps,
         in_flight=args.in_flight,
         seed=args.seed,

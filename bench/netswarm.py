@@ -70,6 +70,8 @@ class SwarmSetup:
     codec: str  # wire codec of activations and gradients
     bottleneck_dim: int | None = None  # learned compression width at the stage cut; None = off
     bottleneck_init: str = "random"  # how the bottleneck pair starts (ModelConfig.bottleneck_init)
+    # the token ids cross the cut beside the bottleneck (ModelConfig.bottleneck_tokens; scheme suffix +tok)
+    bottleneck_tokens: bool = False
     grad_codec: str = "same"  # wire codec of gradients ("same" = codec)
     activations: str = (
         "relayed"  # how activations travel (the trainer's --activations: relayed or push)
@@ -88,6 +90,7 @@ class SwarmSetup:
             MODEL_PRESETS[self.preset],
             bottleneck_dim=self.bottleneck_dim,
             bottleneck_init=self.bottleneck_init,
+            bottleneck_tokens=self.bottleneck_tokens,
         )
         return RunConfig(
             model=model,
@@ -423,7 +426,7 @@ def default_setups(
 
 
 def scheme_setups(schemes: str, rates: tuple[float | None, ...]) -> list[SwarmSetup]:
-    """Setups on `tiny` from bench/quality.py's scheme syntax (CODEC, CODEC+bnN, CODEC+bnN+orth)."""
+    """Setups on `tiny` from bench/quality.py's scheme syntax (CODEC, CODEC+bnN, CODEC+bnN+orth, CODEC+bnN+tok)."""
     from quality import Scheme
 
     setups = []
@@ -436,6 +439,7 @@ def scheme_setups(schemes: str, rates: tuple[float | None, ...]) -> list[SwarmSe
                 codec=scheme.codec,
                 bottleneck_dim=scheme.bottleneck_dim,
                 bottleneck_init=scheme.bottleneck_init,
+                bottleneck_tokens=scheme.bottleneck_tokens,
                 grad_codec=scheme.grad_codec,
                 rates_mbit=rates,
             )
@@ -574,7 +578,8 @@ def main() -> None:
     parser.add_argument(
         "--schemes",
         default="",
-        help="more configs on tiny, in bench/quality.py's scheme syntax (e.g. int2+bn48,int4+bn28+orth)",
+        help="more configs on tiny, in bench/quality.py's scheme syntax (e.g. int2+bn48,int4+bn28+orth,"
+        "int4+bn26+tok)",
     )
     parser.add_argument(
         "--baseline",

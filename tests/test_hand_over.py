@@ -31,6 +31,17 @@ STEP2_LINE = re.compile(
 )
 
 
+async def average_one_batch(replicas, batch: int, seeds) -> None:
+    """One microbatch of ``batch`` at each replica, the batch closed with all of them counted; they step together
+    into one state."""
+    for peer, seed in zip(replicas, seeds):
+        await one_microbatch(peer, seed, batch_step=batch)
+    for peer in replicas:
+        peer.executor.close_batch(batch, replicas=len(replicas))
+    await until(lambda: all(p.executor.step == batch + 1 for p in replicas), "they step together")
+    await assert_one_state(replicas)
+
+
 def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(
     loop_thread, boot, caplog
 ):
@@ -57,23 +68,13 @@ def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(
             assert late.executor.optimizer.opt.tracker.local_progress.samples_accumulated == 0
             # Batch 1: one microbatch each, closed with both counted: they average together, the late replica's
             # samples of batch 0 with them.
-            await one_microbatch(ahead, 2, batch_step=1)
-            await one_microbatch(late, 3, batch_step=1)
-            for peer in (ahead, late):
-                peer.executor.close_batch(1, replicas=2)
-            await until(lambda: ahead.executor.step == late.executor.step == 2, "both step")
-            await assert_one_state([ahead, late])
+            await average_one_batch([ahead, late], 1, seeds=(2, 3))
             # A commit of batch 1 that lands after its step was taken (the trainer's commit came late) joins step 2
             # the same way: as batch 1's samples, not batch 2's progress.
             await one_microbatch(ahead, 4, batch_step=1)
             assert ahead.executor.optimizer.opt.grad_averager.carried == {1: B}
             assert ahead.executor.optimizer.opt.tracker.local_progress.samples_accumulated == 0
-            await one_microbatch(ahead, 5, batch_step=2)
-            await one_microbatch(late, 6, batch_step=2)
-            for peer in (ahead, late):
-                peer.executor.close_batch(2, replicas=2)
-            await until(lambda: ahead.executor.step == late.executor.step == 3, "both step")
-            await assert_one_state([ahead, late])
+            await average_one_batch([ahead, late], 2, seeds=(5, 6))
         finally:
             for peer in (ahead, late):
                 await peer.shutdown()

@@ -102,9 +102,8 @@ class HivemindStageOptimizer:
         # (step, replicas) the forming group was last told to expect (see _size_group); None: hivemind's rule
         self._group_sized: tuple[int, int] | None = None
         self._handed = 0  # samples this replica put into the step under way
-        self._handed_over: dict[
-            int, int
-        ] = {}  # of them, samples of earlier batches, by batch (see _hand_over)
+        # of them, samples of earlier batches, by batch (see _hand_over)
+        self._handed_over: dict[int, int] = {}
         # microbatches of a batch whose step's all-reduce already runs: (batch, sums in the optimizer's order, samples),
         # handed over into the next step once it is taken (see accumulate)
         self._late: list[tuple[int, list[torch.Tensor | None], int]] = []
@@ -191,8 +190,9 @@ class HivemindStageOptimizer:
         return self.local_samples > 0 or self._pending is not None or bool(self._late)
 
     def accumulate(self, grads, num_samples, batch_step=None):
-        """Add one microbatch toward step ``batch_step``: now if that is the stage's current step (or an
-        earlier one: a late microbatch joins the current batch), else aside until the stage gets there.
+        """Add one microbatch toward step ``batch_step``: now if that is the stage's current step, aside until the
+        stage gets there if it is a later one. A late microbatch (its batch's step taken, or its all-reduce under way)
+        joins the next step handed over, as a sample of its own batch (see _hand_over).
         Each replica reports only the current step's samples, so the stage's count reaches the target
         exactly when the trainer's global batch is in, and the step averages exactly that batch.
 

@@ -104,9 +104,9 @@ class HivemindStageOptimizer:
         self._handed = 0  # samples this replica put into the step under way
         # of them, samples of earlier batches, by batch (see _hand_over)
         self._handed_over: dict[int, int] = {}
-        # microbatches of a batch whose step's all-reduce already runs: (batch, sums in the optimizer's order, samples),
-        # handed over into the next step once it is taken (see accumulate)
-        self._late: list[tuple[int, list[torch.Tensor | None], int]] = []
+        # microbatches of a batch whose step's all-reduce already runs, summed into one copy: (sums in the optimizer's
+        # order, samples by batch), handed over into the next step once it is taken (see accumulate)
+        self._late: tuple[list[torch.Tensor | None], dict[int, int]] | None = None
         self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
         self._regrouped_at = 0.0
         self._beside_others = False  # see _begin_step
@@ -187,7 +187,7 @@ class HivemindStageOptimizer:
     def holds_unaveraged(self) -> bool:
         """Whether this replica holds samples its stage has not averaged yet: of the current batch, or handed to an
         all-reduce still running. A replica that leaves now drops them from the stage's step."""
-        return self.local_samples > 0 or self._pending is not None or bool(self._late)
+        return self.local_samples > 0 or self._pending is not None or self._late is not None
 
     def accumulate(self, grads, num_samples, batch_step=None):
         """Add one microbatch toward step ``batch_step``: now if that is the stage's current step, aside until the
@@ -213,13 +213,25 @@ class HivemindStageOptimizer:
             # This step's gradients already went to the all-reduce: a late microbatch joins the next step, one step
             # late, as a sample of its own batch (not the next batch's progress: the stage would step before that
             # batch is in).
-            self._late.append((batch, self._in_optimizer_order(grads), num_samples))
+            self._keep_late(batch, grads, num_samples)
             return False
         if batch < self.step:
             # a microbatch of a batch whose step was taken (its commit came late): the same, now
             self.opt.grad_averager.carry_in(self._in_optimizer_order(grads), {batch: num_samples})
             return False
         return self._add(grads, num_samples)
+
+    def _keep_late(self, batch: int, grads, num_samples: int) -> None:
+        """Add a late microbatch to the one copy kept for the next step (memory: one gradient set, however many)."""
+        late = self._in_optimizer_order(grads)
+        if self._late is None:
+            self._late = (late, {batch: num_samples})
+            return
+        sums, by_batch = self._late
+        for i, g in enumerate(late):
+            if g is not None:
+                sums[i] = g if sums[i] is None else sums[i].add_(g)
+        by_batch[batch] = by_batch.get(batch, 0) + num_samples
 
     def _in_optimizer_order(self, grads) -> list[torch.Tensor | None]:
         """Gradients in the stage's parameter order, detached copies in the order of hivemind's accumulators."""
@@ -266,9 +278,9 @@ class HivemindStageOptimizer:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
         while (due := self._later.pop_due(self.step)) is not None:
             self._add(*due)
-        late, self._late = self._late, []
-        for batch, sums, samples in late:
-            self.opt.grad_averager.carry_in(sums, {batch: samples})
+        if self._late is not None:
+            late, self._late = self._late, None
+            self.opt.grad_averager.carry_in(*late)
 
     def maybe_step(self) -> bool:
         """Take the stage's optimizer step if its global batch is in and the all-reduce group has formed

@@ -86,7 +86,18 @@ def test_a_peer_behind_nat_serves_through_a_relay_and_survives_its_death(tmp_pat
         summary = finished(trainer, timeout_s=600)
         assert summary.steps == STEPS
         assert summary.microbatches == summary.microbatches_started == 2 * STEPS, summary
-        assert summary.unconfirmed_commits == 0, summary
+        # Every commit of the NATed peer was confirmed, through its second relay if the first died with it. The
+        # killed relay is itself a stage-0 peer: a gradient it held when it died cannot be confirmed (one CI run
+        # in many), and is computed again elsewhere (counted above); the trainer names the stage of each.
+        unasked = [
+            int(m.group(1))
+            for line in trainer.lines
+            if (m := re.search(r"stage (\d+) could not be asked whether it counted", line))
+        ]
+        assert summary.unconfirmed_commits == len(unasked), (summary, unasked)
+        assert set(unasked) <= {0}, (
+            f"stage 1 left commits unconfirmed: {unasked}; see {trainer.log_path}"
+        )
         # Learning, on the validation windows: the replicas of a stage step on their own here (--no-average), so
         # the last steps' training losses mix drifting replicas (one CI run: 5.72 over the last 5 steps, validation
         # 4.17 from 5.60).

@@ -65,10 +65,16 @@ BEHIND_LINE = re.compile(
     r"stage (\d+) replica is behind its peers \(step (\d+) < \d+\): loading their state \((\d+) samples"
 )
 HANDED_LINE = re.compile(r"stage (\d+): (\d+) samples of step (\d+) handed over into step \d+")
+PARTIAL_LINE = re.compile(
+    r"stage (\d+): its all-reduce of step (\d+) returned part of the average only before its peers stepped: "
+    r"their step very likely holds its (\d+) samples"
+)
 # why a replica's samples missed its stage's step, by its log line
 CAUSES = {
     "behind": "missed its group (its peers' group assembled without it; it loaded their state)",
     "handed": "of those, handed over into the next step (applied in the next step, not lost)",
+    "partial": "of those, not handed over: its all-reduce with them returned part of the average only, so their "
+    "step very likely holds them (counted lost below, never applied twice)",
     "stepped without its peers' gradients": "found no group within --averaging-timeout-s (stepped on its own, "
     "then reloaded)",
     "received part of the all-reduce only": "a groupmate's part missing (frozen or killed mid all-reduce; reloaded)",
@@ -178,6 +184,9 @@ def miss_rows(workdir: Path) -> list[list[object]]:
         for match in HANDED_LINE.finditer(text):
             found["handed"][0] += 1
             found["handed"][1] += int(match.group(2))
+        for match in PARTIAL_LINE.finditer(text):
+            found["partial"][0] += 1
+            found["partial"][1] += int(match.group(3))
     return [[CAUSES[k], n, samples] for k, (n, samples) in sorted(found.items())]
 
 

@@ -108,6 +108,9 @@ class HivemindStageOptimizer:
         # order, samples by batch), handed over into the next step once it is taken (see accumulate)
         self._late: tuple[list[torch.Tensor | None], dict[int, int]] | None = None
         self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
+        self._partial_step = (
+            -1
+        )  # the last step whose all-reduce returned part of the average only (see _regroup)
         self._regrouped_at = 0.0
         self._beside_others = False  # see _begin_step
         # (step, when this replica first saw its batch closed): for the step's log line
@@ -451,6 +454,21 @@ class HivemindStageOptimizer:
             return
         sums, by_batch = held
         averager, samples = self.opt.grad_averager, sum(by_batch.values())
+        if self._partial_step == missed and self.step > missed:
+            # Its all-reduce of that step returned part of the average only: the group ran with it, its part went
+            # out to its groupmates' reductions, and they stepped on that all-reduce, so their step very likely
+            # holds these samples (for some coordinates or all). Handed over, they would be applied twice there
+            # (bench/soak.py: a replica partial in a 3-replica group whose two peers averaged 8 + 8 samples of a
+            # 32-sample batch, its 16 in their average). Left out: at worst lost where its part did not arrive,
+            # never applied twice.
+            logger.warning(
+                "stage %d: its all-reduce of step %d returned part of the average only before its peers stepped: "
+                "their step very likely holds its %d samples; not handed over, so none is applied twice",
+                self.stage_index,
+                missed,
+                samples,
+            )
+            return
         if self.step == missed:
             # Still at the step it missed (no donor answered in time): its sums are still that step's; keep them.
             own = by_batch.pop(missed, 0)
@@ -559,6 +577,8 @@ class HivemindStageOptimizer:
         ):
             return False
         self._regrouped, self._regrouped_at = self.step, time.perf_counter()
+        if not failed:
+            self._partial_step = self.step
         logger.warning(
             "stage %d: the all-reduce of step %d %s; looking for a new group with the same %d samples",
             self.stage_index,

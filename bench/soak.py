@@ -65,6 +65,9 @@ BEHIND_LINE = re.compile(
     r"stage (\d+) replica is behind its peers \(step (\d+) < \d+\): loading their state \((\d+) samples"
 )
 HANDED_LINE = re.compile(r"stage (\d+): (\d+) samples of step (\d+) handed over into step \d+")
+KEPT_LINE = re.compile(
+    r"stage (\d+) kept the state it stepped into at step (\d+): its (\d+) samples stay in"
+)
 PARTIAL_LINE = re.compile(
     r"stage (\d+): its all-reduce of step (\d+) returned part of the average only before its peers stepped: "
     r"their step very likely holds its (\d+) samples"
@@ -72,7 +75,8 @@ PARTIAL_LINE = re.compile(
 # why a replica's samples missed its stage's step, by its log line
 CAUSES = {
     "behind": "missed its group (its peers' group assembled without it; it loaded their state)",
-    "handed": "of those, handed over into the next step (applied in the next step, not lost)",
+    "handed": "handed over into the next step (a replica that missed its group, or stepped on its own and loaded "
+    "another state: applied one step late, not lost)",
     "partial": "of those, not handed over: its all-reduce with them returned part of the average only, so their "
     "step very likely holds them (counted lost below, never applied twice)",
     "stepped without its peers' gradients": "found no group within --averaging-timeout-s (stepped on its own, "
@@ -81,6 +85,8 @@ CAUSES = {
     "skipped its step": "non-finite average: a group holding none of the batch's samples (reloaded)",
     "stepped alone beside a replica holding samples": "told it was alone while the records showed another "
     "replica's samples of the batch (reloaded)",
+    "kept": "of the reloaded above, kept the state they stepped into (no donor, or one that had loaded it): their "
+    "samples stay in that state (counted lost below; in the stage's model if its peers took that state)",
 }
 
 
@@ -184,10 +190,17 @@ def miss_rows(workdir: Path) -> list[list[object]]:
         for match in HANDED_LINE.finditer(text):
             found["handed"][0] += 1
             found["handed"][1] += int(match.group(2))
+        for match in KEPT_LINE.finditer(text):
+            found["kept"][0] += 1
+            found["kept"][1] += int(match.group(3))
         for match in PARTIAL_LINE.finditer(text):
             found["partial"][0] += 1
             found["partial"][1] += int(match.group(3))
-    return [[CAUSES[k], n, samples] for k, (n, samples) in sorted(found.items())]
+    order = list(CAUSES)  # the causes, then what became of their samples
+    return [
+        [CAUSES[k], n, samples]
+        for k, (n, samples) in sorted(found.items(), key=lambda kv: order.index(kv[0]))
+    ]
 
 
 def stage_rows(contributions, steps: int) -> list[list[object]]:

@@ -124,3 +124,54 @@ def test_a_replica_whose_all_reduce_came_back_in_part_hands_nothing_over(loop_th
     assert not any("handed over into step 1" in m for m in caplog.messages)
     step1 = sorted(m.groups() for m in map(STEP1_LINE.search, caplog.messages) if m)
     assert step1 == [("averaged", str(B), None), ("averaged", str(B), None)], step1
+
+
+STEP0_ANY = re.compile(r"stage 1 step 0: (.+?), (\d+) samples in")
+
+
+def test_a_replica_that_stepped_on_its_own_beside_its_peers_hands_its_samples_over(
+    loop_thread, boot, caplog
+):
+    """A replica told it is alone (the trainer's count missed its peers) while the stage's records show their samples
+    steps on its own, then reloads: the state it loads, its peers' averaged step, never saw its samples, so it hands
+    them over into the next step; the three end as one state with every sample applied once."""
+    caplog.set_level(logging.DEBUG, logger="swarm.averaging.optimizer")
+
+    async def body():
+        first, second, lone = await averaging_replicas(3, "handover2", boot, matchmaking_s=1.0)
+        try:
+            await one_microbatch(first, 0)
+            await one_microbatch(second, 1)
+            tracker = lone.executor.optimizer.opt.tracker
+            await until(
+                lambda: tracker.global_progress.samples_accumulated >= 2 * B,
+                "the third replica's records show its peers' samples",
+            )
+            await one_microbatch(lone, 2)
+            lone.executor.close_batch(0, replicas=1)
+            await until(lambda: lone.executor.step == 1, "the third replica steps on its own")
+            # while it looks for a state of step 1 to reload, its peers average batch 0 without it
+            for peer in (first, second):
+                peer.executor.close_batch(0, replicas=2)
+            grad_averager = lone.executor.optimizer.opt.grad_averager
+            await until(lambda: grad_averager.carried == {0: B}, "it hands its samples over")
+            await assert_one_state([first, second, lone])
+            await average_one_batch([first, second, lone], 1, seeds=(3, 4, 5))
+        finally:
+            for peer in (first, second, lone):
+                await peer.shutdown()
+
+    loop_thread.run(body(), timeout_s=300)
+    step0 = sorted(m.groups() for m in map(STEP0_ANY.search, caplog.messages) if m)
+    assert step0 == [
+        ("averaged", str(B)),
+        ("averaged", str(B)),
+        ("stepped alone beside a replica holding samples", str(B)),
+    ], step0
+    assert any(f"{B} samples of step 0 handed over into step 1" in m for m in caplog.messages)
+    step1 = sorted(m.groups() for m in map(STEP1_LINE.search, caplog.messages) if m)
+    assert step1 == [
+        ("averaged", str(B), None),
+        ("averaged", str(B), None),
+        ("averaged", str(2 * B), str(B)),
+    ], step1

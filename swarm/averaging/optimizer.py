@@ -596,6 +596,14 @@ class HivemindStageOptimizer:
         before = self.step
         skipped, partial, _, alone = self._step_started
         t0 = time.perf_counter()
+        # About to step on its own gradients beside other replicas (no group, or its all-reduce failed twice): it
+        # reloads after the step, and a state it loads then never saw these samples; keep a copy to hand over.
+        # (Not on an all-reduce that came back in part: its own values there hold some of its peers' gradients.)
+        on_its_own = (
+            not alone
+            and (not began or self._pending.cancelled() or self._pending.exception() is not None)
+        ) or self._beside_others
+        held = self._held_sums() if on_its_own else None
         self._pending = None
         hp.finish_global_step(self.opt, began)
         now, started = time.perf_counter(), self._step_started[2]
@@ -647,8 +655,28 @@ class HivemindStageOptimizer:
                 why,
                 before,
             )
+            own = [p.detach().clone() for p in self.params] if held is not None else None
             self._load_from_peers(self.step, doubtful=True)
+            if own is not None:
+                self._after_own_step(held, before, own)
         set_learning_rate(opt_inner, self.run, self.step)
+
+    def _after_own_step(
+        self, held: tuple[list[torch.Tensor], dict[int, int]], stepped: int, own: list[torch.Tensor]
+    ) -> None:
+        """After stepping on its own gradients of step ``stepped`` and reloading: the samples it stepped on are in
+        the stage's state if it kept its own (no donor; or the donor's state is this replica's, which a replica
+        behind it loaded meanwhile: bench/soak.py), and nowhere if it loaded another replica's state: hand them over
+        then, as a replica that missed its group does (_hand_over)."""
+        if all(torch.equal(p, q) for p, q in zip(self.params, own)):
+            logger.info(
+                "stage %d kept the state it stepped into at step %d: its %d samples stay in",
+                self.stage_index,
+                stepped,
+                sum(held[1].values()),
+            )
+            return
+        self._hand_over(held, stepped)
 
     def sync_with_peers(self, peers_step: int = 0) -> bool:
         """Download parameters and optimizer state from the stage's peers if they are ahead of us (a

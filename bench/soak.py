@@ -72,6 +72,13 @@ PARTIAL_LINE = re.compile(
     r"stage (\d+): its all-reduce of step (\d+) returned part of the average only before its peers stepped: "
     r"their step very likely holds its (\d+) samples"
 )
+# cause -> its log line and the group of it that holds the samples
+COUNTED_LINES = (
+    ("behind", BEHIND_LINE, 3),
+    ("handed", HANDED_LINE, 2),
+    ("kept", KEPT_LINE, 3),
+    ("partial", PARTIAL_LINE, 3),
+)
 # why a replica's samples missed its stage's step, by its log line
 CAUSES = {
     "behind": "missed its group (its peers' group assembled without it; it loaded their state)",
@@ -184,18 +191,10 @@ def miss_rows(workdir: Path) -> list[list[object]]:
             if outcome not in CONTRIBUTED:
                 found[outcome][0] += 1
                 found[outcome][1] += int(samples)
-        for match in BEHIND_LINE.finditer(text):
-            found["behind"][0] += 1
-            found["behind"][1] += int(match.group(3))
-        for match in HANDED_LINE.finditer(text):
-            found["handed"][0] += 1
-            found["handed"][1] += int(match.group(2))
-        for match in KEPT_LINE.finditer(text):
-            found["kept"][0] += 1
-            found["kept"][1] += int(match.group(3))
-        for match in PARTIAL_LINE.finditer(text):
-            found["partial"][0] += 1
-            found["partial"][1] += int(match.group(3))
+        for cause, line, group in COUNTED_LINES:
+            for match in line.finditer(text):
+                found[cause][0] += 1
+                found[cause][1] += int(match.group(group))
     order = list(CAUSES)  # the causes, then what became of their samples
     return [
         [CAUSES[k], n, samples]

@@ -42,6 +42,20 @@ async def average_one_batch(replicas, batch: int, seeds) -> None:
     await assert_one_state(replicas)
 
 
+async def late_for_step0(ahead, late, *, partial: bool = False) -> None:
+    """Batch 0: only ``ahead``'s microbatch is in when the trainer closes it there, counting one replica (the other's
+    commit is still on its way): it steps alone. The late commit of batch 0 then lands on ``late``, one step behind
+    its peer, which takes its peer's state. ``partial``: ``late``'s all-reduce of step 0 is marked as having come
+    back in part first, as the optimizer marks it."""
+    await one_microbatch(ahead, 0)
+    ahead.executor.close_batch(0, replicas=1)
+    await until(lambda: ahead.executor.step == 1, "the first replica steps")
+    if partial:
+        late.executor.optimizer._partial_step = 0
+    await one_microbatch(late, 1)
+    await until(lambda: late.executor.step == 1, "the late replica takes its peer's state")
+
+
 def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(
     loop_thread, boot, caplog
 ):
@@ -50,14 +64,7 @@ def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(
     async def body():
         ahead, late = await averaging_replicas(2, "handover0", boot, matchmaking_s=1.0)
         try:
-            # Batch 0: only the first replica's microbatch is in when the trainer closes it there, counting one
-            # replica (the other's commit is still on its way): it steps alone.
-            await one_microbatch(ahead, 0)
-            ahead.executor.close_batch(0, replicas=1)
-            await until(lambda: ahead.executor.step == 1, "the first replica steps")
-            # The late commit of batch 0 lands on the other replica, now one step behind its peer.
-            await one_microbatch(late, 1)
-            await until(lambda: late.executor.step == 1, "the late replica takes its peer's state")
+            await late_for_step0(ahead, late)
             grad_averager = late.executor.optimizer.opt.grad_averager
             assert grad_averager.local_samples_accumulated == B, (
                 "its samples of batch 0 were dropped"
@@ -102,12 +109,8 @@ def test_a_replica_whose_all_reduce_came_back_in_part_hands_nothing_over(loop_th
     async def body():
         ahead, late = await averaging_replicas(2, "handover1", boot, matchmaking_s=1.0)
         try:
-            await one_microbatch(ahead, 0)
-            ahead.executor.close_batch(0, replicas=1)
-            await until(lambda: ahead.executor.step == 1, "the first replica steps")
-            late.executor.optimizer._partial_step = 0  # its all-reduce of step 0 came back in part
-            await one_microbatch(late, 1)
-            await until(lambda: late.executor.step == 1, "the late replica takes its peer's state")
+            # its all-reduce of step 0 came back in part
+            await late_for_step0(ahead, late, partial=True)
             grad_averager = late.executor.optimizer.opt.grad_averager
             assert grad_averager.local_samples_accumulated == 0
             assert grad_averager.carried == {}

@@ -108,9 +108,8 @@ class HivemindStageOptimizer:
         # order, samples by batch), handed over into the next step once it is taken (see accumulate)
         self._late: tuple[list[torch.Tensor | None], dict[int, int]] | None = None
         self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
-        self._partial_step = (
-            -1
-        )  # the last step whose all-reduce returned part of the average only (see _regroup)
+        # the last step whose all-reduce returned part of the average only (see _regroup)
+        self._partial_step = -1
         self._regrouped_at = 0.0
         self._beside_others = False  # see _begin_step
         # (step, when this replica first saw its batch closed): for the step's log line
@@ -569,7 +568,7 @@ class HivemindStageOptimizer:
         step): the groupmates left do the same and average their samples together, instead of each stepping on
         what it has, reloading, and losing its samples of the batch. True if it will look again."""
         pending, (_, partial, _, alone) = self._pending, self._step_started
-        failed = pending.cancelled() or pending.exception() is not None
+        failed = _failed(pending)
         if (
             alone
             or self._regrouped == self.step
@@ -599,10 +598,7 @@ class HivemindStageOptimizer:
         # About to step on its own gradients beside other replicas (no group, or its all-reduce failed twice): it
         # reloads after the step, and a state it loads then never saw these samples; keep a copy to hand over.
         # (Not on an all-reduce that came back in part: its own values there hold some of its peers' gradients.)
-        on_its_own = (
-            not alone
-            and (not began or self._pending.cancelled() or self._pending.exception() is not None)
-        ) or self._beside_others
+        on_its_own = (not alone and (not began or _failed(self._pending))) or self._beside_others
         held = self._held_sums() if on_its_own else None
         self._pending = None
         hp.finish_global_step(self.opt, began)
@@ -655,6 +651,9 @@ class HivemindStageOptimizer:
                 why,
                 before,
             )
+            # (not after a skipped step: non-finite sums must not reach the next one)
+            if opt_inner.skipped_steps > skipped:
+                held = None
             own = [p.detach().clone() for p in self.params] if held is not None else None
             self._load_from_peers(self.step, doubtful=True)
             if own is not None:
@@ -813,3 +812,8 @@ class HivemindStageOptimizer:
             control.cancel()
             self.opt.scheduled_grads = None
         self.opt.shutdown()
+
+
+def _failed(pending) -> bool:
+    """Whether a step's all-reduce ended without a result (cancelled or raised), as opposed to a full or partial one."""
+    return pending.cancelled() or pending.exception() is not None

@@ -36,6 +36,7 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import torch
 from hivemind.averaging.control import AveragingStage
@@ -60,6 +61,10 @@ logger = logging.getLogger(__name__)
 # steps a trainer's count of the stage's replicas stands for when later batches bring none (see _recent_count)
 COUNT_MEMORY_STEPS = 2
 
+# Seconds between step checks while a closed batch's all-reduce group forms (see check_soon): the group is usually
+# in within a few tenths of a second, and each check is cheap.
+CHECK_SOON_S = 0.02
+
 # A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
 UNREACHABLE_DONOR_TRIES = 3
 
@@ -74,6 +79,13 @@ class HivemindStageOptimizer:
     """hivemind.Optimizer for one stage. Every method but the constructor runs on the peer's compute thread
     (``maybe_step`` may hold it for the all-reduce; never the event loop). It splits accumulation from the
     global step through :mod:`swarm.averaging.hivemind_private`."""
+
+    # called (any thread) when a step check would find something to do now: a batch closed, an all-reduce done (the
+    # peer then runs its step check at once instead of at its period)
+    wake: Callable[[], None] | None = None
+    # whether the last step check left a closed batch's group forming: the peer checks again after CHECK_SOON_S
+    # rather than its period (hivemind's matchmaking says nothing when the group is in)
+    check_soon = False
 
     def __init__(
         self,
@@ -272,6 +284,8 @@ class HivemindStageOptimizer:
             self._replicas[batch_step] = replicas
             self._last_count, self._last_count_step = replicas, batch_step
         self._closed_through = max(self._closed_through, batch_step)
+        if self.wake is not None:
+            self.wake()
         logger.debug(
             "stage %d: batch %d closed, %d replicas counted", self.stage_index, batch_step, replicas
         )
@@ -290,6 +304,7 @@ class HivemindStageOptimizer:
         hivemind's averager process, not here, so compute goes on meanwhile; only loading the gradients and the
         update hold the compute thread. Returns True if the parameters changed."""
         opt, tracker = self.opt, self.opt.tracker
+        self.check_soon = False
         if self._pending is not None:
             # The step's all-reduce runs in hivemind's averager (bounded by averaging_timeout_s); the compute thread
             # serves meanwhile and takes the step once it is done.
@@ -414,6 +429,8 @@ class HivemindStageOptimizer:
             # looking). Never wait for it on the compute thread: a group that forms without this replica steps
             # without it, and the check above then loads the peers' state (a missed group costs this replica's
             # samples of the batch, never a stalled stage or a replica out of step).
+            # The batch is closed: its group is all the step waits for, so look again soon (see ``check_soon``).
+            self.check_soon = self._closed_through >= self.step
             return False
         if alone and self.local_samples == 0 and tracker.global_progress.samples_accumulated:
             # Told to step alone, with none of the batch's samples, while another replica holds them: a replica that
@@ -560,6 +577,9 @@ class HivemindStageOptimizer:
         self._pending = self.opt.scheduled_grads if began else None
         if self._pending is None:
             self._finish_step()
+        elif self.wake is not None:
+            wake = self.wake
+            self._pending.add_done_callback(lambda _: wake())
 
     def _regroup(self) -> bool:
         """The step's all-reduce ended without the whole average: it failed (a groupmate frozen or killed in it), or

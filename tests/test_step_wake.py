@@ -1,0 +1,44 @@
+"""A closed batch is stepped when it closes, not at the peer's next periodic step check: the close wakes the check,
+the check looks again soon while the batch's all-reduce group forms, and the all-reduce's end wakes it to take the
+update. In lockstep training every batch waits for that step. Two real averaging replicas in this process, on a real
+DHT, whose periodic check is set far beyond the test's wait, so only the wake-ups can step them."""
+
+from __future__ import annotations
+
+import pytest
+from livepeers import assert_one_state, averaging_replicas, one_microbatch, until
+
+pytestmark = pytest.mark.integration
+
+# no periodic step check within the test (the group-wait bound below it, as the config requires)
+FAR_S = 600.0
+
+
+def test_a_closed_batch_is_stepped_without_waiting_for_the_periodic_check(loop_thread, boot):
+    async def body():
+        replicas = await averaging_replicas(
+            2,
+            "wake",
+            boot,
+            step_check_s=FAR_S,
+            matchmaking_s=0.5,
+            group_wait_s=5.0,
+            averaging_timeout_s=FAR_S + 1,
+        )
+        try:
+            for seed, peer in enumerate(replicas):
+                await one_microbatch(peer, seed)
+            assert [p.executor.step for p in replicas] == [0, 0]
+            for peer in replicas:
+                peer.executor.close_batch(0, replicas=2)
+            await until(
+                lambda: all(p.executor.step == 1 for p in replicas),
+                "both replicas step on the closed batch",
+            )
+            assert [p.executor.optimizer.local_samples for p in replicas] == [0, 0]
+            await assert_one_state(replicas)
+        finally:
+            for peer in replicas:
+                await peer.shutdown()
+
+    loop_thread.run(body(), timeout_s=180)

@@ -35,7 +35,12 @@ def test_a_closed_batch_is_stepped_without_waiting_for_the_periodic_check(loop_t
                 lambda: all(p.executor.step == 1 for p in replicas),
                 "both replicas step on the closed batch",
             )
-            assert [p.executor.optimizer.local_samples for p in replicas] == [0, 0]
+            # read on the compute thread, after the step: the step count goes up before the step has reset its sums
+            held = [
+                await p._worker.compute(lambda p=p: p.executor.optimizer.local_samples)
+                for p in replicas
+            ]
+            assert held == [0, 0]
             await assert_one_state(replicas)
         finally:
             for peer in replicas:

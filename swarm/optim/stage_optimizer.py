@@ -33,6 +33,8 @@ class StageOptimizer(Protocol):
     local_samples: int
     # seconds a step typically holds the compute thread beyond the update itself
     step_pause_s: float
+    # whether the step check should look again soon rather than at its period (a closed batch's group forming)
+    check_soon: bool
 
     def accumulate(
         self, grads: list[torch.Tensor | None], num_samples: int, batch_step: int | None = None
@@ -57,6 +59,7 @@ class LocalStageOptimizer:
         self.step = 0
         self.local_samples = 0
         self.step_pause_s = 0.0  # no all-reduce
+        self.check_soon = False  # it steps inside accumulate
         self._sums = [torch.zeros_like(p) for p in self.params]
 
     def accumulate(self, grads, num_samples, batch_step=None):

@@ -121,6 +121,9 @@ class Peer:
         self._between_stages = False
         # an operator's move (SIGUSR1), see request_move
         self._requested_move: asyncio.Task | None = None
+        # wakes the step check before its period (see _wake_step_loop); the loop is set when the check starts
+        self._step_wake = asyncio.Event()
+        self._step_wake_loop: asyncio.AbstractEventLoop | None = None
         self._stack = contextlib.AsyncExitStack()
 
     @classmethod
@@ -374,7 +377,6 @@ class Peer:
         if they changed (the digest the heartbeat announces), and save a checkpoint every
         ``checkpoint_every_steps`` optimizer steps (and on drain, see :meth:`drain`). The optimizer wakes the
         check at once when a batch is closed or its all-reduce is done (:meth:`_wake_step_loop`)."""
-        self._step_wake = asyncio.Event()
         self._step_wake_loop = asyncio.get_running_loop()
         self._background(self._step_loop(), "steps")
 
@@ -382,7 +384,7 @@ class Peer:
         """Run the next step check now rather than at its period (any thread): in lockstep training every batch
         waits for the step, and two waits of up to ``step_check_s`` each (close to group, all-reduce to update) were
         a few percent of each step on loopback."""
-        loop = getattr(self, "_step_wake_loop", None)
+        loop = self._step_wake_loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: the peer is gone
                 loop.call_soon_threadsafe(self._step_wake.set)
@@ -390,7 +392,7 @@ class Peer:
     async def _step_loop(self) -> None:
         while True:
             period = self.config.averaging.step_check_s
-            if getattr(getattr(self.executor, "optimizer", None), "check_soon", False):
+            if self.executor.optimizer.check_soon:
                 period = min(period, CHECK_SOON_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._step_wake.wait(), period)

@@ -31,7 +31,8 @@ class RunConfig:
     grad_codec: str = field(default="same", metadata={"choices": ("same", *CODEC_NAMES)})
     target_batch_size: int = 32  # samples a stage accumulates before each optimizer step
     lr: float = 1e-3  # peak AdamW learning rate
-    weight_decay: float = 0.1  # AdamW weight decay on matrices (not on biases, norms or embeddings)
+    # AdamW weight decay on parameters of 2+ dimensions (matrices and embeddings), not on biases or norms
+    weight_decay: float = 0.1
     warmup_steps: int = 10  # optimizer steps of linear warmup
     # steps of cosine decay to 10% of lr after warmup; 0 = constant after warmup
     total_steps: int = 0

@@ -37,7 +37,7 @@ def test_a_closed_batch_is_stepped_without_waiting_for_the_periodic_check(loop_t
             )
             # read on the compute thread, after the step: the step count goes up before the step has reset its sums
             held = [
-                await p._worker.compute(lambda p=p: p.executor.optimizer.local_samples)
+                await p._worker.compute(lambda p=p: p.executor.samples_accumulated)
                 for p in replicas
             ]
             assert held == [0, 0]

@@ -3,6 +3,8 @@ are compared by it."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from conftest import local_executor, record_wire
@@ -84,6 +86,28 @@ def test_the_digest_is_hashed_once_per_change_of_the_parameters():
     assert ex.param_digest() == before
     ex.parameters_changed()
     assert ex.param_digest() == state_digest(ex.stage_module.state_dict()) != before
+
+
+def test_a_peer_hashes_in_another_thread_and_a_hash_of_replaced_parameters_is_not_kept():
+    ex = local_executor(RUN, 1)
+    want = state_digest(ex.stage_module.state_dict())
+    work = ex.digest_snapshot()
+    live = dict(ex.stage_module.state_dict(keep_vars=True))
+    assert list(work.state) == list(live) and work.step == 0
+    assert all(work.state[k].data_ptr() != t.data_ptr() for k, t in live.items())
+    _step(ex, 1)  # the step writes the live parameters in place, never the snapshot
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(state_digest, work.state).result() == want
+        ex.record_digest(
+            work, want
+        )  # hashed from before the step: not kept as the new parameters' digest
+        assert ex.step_and_digest() == (1, "")
+        later = ex.digest_snapshot()
+        ex.record_digest(later, pool.submit(state_digest, later.state).result())
+    assert ex.step_and_digest() == (1, state_digest(ex.stage_module.state_dict()))
+    assert ex.digest_snapshot() is None  # known: nothing to hash until the parameters change again
+    # the version forwards pinned to step 1 run on names the same digest
+    assert ex.step_and_digest(params_step=1) == ex.step_and_digest()
 
 
 def test_loading_a_state_changes_the_digest_to_the_states():

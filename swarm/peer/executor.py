@@ -29,6 +29,16 @@ from swarm.peer.versions import ParamVersions, Version
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class DigestWork:
+    """A stage's state at one optimizer step, to hash away from the compute thread (see
+    :meth:`StageExecutor.digest_snapshot`)."""
+
+    generation: int  # the executor's count of parameter changes when it was taken
+    step: int
+    state: dict[str, torch.Tensor]
+
+
 @dataclass
 class _Cached:
     inputs: torch.Tensor
@@ -117,6 +127,8 @@ class StageExecutor:
         # (step, digest of the parameters at that step), computed on demand and dropped whenever the parameters
         # change (a step, a state load); None until computed again
         self._digest: tuple[int, str] | None = None
+        # counts the changes of the parameters, so a hash begun before a change is not recorded after it
+        self._generation = 0
 
     @property
     def stage_index(self) -> int:
@@ -493,6 +505,7 @@ class StageExecutor:
         """The parameters changed (an optimizer step, a state load): copy them as the new step's version, and drop
         the graphs of versions no longer held (their backward recomputes on the nearest version held)."""
         self._digest = None
+        self._generation += 1
         self._versions.changed(self.step)
         for entry in self._cache.values():
             if entry.graph is not None and entry.graph[2] is not self._versions.get(
@@ -507,13 +520,46 @@ class StageExecutor:
 
     def param_digest(self) -> str:
         """:func:`swarm.model.state_digest` of ``stage_module.state_dict()``; hashes only if the parameters
-        changed since the last call (call it on the compute thread: it reads every parameter)."""
-        if self._digest is None:
-            self._digest = (self.step, state_digest(self.stage_module.state_dict()))
-            current = self._versions.current
-            if current.step == self.step:  # the version forwards run on holds these very values
-                current.digest = self._digest[1]
+        changed since the last call (call it on the compute thread: it reads every parameter). A running peer
+        hashes in another thread instead (:meth:`digest_snapshot`)."""
+        work = self.digest_snapshot()
+        if work is not None:
+            self.record_digest(work, state_digest(work.state))
+        assert self._digest is not None
         return self._digest[1]
+
+    def digest_snapshot(self) -> DigestWork | None:
+        """What to hash for the digest of the current parameters, so that another thread can hash it while this
+        one computes (call on the compute thread; then :func:`swarm.model.state_digest` of ``.state`` anywhere, and
+        :meth:`record_digest` here). None when the digest is known. The state holds the current version's copies
+        of the parameters, which no optimizer step writes (so nothing is copied), and copies of the buffers.
+
+        Hashing a stage of GPT-2 small on the compute thread was half of a GPU peer's busy time (bench/results/
+        gpu_swarm.md): copying every parameter to the host and hashing it, after every optimizer step."""
+        if self._digest is not None:
+            return None
+        current = self._versions.current
+        copies = {}
+        if current.step == self.step:  # else (never after _after_step) copy the live parameters
+            copies = {
+                id(p): current.params[f"stage.{name}"]
+                for name, p in self.stage_module.named_parameters()
+            }
+        state = {
+            name: copies[id(t)] if id(t) in copies else t.detach().clone()
+            for name, t in self.stage_module.state_dict(keep_vars=True).items()
+        }
+        return DigestWork(self._generation, self.step, state)
+
+    def record_digest(self, work: DigestWork, digest: str) -> None:
+        """Keep ``digest``, the hash of ``work.state``, unless the parameters changed since the snapshot (then
+        the next :meth:`digest_snapshot` hashes the new ones). Call on the compute thread."""
+        if work.generation != self._generation:
+            return
+        self._digest = (work.step, digest)
+        current = self._versions.current
+        if current.step == work.step:  # the version forwards run on holds these very values
+            current.digest = digest
 
     def step_and_digest(self, params_step: int | None = None) -> tuple[int, str]:
         """The optimizer step and the digest of the parameters at that step ("" if they changed since the last

@@ -22,7 +22,7 @@ from swarm.config import RunConfig
 from swarm.deadline import timeout
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
 from swarm.identity import Identity
-from swarm.model import build_stage
+from swarm.model import build_stage, state_digest
 from swarm.model.device import Compute
 from swarm.optim import LocalStageOptimizer
 from swarm.peer.admission import Admission
@@ -124,6 +124,8 @@ class Peer:
         # wakes the step check before its period (see _wake_step_loop); the loop is set when the check starts
         self._step_wake = asyncio.Event()
         self._step_wake_loop: asyncio.AbstractEventLoop | None = None
+        # wakes the loop that hashes the parameters after they changed (see _digest_loop)
+        self._digest_wake = asyncio.Event()
         self._stack = contextlib.AsyncExitStack()
 
     @classmethod
@@ -379,6 +381,7 @@ class Peer:
         check at once when a batch is closed or its all-reduce is done (:meth:`_wake_step_loop`)."""
         self._step_wake_loop = asyncio.get_running_loop()
         self._background(self._step_loop(), "steps")
+        self._background(self._digest_loop(), "digest")
 
     def _wake_step_loop(self) -> None:
         """Run the next step check now rather than at its period (any thread): in lockstep training every batch
@@ -402,8 +405,9 @@ class Peer:
             try:
                 if self.config.averaging.average:
                     await self._worker.compute_urgent(self.executor.maybe_step)
-                # rehash only if the parameters changed since the last check: the heartbeat never hashes
-                await self._worker.compute_urgent(self.executor.param_digest)
+                # rehash if the parameters changed since the last check (in the digest loop: the heartbeat never
+                # hashes, and neither does the compute thread)
+                self._digest_wake.set()
                 if self.executor.step >= self._saved_step + self.config.checkpoint_every_steps:
                     await self.save_checkpoint()
             except OSError as e:  # a full disk must not stop serving; say so and retry later
@@ -411,6 +415,22 @@ class Peer:
             # averaging trouble must not kill the peer; the next check retries
             except Exception as e:
                 logger.warning("optimizer step check failed: %s", e)
+
+    async def _digest_loop(self) -> None:
+        """Hash the parameters whenever the step check finds them changed, for the digest the heartbeat
+        announces. The compute thread only takes the snapshot (the current version's copies, nothing copied); the
+        host copy and the hash run in another thread while the compute thread goes on serving."""
+        while True:
+            await self._digest_wake.wait()
+            self._digest_wake.clear()
+            executor = self.executor  # a move replaces it: the hash is recorded where it was taken
+            try:
+                work = await self._worker.compute_urgent(executor.digest_snapshot)
+                if work is not None:
+                    digest = await asyncio.to_thread(state_digest, work.state)
+                    await self._worker.compute_urgent(executor.record_digest, work, digest)
+            except Exception as e:  # never kills the peer: the next step check wakes it again
+                logger.warning("hashing the parameters failed: %s", e)
 
     async def save_checkpoint(self) -> None:
         """Write this peer's stage state to --checkpoint-dir (no-op without it)."""

@@ -12,7 +12,14 @@ from swarm.config import RunConfig
 from swarm.model import ModelConfig
 from swarm.model.device import Compute, GradScale, resolve_device
 from swarm.peer.config import CacheConfig, PeerConfig
-from swarm.peer.memory import InsufficientMemory, check_fits, estimate_stage_memory
+from swarm.peer.memory import (
+    DEFAULT_GRAPH_CACHE_BYTES,
+    InsufficientMemory,
+    auto_graph_cache_bytes,
+    check_fits,
+    estimate_stage_memory,
+    resolve_graph_cache,
+)
 
 MODEL = ModelConfig(d_model=64, n_heads=2, n_layers=2, seq_len=32, num_stages=2, seed=5)
 RUN = RunConfig(model=MODEL, target_batch_size=8, lr=3e-3, warmup_steps=0)
@@ -125,6 +132,37 @@ def test_a_stage_that_does_not_fit_is_refused_saying_what_to_change():
     huge = ModelConfig(d_model=8192, n_heads=8, n_layers=64, seq_len=32, num_stages=1)
     with pytest.raises(InsufficientMemory, match="cpu has available only"):
         check_fits(estimate_stage_memory(huge, 0, CacheConfig()), 0, torch.device("cpu"), None)
+
+
+def test_an_unset_graph_budget_is_sized_from_the_gpus_free_memory_and_is_256_mib_elsewhere():
+    unset = CacheConfig()
+    assert unset.graph_cache_bytes is None
+    on_cpu = resolve_graph_cache(unset, MODEL, 0, torch.device("cpu"))
+    assert on_cpu.graph_cache_bytes == DEFAULT_GRAPH_CACHE_BYTES == 256 << 20
+    assert local_executor(RUN, 0).cache_config.graph_cache_bytes == 256 << 20
+    # a value given is kept, on any device
+    given = CacheConfig(graph_cache_bytes=5)
+    assert resolve_graph_cache(given, MODEL, 0, torch.device("cuda")) is given
+    # on a GPU: half of what is free beyond everything else, at least the default
+    gib = 1 << 30
+    assert auto_graph_cache_bytes(80 * gib, 10 * gib) == 35 * gib
+    assert auto_graph_cache_bytes(10 * gib, 10 * gib) == DEFAULT_GRAPH_CACHE_BYTES
+    assert auto_graph_cache_bytes(None, 10 * gib) == DEFAULT_GRAPH_CACHE_BYTES
+    # the estimate counts the budget the stage will run with
+    assert estimate_stage_memory(MODEL, 0, unset).graph_cache == 256 << 20
+
+
+@no_cuda
+def test_on_a_gpu_the_unset_graph_budget_follows_the_memory_limit_and_the_stage_fits():
+    cuda = torch.device("cuda")
+    rest = estimate_stage_memory(MODEL, 0, CacheConfig(graph_cache_bytes=0)).total
+    limit = rest + (4 << 30)
+    sized = resolve_graph_cache(CacheConfig(), MODEL, 0, cuda, limit_bytes=limit)
+    assert sized.graph_cache_bytes == 2 << 30
+    check_fits(estimate_stage_memory(MODEL, 0, sized), 0, cuda, limit)
+    free = resolve_graph_cache(CacheConfig(), MODEL, 0, cuda)  # what the GPU has free now
+    assert free.graph_cache_bytes >= DEFAULT_GRAPH_CACHE_BYTES
+    check_fits(estimate_stage_memory(MODEL, 0, free), 0, cuda, None)
 
 
 @no_cuda

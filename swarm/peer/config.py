@@ -18,8 +18,10 @@ class CacheConfig:
     FLAG_TITLE = "advanced: caches and commits"
 
     # bytes of autograd graphs kept so backward needs no recompute (the tensors they save; beyond it only
-    # the inputs are kept and backward recomputes)
-    graph_cache_bytes: int = 256 << 20
+    # the inputs are kept and backward recomputes). Unset: on a GPU, half of what the device has free beyond the
+    # stage's other needs (a stage of GPT-2 small saves ~2-4 GiB per microbatch of 8 x 1024 tokens, so a fixed
+    # 256 MiB kept none and every backward computed its forward again); elsewhere 256 MiB (swarm.peer.memory)
+    graph_cache_bytes: int | None = None
     # bytes of stage inputs kept for backward (oldest evicted first)
     input_cache_bytes: int = 256 << 20
     # older optimizer steps whose parameters a replica keeps, a copy each (swarm.peer.versions): a graph kept
@@ -48,7 +50,7 @@ class CacheConfig:
     def __post_init__(self):
         if (
             min(
-                self.graph_cache_bytes,
+                0 if self.graph_cache_bytes is None else self.graph_cache_bytes,
                 self.reply_cache_size,
                 self.input_cache_bytes,
                 self.kept_param_steps,

@@ -24,6 +24,7 @@ from swarm.optim import StageOptimizer
 from swarm.outliers import OutlierBound
 from swarm.peer.config import CacheConfig
 from swarm.peer.ledger import UNKNOWN, CommitLedger
+from swarm.peer.memory import resolve_graph_cache
 from swarm.peer.versions import ParamVersions, Version
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,10 @@ class StageExecutor:
         # Fault injection: emulate a device this many times slower (see _timed_compute).
         self.slowdown = slowdown
         self.run = run
-        self.cache_config = cache
+        # an unset graph budget is sized here as a peer sizes it (a peer passes it sized)
+        self.cache_config = resolve_graph_cache(
+            cache, run.model, stage_module.index, compute.device, compute_dtype=compute.dtype
+        )
         self.optimizer = optimizer
         self.microbatches_applied = 0
         self.samples_applied = 0

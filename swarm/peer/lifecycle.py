@@ -32,7 +32,13 @@ from swarm.peer.config import PeerConfig
 from swarm.peer.executor import StageExecutor
 from swarm.peer.lies import install_lies
 from swarm.peer.members import apply_caller_list, follow_caller_list, load_allow_callers
-from swarm.peer.memory import check_fits, device_total_bytes, estimate_stage_memory, gib
+from swarm.peer.memory import (
+    check_fits,
+    device_total_bytes,
+    estimate_stage_memory,
+    gib,
+    resolve_graph_cache,
+)
 from swarm.peer.metrics import PeerMetrics
 from swarm.peer.push import PushHops
 from swarm.peer.reachability import Verdict, advice, check_reachability
@@ -269,10 +275,19 @@ class Peer:
         stage's hivemind optimizer if they are ahead, without it (on a move only, and only with no
         checkpoint) the parameters of the stage's most advanced peer."""
         run, config = self.run, self.config
+        cache = resolve_graph_cache(
+            config.cache,
+            run.model,
+            stage_index,
+            self.compute.device,
+            compute_dtype=self.compute.dtype,
+            averaging=config.averaging.average,
+            limit_bytes=config.memory_limit_bytes,
+        )
         memory = estimate_stage_memory(
             run.model,
             stage_index,
-            config.cache,
+            cache,
             compute_dtype=self.compute.dtype,
             averaging=config.averaging.average,
         )
@@ -327,7 +342,7 @@ class Peer:
             stage_module,
             run,
             optimizer=optimizer,
-            cache=config.cache,
+            cache=cache,
             slowdown=config.slowdown,
             compute=self.compute,
         )

@@ -14,7 +14,7 @@ call being computed are not counted: they are bounded by the graph budget's size
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -22,6 +22,8 @@ from swarm.model import AnyModelConfig
 from swarm.peer.config import CacheConfig
 
 _GIB = 1 << 30
+# the graph budget when --graph-cache-bytes is unset and the stage is not on a GPU, and the least one on a GPU
+DEFAULT_GRAPH_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,11 +77,50 @@ def estimate_stage_memory(
         optimizer_state=2 * grad_bytes,  # AdamW: first and second moments
         param_versions=(1 + cache.kept_param_steps) * param_bytes,
         held_gradients=max(grad_bytes, cache.held_gradient_bytes),
-        graph_cache=cache.graph_cache_bytes,
+        graph_cache=DEFAULT_GRAPH_CACHE_BYTES
+        if cache.graph_cache_bytes is None
+        else cache.graph_cache_bytes,
         input_cache=cache.input_cache_bytes,
         autocast_weights=0 if low_bytes == 4 else param_bytes * low_bytes // 4,
         averaging_buffers=2 * grad_bytes if averaging else 0,
     )
+
+
+def resolve_graph_cache(
+    cache: CacheConfig,
+    model: AnyModelConfig,
+    stage_index: int,
+    device: torch.device,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    averaging: bool = False,
+    limit_bytes: int | None = None,
+) -> CacheConfig:
+    """``cache`` with its graph budget set when it was left unset (see :func:`auto_graph_cache_bytes`): on a
+    GPU from what the device has free (or ``limit_bytes``, --memory-limit-bytes) beyond the stage's other needs;
+    elsewhere :data:`DEFAULT_GRAPH_CACHE_BYTES` (the RAM of a CPU peer is the machine's, shared)."""
+    if cache.graph_cache_bytes is not None:
+        return cache
+    if device.type != "cuda":
+        return replace(cache, graph_cache_bytes=DEFAULT_GRAPH_CACHE_BYTES)
+    rest = estimate_stage_memory(
+        model,
+        stage_index,
+        replace(cache, graph_cache_bytes=0),
+        compute_dtype=compute_dtype,
+        averaging=averaging,
+    )
+    have = limit_bytes if limit_bytes is not None else available_bytes(device)
+    return replace(cache, graph_cache_bytes=auto_graph_cache_bytes(have, rest.total))
+
+
+def auto_graph_cache_bytes(have: int | None, need: int) -> int:
+    """Half of what a device with ``have`` bytes free keeps after the ``need`` of everything else (the other half
+    for the microbatch being computed, and for the allocator), and at least :data:`DEFAULT_GRAPH_CACHE_BYTES`;
+    that when ``have`` is not known. A budget, not an allocation: graphs are kept only while in flight."""
+    if have is None:
+        return DEFAULT_GRAPH_CACHE_BYTES
+    return max(DEFAULT_GRAPH_CACHE_BYTES, (have - need) // 2)
 
 
 def available_bytes(device: torch.device) -> int | None:

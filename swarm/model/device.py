@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.compression.base import all_finite
 from swarm.model.devicespec import check_device_spec, check_dtype_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -142,7 +143,7 @@ class GradScale:
                 retain_graph=not last_try,
             )
             grads = [None if g is None else g.float() / self.scale for g in grads]
-            if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+            if all(g is None or all_finite(g) for g in grads):
                 self._clean += 1
                 if self._clean >= self.growth_interval:
                     self.scale, self._clean = self.scale * 2, 0

@@ -94,7 +94,15 @@ class GpuSampler:
 
 
 def measure_swarm(
-    preset: str, num_stages: int, *, dtype: str, seconds: float, warmup_s: float, workdir: Path
+    preset: str,
+    num_stages: int,
+    *,
+    dtype: str,
+    seconds: float,
+    warmup_s: float,
+    workdir: Path,
+    codec: str = "none",
+    activations: str = "relayed",
 ) -> dict:
     gpus = torch.cuda.device_count()
     run_id = f"gpu-{preset}-{num_stages}"
@@ -106,6 +114,8 @@ def measure_swarm(
             num_stages,
             "--target-batch-size",
             TARGET_BATCH,
+            "--codec",
+            codec,
         ]
         peer_flags = ["--lr", LR, "--no-average", "--no-rebalance", "--dtype", dtype]
         procs = [
@@ -124,7 +134,9 @@ def measure_swarm(
         for proc in procs:
             wait_ready(proc)
         metrics = workdir / f"metrics-{run_id}.jsonl"
-        trainer = start_timed_trainer(swarm, "trainer", run_id, metrics, timeout_s=300)
+        trainer = start_timed_trainer(
+            swarm, "trainer", run_id, metrics, timeout_s=300, activations=activations
+        )
         time.sleep(warmup_s)  # a benchmark's fixed measuring period, not a wait for an event
         sampler = GpuSampler().start()
         time.sleep(seconds)
@@ -199,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_CONFIGS,
         help=f"preset:stages, comma-separated ({DEFAULT_CONFIGS})",
     )
+    parser.add_argument("--codec", default="none", help="the run's wire codec (default none)")
+    parser.add_argument(
+        "--activations",
+        default="relayed",
+        choices=["relayed", "push"],
+        help="the trainer's --activations (default relayed)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no GPU: torch sees no CUDA device here; nothing measured")
@@ -207,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         (name, int(stages)) for name, stages in (c.split(":") for c in args.configs.split(","))
     ]
     info = RunInfo(
-        command=f"python bench/gpu_swarm.py --seconds {args.seconds:g} --dtype {args.dtype}"
+        command=f"python bench/gpu_swarm.py --seconds {args.seconds:g} --dtype {args.dtype} "
+        f"--codec {args.codec} --activations {args.activations}"
     )
     names = ", ".join(torch.cuda.get_device_name(k) for k in range(torch.cuda.device_count()))
     info.extra.append(
@@ -230,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpu-swarm-") as tmp:
             got = measure_swarm(
                 preset, stages, dtype=args.dtype, seconds=args.seconds,
-                warmup_s=args.warmup_seconds, workdir=Path(tmp),
+                warmup_s=args.warmup_seconds, workdir=Path(tmp), codec=args.codec,
+                activations=args.activations,
             )  # fmt: skip
         ratio = got["tokens_per_s"] / local_cache[preset]["tokens_per_s"]
         rows.append(

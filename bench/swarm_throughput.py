@@ -134,9 +134,12 @@ def cpu_by_role(group: ProcessGroup) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------- swarm side
 
 
-def start_timed_trainer(swarm, name: str, run_id: str, metrics: Path, *, timeout_s: float):
+def start_timed_trainer(
+    swarm, name: str, run_id: str, metrics: Path, *, timeout_s: float, **options
+):
     """A trainer that runs until stopped (a benchmark measures it over a time window from its metrics file), the
-    standard microbatch and depth, no validation; returned once it reports its first step."""
+    standard microbatch and depth, no validation; returned once it reports its first step. ``options``: more
+    TrainerConfig fields."""
     trainer = swarm.trainer(
         name,
         run_id=run_id,
@@ -146,6 +149,7 @@ def start_timed_trainer(swarm, name: str, run_id: str, metrics: Path, *, timeout
         eval_every_steps=0,
         eval_batches=1,
         metrics_path=metrics,
+        **options,
     )
     trainer.wait_for(TRAINER_PROGRESS, timeout_s=timeout_s)
     return trainer

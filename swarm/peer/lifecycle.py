@@ -13,6 +13,7 @@ import contextlib
 import logging
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -396,7 +397,11 @@ class Peer:
         check at once when a batch is closed or its all-reduce is done (:meth:`_wake_step_loop`)."""
         self._step_wake_loop = asyncio.get_running_loop()
         self._background(self._step_loop(), "steps")
-        self._background(self._digest_loop(), "digest")
+        # the digest loop's thread: shut down (waiting for a hash under way) after the loop's task is cancelled,
+        # while the event loop the hash answers to still runs
+        hasher = ThreadPoolExecutor(1, thread_name_prefix=f"peer{self.peer_id[:6]}-digest")
+        self._stack.callback(hasher.shutdown)
+        self._background(self._digest_loop(hasher), "digest")
 
     def _wake_step_loop(self) -> None:
         """Run the next step check now rather than at its period (any thread): in lockstep training every batch
@@ -431,7 +436,7 @@ class Peer:
             except Exception as e:
                 logger.warning("optimizer step check failed: %s", e)
 
-    async def _digest_loop(self) -> None:
+    async def _digest_loop(self, hasher: ThreadPoolExecutor) -> None:
         """Hash the parameters whenever the step check finds them changed, for the digest the heartbeat
         announces. The compute thread only takes the snapshot (the current version's copies, nothing copied); the
         host copy and the hash run in another thread while the compute thread goes on serving."""
@@ -442,7 +447,9 @@ class Peer:
             try:
                 work = await self._worker.compute_urgent(executor.digest_snapshot)
                 if work is not None:
-                    digest = await asyncio.to_thread(state_digest, work.state)
+                    digest = await asyncio.get_running_loop().run_in_executor(
+                        hasher, state_digest, work.state
+                    )
                     await self._worker.compute_urgent(executor.record_digest, work, digest)
             except Exception as e:  # never kills the peer: the next step check wakes it again
                 logger.warning("hashing the parameters failed: %s", e)

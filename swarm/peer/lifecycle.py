@@ -425,9 +425,10 @@ class Peer:
             try:
                 if self.config.averaging.average:
                     await self._worker.compute_urgent(self.executor.maybe_step)
-                # rehash if the parameters changed since the last check (in the digest loop: the heartbeat never
-                # hashes, and neither does the compute thread)
-                self._digest_wake.set()
+                # rehash if the parameters changed since the last hash (in the digest loop: the heartbeat never
+                # hashes, and neither does the compute thread); known, it costs no trip to the compute thread
+                if not self.executor.step_and_digest()[1]:
+                    self._digest_wake.set()
                 if self.executor.step >= self._saved_step + self.config.checkpoint_every_steps:
                     await self.save_checkpoint()
             except OSError as e:  # a full disk must not stop serving; say so and retry later
@@ -452,7 +453,11 @@ class Peer:
                     )
                     await self._worker.compute_urgent(executor.record_digest, work, digest)
             except Exception as e:  # never kills the peer: the next step check wakes it again
-                logger.warning("hashing the parameters failed: %s", e)
+                logger.warning(
+                    "hashing the parameters failed (retried at the next step check; until then this peer "
+                    "announces no digest): %s",
+                    e,
+                )
 
     async def save_checkpoint(self) -> None:
         """Write this peer's stage state to --checkpoint-dir (no-op without it)."""

@@ -42,6 +42,7 @@ from swarm_throughput import (  # noqa: E402
     window_tokens_per_s,
 )
 
+from swarm.compression import CODEC_NAMES  # noqa: E402
 from swarm.coordinator.localswarm import LocalSwarm, wait_ready  # noqa: E402
 from swarm.data import ByteCorpus, DataConfig  # noqa: E402
 from swarm.model import ALL_PRESETS, build_full_model  # noqa: E402
@@ -211,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_CONFIGS,
         help=f"preset:stages, comma-separated ({DEFAULT_CONFIGS})",
     )
-    parser.add_argument("--codec", default="none", help="the run's wire codec (default none)")
+    parser.add_argument(
+        "--codec", default="none", choices=CODEC_NAMES, help="the run's wire codec (default none)"
+    )
     parser.add_argument(
         "--activations",
         default="relayed",

@@ -98,15 +98,14 @@ def test_a_peer_hashes_in_another_thread_and_a_hash_of_replaced_parameters_is_no
     _step(ex, 1)  # the step writes the live parameters in place, never the snapshot
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(state_digest, work.state).result() == want
-        ex.record_digest(
-            work, want
-        )  # hashed from before the step: not kept as the new parameters' digest
+        # hashed from before the step: not kept as the new parameters' digest
+        ex.record_digest(work, want)
         assert ex.step_and_digest() == (1, "")
         later = ex.digest_snapshot()
         ex.record_digest(later, pool.submit(state_digest, later.state).result())
     assert ex.step_and_digest() == (1, state_digest(ex.stage_module.state_dict()))
     assert ex.digest_snapshot() is None  # known: nothing to hash until the parameters change again
-    # the version forwards pinned to step 1 run on names the same digest
+    # a call pinned to step 1 runs on the version whose digest is the same
     assert ex.step_and_digest(params_step=1) == ex.step_and_digest()
 
 

@@ -127,8 +127,11 @@ def test_a_killed_and_a_frozen_replica_cost_time_not_the_model(local_swarm):
     is killed (with its part of a batch and its accumulators) and one of stage 1 frozen past its calls'
     deadlines, then resumed. The trainer finishes every batch; each stage's survivors end at the same step
     with bit-identical parameters (the all-reduce gives every member the same average, see
-    hivemind_private.ExactDeltaReducer); stage 1 counted every microbatch at least once and none twice
-    beyond the commits the trainer could not confirm."""
+    hivemind_private.ExactDeltaReducer); stage 1's replicas took every microbatch, and none reached the stage's
+    steps twice beyond the commits the trainer could not confirm: a microbatch the frozen replica counted and the
+    trainer computed again elsewhere (it took the replica for gone) is one the replica left out of its step once
+    thawed (samples_left_out), never applied on top. (Left out while the trainer did not compute it again, it is
+    lost: issue 11's open gap, which the peer's Info and metrics count and bench/soak.py measures.)"""
     run_id = "avgfaults"
     # 4 microbatches a batch (a fault hits a batch in flight); an all-reduce whose groupmate was killed in it is
     # abandoned after 15 s (the configured cost of a kill)
@@ -167,9 +170,15 @@ def test_a_killed_and_a_frozen_replica_cost_time_not_the_model(local_swarm):
     infos = ask_peers(
         [endpoints["s1-a"], endpoints["s1-b"]], lambda c: c.info(run_id, timeout_s=10)
     )
-    applied = sum(i.microbatches_applied for i in infos)
-    assert FAULT_STEPS * 4 <= applied <= FAULT_STEPS * 4 + result.unconfirmed_commits, (
-        applied,
+    per_microbatch = result.samples // result.microbatches
+    applied = sum(i.samples_applied for i in infos)
+    in_steps = applied - sum(i.samples_left_out for i in infos)
+    assert applied >= result.samples, (
+        [(i.samples_applied, i.samples_left_out) for i in infos],
+        result,
+    )
+    assert in_steps <= result.samples + per_microbatch * result.unconfirmed_commits, (
+        [(i.samples_applied, i.samples_left_out) for i in infos],
         result,
     )
 

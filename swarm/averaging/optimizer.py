@@ -116,6 +116,9 @@ class HivemindStageOptimizer:
         self._handed = 0  # samples this replica put into the step under way
         # of them, samples of earlier batches, by batch (see _hand_over)
         self._handed_over: dict[int, int] = {}
+        # samples this replica counted that reached no step of its stage (see _hand_over): lost to the model unless
+        # their trainer computed them again elsewhere
+        self.samples_left_out = 0
         # microbatches of a batch whose step's all-reduce already runs, summed into one copy: (sums in the optimizer's
         # order, samples by batch), handed over into the next step once it is taken (see accumulate)
         self._late: tuple[list[torch.Tensor | None], dict[int, int]] | None = None
@@ -493,6 +496,7 @@ class HivemindStageOptimizer:
             self.opt.tracker.report_local_progress(self.step, own)
             return
         if self.step != missed + 1:
+            self.samples_left_out += samples
             logger.warning(
                 "stage %d: loaded step %d, %d past the step %d its %d samples were computed for; leaving them out",
                 self.stage_index,

@@ -31,6 +31,8 @@ class StageOptimizer(Protocol):
 
     step: int
     local_samples: int
+    # samples counted here that reached no optimizer step of the stage (a replica that missed its all-reduce)
+    samples_left_out: int
     # seconds a step typically holds the compute thread beyond the update itself
     step_pause_s: float
     # whether the step check should look again soon rather than at its period (a closed batch's group forming)
@@ -58,6 +60,7 @@ class LocalStageOptimizer:
         self.optimizer = build_stage_optimizer(stage_module, run)
         self.step = 0
         self.local_samples = 0
+        self.samples_left_out = 0  # every sample counted goes into its own next step
         self.step_pause_s = 0.0  # no all-reduce
         self.check_soon = False  # it steps inside accumulate
         self._sums = [torch.zeros_like(p) for p in self.params]

@@ -492,6 +492,12 @@ class StageExecutor:
         return self.optimizer.step
 
     @property
+    def samples_left_out(self) -> int:
+        """Samples counted in ``samples_applied`` that reached no optimizer step of the stage (this replica missed
+        their step's all-reduce and could not hand them over; see swarm.averaging.optimizer)."""
+        return self.optimizer.samples_left_out
+
+    @property
     def samples_accumulated(self) -> int:
         """Samples committed here since the last optimizer step."""
         return self.optimizer.local_samples

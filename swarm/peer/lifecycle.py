@@ -612,6 +612,7 @@ class Peer:
             f"microbatches in all), busy {100 * min(busy / elapsed, 1.0):.0f}%, in flight "
             f"{self.admission.in_flight}, held gradients {ex.held_gradients}, dropped {ex.gradients_dropped}, "
             f"backwards from a kept graph {ex.backwards_from_graph} / recomputed {ex.backwards_recomputed}"
+            f"{_left_out(ex.samples_left_out)}"
             f"{relay_summary(self.relay_server, self.relaying)}"
         )
 
@@ -824,3 +825,8 @@ def _joins_from_checkpoint(
         and bool(sha)
         and sha == getattr(proposed.model, "pretrained_sha256", "")
     )
+
+
+def _left_out(samples: int) -> str:
+    """The summary's note of samples applied here that reached no step of the stage (none: no note)."""
+    return f", {samples} samples applied here left out of their step" if samples else ""

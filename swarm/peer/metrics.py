@@ -142,6 +142,11 @@ class _PeerCollector:
             "swarm_peer_samples_applied", "Samples in the gradients applied", ex.samples_applied
         )
         yield counter(
+            "swarm_peer_samples_left_out",
+            "Samples applied here that reached no optimizer step of the stage (a missed all-reduce)",
+            ex.samples_left_out,
+        )
+        yield counter(
             "swarm_peer_busy_seconds",
             "Seconds the compute thread spent serving (busy share: its rate over wall time)",
             ex.busy_s,

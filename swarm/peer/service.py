@@ -431,6 +431,7 @@ class StageService(pb_grpc.StagePeerServicer):
             busy_s=ex.busy_s,
             late_commits=self.late_commits,
             gradients_dropped=ex.gradients_dropped,
+            samples_left_out=ex.samples_left_out,
             codecs=list(CODEC_NAMES),
         )
 

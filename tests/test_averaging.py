@@ -128,10 +128,10 @@ def test_a_killed_and_a_frozen_replica_cost_time_not_the_model(local_swarm):
     deadlines, then resumed. The trainer finishes every batch; each stage's survivors end at the same step
     with bit-identical parameters (the all-reduce gives every member the same average, see
     hivemind_private.ExactDeltaReducer); stage 1's replicas took every microbatch, and none reached the stage's
-    steps twice beyond the commits the trainer could not confirm: a microbatch the frozen replica counted and the
-    trainer computed again elsewhere (it took the replica for gone) is one the replica left out of its step once
-    thawed (samples_left_out), never applied on top. (Left out while the trainer did not compute it again, it is
-    lost: issue 11's open gap, which the peer's Info and metrics count and bench/soak.py measures.)"""
+    steps twice beyond the commits the trainer could not confirm. The frozen replica keeps its port, so the trainer
+    never takes it for gone and never computes its samples again elsewhere (swarm.transport.dial.refuses); thawed,
+    it hands them over into the stage's step if they are at most HAND_OVER_STEPS stale, and leaves them out
+    (samples_left_out, lost) if staler: issue 11's open gap, which bench/soak.py measures."""
     run_id = "avgfaults"
     # 4 microbatches a batch (a fault hits a batch in flight); an all-reduce whose groupmate was killed in it is
     # abandoned after 15 s (the configured cost of a kill)

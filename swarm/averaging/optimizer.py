@@ -64,6 +64,9 @@ COUNT_MEMORY_STEPS = 2
 # Seconds between step checks while a closed batch's all-reduce group forms (see check_soon): the group is usually
 # in within a few tenths of a second, and each check is cheap.
 CHECK_SOON_S = 0.02
+# The stalest samples a replica that missed its stage's steps hands over into the current one (see _hand_over): a
+# replica frozen for a few steps comes back that far behind; staler gradients are left out.
+HAND_OVER_STEPS = 4
 
 # A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
 UNREACHABLE_DONOR_TRIES = 3
@@ -119,6 +122,9 @@ class HivemindStageOptimizer:
         # samples this replica counted that reached no step of its stage (see _hand_over): lost to the model unless
         # their trainer computed them again elsewhere
         self.samples_left_out = 0
+        # how many steps past the one they were computed for a replica that missed its group hands its samples over
+        # (see _hand_over); the peer lowers it to 1 where a trainer may have computed them again (relayed)
+        self.hand_over_steps = HAND_OVER_STEPS
         # microbatches of a batch whose step's all-reduce already runs, summed into one copy: (sums in the optimizer's
         # order, samples by batch), handed over into the next step once it is taken (see accumulate)
         self._late: tuple[list[torch.Tensor | None], dict[int, int]] | None = None
@@ -411,7 +417,7 @@ class HivemindStageOptimizer:
             # replicas at the same step, and that step's group could not complete without this replica's part, so
             # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
             # Take their state now, in time to look for the next step's group.
-            # Its samples of that step are not lost: handed over into the next step, one step late (see _hand_over).
+            # Its samples of that step are not lost: handed over into the next step, late (see _hand_over).
             missed, held = self.step, self._held_sums()
             logger.warning(
                 "stage %d replica is behind its peers (step %d < %d): loading their state (%d samples of its "
@@ -464,11 +470,19 @@ class HivemindStageOptimizer:
         self, held: tuple[list[torch.Tensor], dict[int, int]] | None, missed: int
     ) -> None:
         """After loading its peers' state past step ``missed``, whose all-reduce ran without this replica: add the
-        gradient sums it held to the next step, so its samples reach the stage's parameters one step late instead of
-        never (the issue's "late join": every sample the trainer committed is applied once), weighted by their
-        samples and never counted as the next batch's progress. Only when the state it loaded is of step
-        ``missed + 1``: with gradients more than one step stale, or a load that did not arrive, the samples stay out
-        (logged). A replica that misses again carries them again (bench/soak.py saw three in a row)."""
+        gradient sums it held to the next step, so its samples reach the stage's parameters late instead of never
+        (the issue's "late join": every sample the trainer committed is applied once), weighted by their samples and
+        never counted as the next batch's progress. Only while the oldest of them is at most ``hand_over_steps``
+        steps stale (a replica frozen for several steps comes back that far behind): staler gradients, or a load that
+        did not arrive, and the samples stay out (logged, counted in ``samples_left_out``). A replica that misses
+        again carries them again (bench/soak.py saw three in a row).
+
+        Never applied twice: a trainer computes a replica's samples again elsewhere only once its port refuses
+        connections (swarm.trainer.stagesteps), i.e. its process is gone with them; a frozen replica keeps its port
+        and so its samples. A relayed replica's port is its relay's, which the relay closes once the replica has
+        been silent for a while: a frozen relayed replica can be taken for gone. There the peer keeps
+        ``hand_over_steps`` at 1 (the rule before this one); one that comes back exactly one step behind after its
+        samples were computed again elsewhere still applies them twice (open: see the README)."""
         if held is None:
             return
         sums, by_batch = held
@@ -495,15 +509,18 @@ class HivemindStageOptimizer:
             averager.local_samples_accumulated += own
             self.opt.tracker.report_local_progress(self.step, own)
             return
-        if self.step != missed + 1:
+        stale = self.step - min(by_batch, default=missed)
+        if self.step <= missed or stale > self.hand_over_steps:
             self.samples_left_out += samples
             logger.warning(
-                "stage %d: loaded step %d, %d past the step %d its %d samples were computed for; leaving them out",
+                "stage %d: loaded step %d, %d past the step %d its %d samples were computed for (it hands over at "
+                "most %d); leaving them out",
                 self.stage_index,
                 self.step,
-                self.step - missed,
-                missed,
+                stale,
+                min(by_batch, default=missed),
                 samples,
+                self.hand_over_steps,
             )
             return
         averager.carry_in(sums, by_batch)

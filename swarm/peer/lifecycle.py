@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from swarm.averaging import HivemindStageOptimizer
-from swarm.averaging.optimizer import CHECK_SOON_S
+from swarm.averaging.optimizer import CHECK_SOON_S, HAND_OVER_STEPS
 from swarm.config import RunConfig
 from swarm.deadline import timeout
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
@@ -337,6 +337,7 @@ class Peer:
                 private_key=self.identity.private_key,
             )
             optimizer.wake = self._wake_step_loop
+            optimizer.hand_over_steps = self._hand_over_steps()
         else:
             optimizer = LocalStageOptimizer(stage_module, run)
         executor = StageExecutor(
@@ -538,11 +539,19 @@ class Peer:
             rng=random.Random(self.peer_id),
         )
         self.reachability, self.reachability_verdict = verdict.reachability, verdict
+        optimizer = self.executor.optimizer if self.executor is not None else None
+        if isinstance(optimizer, HivemindStageOptimizer):
+            optimizer.hand_over_steps = self._hand_over_steps()
         line = advice(verdict, self.endpoint)
         if verdict.reachability == Reachability.DIRECT:
             logger.info("%s", line)
         else:
             logger.warning("%s", line)
+
+    def _hand_over_steps(self) -> int:
+        """How stale a missed step's samples this replica may still hand over (see HivemindStageOptimizer._hand_over):
+        one step behind a relay, whose port closes while the replica is frozen, so a trainer can take it for gone."""
+        return HAND_OVER_STEPS if self.reachability == Reachability.DIRECT else 1
 
     async def _start_relaying(self) -> None:
         """Relay for the run's peers behind NAT (a reachable peer, unless --no-relay-for-others), or serve through

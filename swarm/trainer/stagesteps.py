@@ -21,6 +21,7 @@ from swarm.errors import SwarmError
 from swarm.states import PeerState
 from swarm.trainer.holdings import Holdings
 from swarm.transport.client import ClientPool
+from swarm.transport.dial import refuses
 from swarm.transport.security import PeerAddress
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 # behind is closed again.
 CLOSE_BATCH_TIMEOUT_S = 5.0
 RECLOSE_EVERY_S = 2.0
+# How long a replica whose call failed UNAVAILABLE is given to accept a TCP connection before it counts as gone
+REFUSED_PROBE_TIMEOUT_S = 2.0
 # While the trainer waits for stages to step: seconds between two reads of their replicas' steps (Info), and
 # how long one read may take
 STEP_POLL_S, STEP_POLL_TIMEOUT_S = 0.05, 1.0
@@ -208,7 +211,13 @@ class StageSteps:
                 # "refused": no process behind its address (the connection refused or reset). Any other error
                 # (an overloaded peer refusing the call, say) is no sign it left: counted as gone, it would tell its
                 # peers they step without it while it steps on its own part of the batch.
-                return "refused" if status == grpc.StatusCode.UNAVAILABLE else None
+                if status != grpc.StatusCode.UNAVAILABLE:
+                    return None
+                # UNAVAILABLE also ends the calls to a frozen peer (its channel's keepalive ping timed out). Taken for
+                # gone, its samples of the batch were computed again elsewhere, and on coming back it added its own
+                # copy to the stage's step as well (a microbatch applied twice). Gone only if its port is closed.
+                gone = await refuses(record.endpoint, timeout_s=REFUSED_PROBE_TIMEOUT_S)
+                return "refused" if gone else None
 
         answered = await asyncio.gather(*(alive(*target) for target in targets))
         if self.holdings is not None and self.holdings.enabled:

@@ -7,6 +7,7 @@ channel, after an HTTP/2 connection. Nothing is sent in a call: the dialed peer 
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 
 from swarm.deadline import timeout
@@ -31,6 +32,25 @@ async def dial(address: PeerAddress, *, timeout_s: float) -> str:
         )
     finally:
         await channel.close(grace=None)
+
+
+async def refuses(endpoint: str, *, timeout_s: float) -> bool:
+    """Whether nothing listens at ``endpoint`` any more: a TCP connection to it is refused or reset, or none opens
+    within ``timeout_s`` (no host there). False when one opens: a process holds the port, alive though it may not
+    answer (frozen, or too busy: the kernel accepts connections for it). A gRPC call fails UNAVAILABLE in both cases
+    (a frozen peer's channel ends on its keepalive), and only the first means the peer is gone."""
+    try:
+        host, port = split_endpoint(endpoint)
+        async with timeout(timeout_s):
+            _, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError, ValueError):
+        return True
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return False
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:

@@ -298,6 +298,11 @@ def accumulate_gradients(opt: GlobalBatchOptimizer, num_samples: int) -> None:
 def schedule_gradient_averaging(opt: GlobalBatchOptimizer) -> None:
     """Start looking for the next all-reduce group if the batch is expected to fill within matchmaking time."""
     # Private: step() does this only as part of a call that may also step; we schedule between commits.
+    # hivemind computes the batch's ETA here, logs it and does not pass it to schedule_step. Passing it would change
+    # nothing: it schedules only once the ETA is within matchmaking_time, then raises it to min_matchmaking_time,
+    # which the Optimizer sets to that same matchmaking_time, and schedule_step's default start is now plus
+    # min_matchmaking_time. (Where the trainer has counted the replicas, SampleSumGradientAverager.schedule_step
+    # starts the group later still, at group_wait_s, and assembles it as soon as they are all in.)
     opt._maybe_schedule_gradient_averaging()
 
 

@@ -3,6 +3,9 @@
 Used by a peer answering DialBack (``swarm.peer.reachability``). A TLS channel becomes ready only after a handshake
 with the certificate the record pins, so success means the key's holder listens at that endpoint; a plaintext
 channel, after an HTTP/2 connection. Nothing is sent in a call: the dialed peer need not admit the dialer.
+
+``refuses`` asks less: whether any process still holds the endpoint's port (a trainer deciding whether a replica
+whose call failed is gone, ``swarm.trainer.stagesteps``).
 """
 
 from __future__ import annotations

@@ -312,3 +312,40 @@ def test_a_relayed_peer_serves_grpc_with_tls_through_a_relay_and_moves_when_it_d
 
     failed, took = loop_thread.run(stale_call())
     assert failed.retry_elsewhere and took < 10, (failed, took)
+
+
+def test_a_relayed_replica_that_loses_its_relay_leaves_out_what_it_holds(peers, loop_thread):
+    """A relay closes the port it lent once its tenant is gone or silent past its keepalives (frozen, say); a trainer
+    closing a batch meanwhile finds the port refusing, takes the replica for gone and computes its samples of the
+    unstepped batches again elsewhere (swarm.trainer.stagesteps). So a relayed averaging replica that finds its relay
+    lost leaves out every sample it holds for a step not yet taken, this batch's and those kept for a later one,
+    and counts them: carried on, they would count twice."""
+    from livepeers import CLOSE_DRIVEN_RUN, B, one_microbatch, until
+
+    from swarm.averaging.config import AveragingConfig
+
+    relay = peers(
+        "relaylost", 0, run=CLOSE_DRIVEN_RUN, relay=RelayConfig(relay_open_timeout_s=OPEN_S)
+    )
+    hidden = peers(
+        "relaylost",
+        1,
+        run=CLOSE_DRIVEN_RUN,
+        host="127.0.0.2",
+        averaging=AveragingConfig(average=True),
+        **TIMING,
+    )
+    assert hidden.reachability == Reachability.RELAYED
+    optimizer = hidden.executor.optimizer
+
+    async def body():
+        await until(lambda: hidden.relaying.link is not None, "it serves through the relay")
+        await one_microbatch(hidden, 0)  # batch 0, which no close ends here
+        await one_microbatch(hidden, 1, batch_step=1)  # kept aside for the next step
+        assert optimizer.local_samples == B and optimizer.samples_left_out == 0
+        await relay.shutdown()
+        await until(lambda: optimizer.samples_left_out == 2 * B, "it leaves its samples out")
+        assert optimizer.local_samples == 0 and optimizer.step == 0
+        assert hidden.executor.samples_left_out == 2 * B
+
+    loop_thread.run(body(), timeout_s=120)

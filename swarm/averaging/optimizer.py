@@ -123,7 +123,7 @@ class HivemindStageOptimizer:
         # their trainer computed them again elsewhere
         self.samples_left_out = 0
         # how many steps past the one they were computed for a replica that missed its group hands its samples over
-        # (see _hand_over); the peer lowers it to 1 where a trainer may have computed them again (relayed)
+        # (see _hand_over)
         self.hand_over_steps = HAND_OVER_STEPS
         # microbatches of a batch whose step's all-reduce already runs, summed into one copy: (sums in the optimizer's
         # order, samples by batch), handed over into the next step once it is taken (see accumulate)
@@ -243,6 +243,33 @@ class HivemindStageOptimizer:
             self.opt.grad_averager.carry_in(self._in_optimizer_order(grads), {batch: num_samples})
             return False
         return self._add(grads, num_samples)
+
+    def leave_out_held(self, reason: str) -> int:
+        """Leave out every sample this replica holds for a step not yet taken (this batch's, those kept for later
+        batches or handed over), counted in ``samples_left_out``; how many. For when a trainer may have computed
+        them again elsewhere: a relayed replica whose relay closed its port (see swarm.peer.lifecycle), which a
+        trainer closing a batch then takes for gone. Samples already handed to an all-reduce under way stay there
+        (their part is out). Compute thread."""
+        samples = self._later.clear()
+        if self._late is not None:
+            samples += sum(self._late[1].values())
+            self._late = None
+        if self._pending is None and self.local_samples:
+            samples += self.local_samples
+            opt = self.opt
+            with opt.tracker.pause_updates():
+                opt.tracker.report_local_progress(self.step, samples_accumulated=0)
+                opt.grad_averager.reset_accumulated_grads_()
+        if samples:
+            self.samples_left_out += samples
+            logger.warning(
+                "stage %d: %s; leaving out the %d samples it holds of steps not yet taken (a trainer may have "
+                "computed them again elsewhere)",
+                self.stage_index,
+                reason,
+                samples,
+            )
+        return samples
 
     def _keep_late(self, batch: int, grads, num_samples: int) -> None:
         """Add a late microbatch to the one copy kept for the next step (memory: one gradient set, however many)."""
@@ -480,9 +507,8 @@ class HivemindStageOptimizer:
         Never applied twice: a trainer computes a replica's samples again elsewhere only once its port refuses
         connections (swarm.trainer.stagesteps), i.e. its process is gone with them; a frozen replica keeps its port
         and so its samples. A relayed replica's port is its relay's, which the relay closes once the replica has
-        been silent for a while: a frozen relayed replica can be taken for gone. There the peer keeps
-        ``hand_over_steps`` at 1 (the rule before this one); one that comes back exactly one step behind after its
-        samples were computed again elsewhere still applies them twice (open: see the README)."""
+        been silent for a while, so a frozen relayed replica can be taken for gone: when it finds its relay lost, it
+        leaves out what it holds (``leave_out_held``)."""
         if held is None:
             return
         sums, by_batch = held

@@ -32,6 +32,12 @@ class LaterBatches:
                 sums[i] = g.detach().clone() if sums[i] is None else sums[i].add_(g)
         self._by_step[step] = (sums, n + num_samples)
 
+    def clear(self) -> int:
+        """Drop every batch kept; how many samples they held."""
+        samples = sum(n for _, n in self._by_step.values())
+        self._by_step.clear()
+        return samples
+
     def pop_due(self, current: int) -> tuple[list[torch.Tensor | None], int] | None:
         """The oldest batch kept for a step the stage has reached, if any."""
         due = [step for step in self._by_step if step <= current]

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from swarm.averaging import HivemindStageOptimizer
-from swarm.averaging.optimizer import CHECK_SOON_S, HAND_OVER_STEPS
+from swarm.averaging.optimizer import CHECK_SOON_S
 from swarm.config import RunConfig
 from swarm.deadline import timeout
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
@@ -337,7 +337,6 @@ class Peer:
                 private_key=self.identity.private_key,
             )
             optimizer.wake = self._wake_step_loop
-            optimizer.hand_over_steps = self._hand_over_steps()
         else:
             optimizer = LocalStageOptimizer(stage_module, run)
         executor = StageExecutor(
@@ -539,19 +538,11 @@ class Peer:
             rng=random.Random(self.peer_id),
         )
         self.reachability, self.reachability_verdict = verdict.reachability, verdict
-        optimizer = self.executor.optimizer if self.executor is not None else None
-        if isinstance(optimizer, HivemindStageOptimizer):
-            optimizer.hand_over_steps = self._hand_over_steps()
         line = advice(verdict, self.endpoint)
         if verdict.reachability == Reachability.DIRECT:
             logger.info("%s", line)
         else:
             logger.warning("%s", line)
-
-    def _hand_over_steps(self) -> int:
-        """How stale a missed step's samples this replica may still hand over (see HivemindStageOptimizer._hand_over):
-        one step behind a relay, whose port closes while the replica is frozen, so a trainer can take it for gone."""
-        return HAND_OVER_STEPS if self.reachability == Reachability.DIRECT else 1
 
     async def _start_relaying(self) -> None:
         """Relay for the run's peers behind NAT (a reachable peer, unless --no-relay-for-others), or serve through
@@ -569,6 +560,8 @@ class Peer:
 
         async def on_change(endpoint: str, relay_peer_id: str) -> None:
             self.endpoint, self.relay_peer_id = endpoint or own_endpoint, relay_peer_id
+            if not endpoint:
+                await self._relay_lost()
             if self.state != PeerState.STARTING:
                 try:  # at once: callers must not wait a heartbeat for the new endpoint
                     await self._announcer.announce()
@@ -588,6 +581,20 @@ class Peer:
         with contextlib.suppress(TimeoutError):
             async with timeout(3 * relay.relay_open_timeout_s):
                 await self.relaying.has_relay.wait()
+
+    async def _relay_lost(self) -> None:
+        """The relay closed the port this replica was reached at (it died, or this replica was silent past its
+        keepalives: frozen, say). A trainer closing a batch meanwhile found the port refusing and computed this
+        replica's samples of unstepped batches again elsewhere: leave them out here, or they would count twice."""
+        executor = self.executor
+        if executor is None or not isinstance(executor.optimizer, HivemindStageOptimizer):
+            return
+        try:
+            await self._worker.compute_urgent(
+                executor.optimizer.leave_out_held, "its relay closed the port it was reached at"
+            )
+        except Exception as e:  # never kills the relaying loop: the samples then stay in
+            logger.warning("leaving out the samples held after losing the relay failed: %s", e)
 
     async def _push_hops(self) -> PushHops:
         """The client this peer calls the next stage of push calls with, signed with its own identity."""

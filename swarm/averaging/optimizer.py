@@ -256,10 +256,7 @@ class HivemindStageOptimizer:
             self._late = None
         if self._pending is None and self.local_samples:
             samples += self.local_samples
-            opt = self.opt
-            with opt.tracker.pause_updates():
-                opt.tracker.report_local_progress(self.step, samples_accumulated=0)
-                opt.grad_averager.reset_accumulated_grads_()
+            self._drop_accumulated()
         if samples:
             self.samples_left_out += samples
             logger.warning(
@@ -819,10 +816,8 @@ class HivemindStageOptimizer:
             # (two doubtful replicas asking each other at once, or the one it asked is gone): ask again after a
             # random pause, so one goes first; the tracker meanwhile sees who is still there.
             time.sleep(self.config.step_check_s * random.uniform(2, 8))
-        with opt.tracker.pause_updates():
-            opt.tracker.report_local_progress(self.step, samples_accumulated=0)
-            self._announce_step()
-            opt.grad_averager.reset_accumulated_grads_()
+        self._announce_step()
+        self._drop_accumulated()
         if self.step < want_step and not alone:
             logger.warning(
                 "stage %d: downloaded the state of step %d, its peers are at step %d",
@@ -830,6 +825,14 @@ class HivemindStageOptimizer:
                 self.step,
                 want_step,
             )
+
+    def _drop_accumulated(self) -> None:
+        """Forget the gradients accumulated for the current step, those carried into it included, and report no
+        progress for it."""
+        opt = self.opt
+        with opt.tracker.pause_updates():
+            opt.tracker.report_local_progress(self.step, samples_accumulated=0)
+            opt.grad_averager.reset_accumulated_grads_()
 
     def _alone(self) -> bool:
         """No other replica of the stage is left to load a state from, as far as the stage's progress records say

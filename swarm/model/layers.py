@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -83,19 +84,29 @@ class Bottleneck(nn.Linear):
         return F.linear(x, self.weight * self.gain, self.bias)
 
 
+def named_generator(label: str) -> torch.Generator:
+    """A CPU generator seeded by a hash of ``label`` (which names the run's seed and what it draws): the same on
+    every process and machine, apart from every other label's."""
+    digest = hashlib.sha256(label.encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
 def cut_projection(config: ModelConfig, cut: int) -> Tensor:
     """The orthonormal (d_model, bottleneck_dim) matrix of cut ``cut``: the same in both stages around it (its
     seed is a hash of (config.seed, cut), apart from either stage's generator)."""
-    import hashlib
-
-    digest = hashlib.sha256(f"swarm-cut-init:{config.seed}:{cut}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    generator = named_generator(f"swarm-cut-init:{config.seed}:{cut}")
     gaussian = torch.randn(
         config.d_model, config.bottleneck_dim, generator=generator, dtype=torch.float64
     )
     q, r = torch.linalg.qr(gaussian)  # (d, b) orthonormal columns
     # fix the signs (QR is unique up to them) so every LAPACK gives the same Q
     return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def _cut_generator(config: ModelConfig, cut: int, name: str) -> torch.Generator:
+    """The generator of one projection of cut ``cut`` (by ``name``: down or up), apart from the stages'."""
+    side = "down" if name.endswith("bottleneck_out") else "up"
+    return named_generator(f"swarm-cut-pair:{config.seed}:{cut}:{side}")
 
 
 def init_stage_parameters(
@@ -114,8 +125,14 @@ def init_stage_parameters(
     with torch.no_grad():
         for name, sub in module.named_modules():
             if isinstance(sub, Bottleneck):
-                # drawn under every init, so every other parameter is the same under all of them
-                sub.weight.normal_(0.0, 1.0 / math.sqrt(sub.in_features), generator=generator)
+                # drawn from the cut's own generator, not the stage's: every other parameter of the stage is then
+                # the one the same model without a bottleneck draws, so a bottleneck run differs from it only by
+                # the bottleneck (and the pair is drawn under every init, so the inits differ only in the pair)
+                sub.weight.normal_(
+                    0.0,
+                    1.0 / math.sqrt(sub.in_features),
+                    generator=_cut_generator(config, sub.cut, name),
+                )
                 sub.weight.div_(sub.gain)  # "scaled": stored / gain, the same effective weight
                 sub.bias.zero_()
                 if config.bottleneck_init == "orthogonal":

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from swarm.model.base import StageBase
 from swarm.model.config import PRINCIPAL_INITS, AnyModelConfig, ModelConfig
 from swarm.model.hfconfig import HFModelConfig
-from swarm.model.layers import INIT_STD, Block, Bottleneck, init_stage_parameters
+from swarm.model.layers import INIT_STD, Block, Bottleneck, init_stage_parameters, named_generator
 from swarm.model.subspace import (
     SubspaceBlock,
     check_joined_tokens,
@@ -225,19 +225,20 @@ def _build_gpt_stage(config: ModelConfig, index: int, *, principal_out: bool = T
 
 
 def _same_embedding_on_both_sides(stage: Stage, config: ModelConfig) -> None:
-    """With bottleneck_tokens, stage 0's embeddings and every later stage's cut embeddings start as one table
-    (seeded by config.seed alone), so the receiver's rebuilt embedding starts as the sender's: with an identity
-    pair at the cut the split model starts as the unsplit one."""
-    digest = hashlib.sha256(f"swarm-cut-embedding:{config.seed}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    token = torch.randn(config.vocab_size, config.d_model, generator=generator) * INIT_STD
-    position = torch.randn(config.seq_len, config.d_model, generator=generator) * INIT_STD
-    pair = (
-        (stage.tok_emb, stage.pos_emb) if stage.is_first else (stage.cut_tok_emb, stage.cut_pos_emb)
-    )
+    """With bottleneck_tokens, every later stage's cut embeddings start as stage 0's embeddings, which are the ones
+    the same model without the cut draws (stage 0's generator draws its token, then its position table first), so
+    the receiver's rebuilt embedding starts as the sender's: with an identity pair at the cut the split model
+    starts as the unsplit one."""
+    if stage.is_first:
+        return
+    generator = torch.Generator(device="cpu").manual_seed(stage_seed(config, 0))
+    token = torch.empty(config.vocab_size, config.d_model)
+    position = torch.empty(config.seq_len, config.d_model)
     with torch.no_grad():
-        pair[0].weight.copy_(token)
-        pair[1].weight.copy_(position)
+        token.normal_(0.0, INIT_STD, generator=generator)
+        position.normal_(0.0, INIT_STD, generator=generator)
+        stage.cut_tok_emb.weight.copy_(token)
+        stage.cut_pos_emb.weight.copy_(position)
 
 
 # stages whose activations a principal-subspace init of a cut is computed from
@@ -251,8 +252,7 @@ def principal_directions(config: ModelConfig, cut: int) -> Tensor:
     calibration batch of token ids drawn from (config.seed, cut): every peer computes the same matrix from the
     config alone, without data (the embeddings are random at init, so random ids are as typical as text).
     Uncentred (the second moment), so U U^T h is the best b-dimensional approximation of h itself."""
-    digest = hashlib.sha256(f"swarm-cut-calibration:{config.seed}:{cut}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    generator = named_generator(f"swarm-cut-calibration:{config.seed}:{cut}")
     ids = torch.randint(
         0, config.vocab_size, (CALIBRATION_BATCH, config.seq_len), generator=generator
     )

@@ -218,7 +218,15 @@ def test_a_replica_moved_and_one_drained_mid_run_leave_one_model_per_stage_and_n
     mover, stayer = procs["s1-b"], procs["s1-a"]
     stayer_from = len(stayer.lines)
     mover.signal(signal.SIGUSR1)
-    moved = mover.wait_for(r"moved from stage (\d) to stage (\d) \((.*)\)", timeout_s=300)
+    # Once it has left stage 1 (drained, its samples handed in), the trainer is paused until the mover serves
+    # stage 0: loading a stage may take longer on a loaded machine than the rest of the run, and the mover must
+    # join stage 0 before the run ends to average there. Calls the pause outlasts are retried (checked below).
+    mover.wait_for(r"left stage 1; loading stage 0", timeout_s=300)
+    trainer.signal(signal.SIGSTOP)
+    try:
+        moved = mover.wait_for(r"moved from stage (\d) to stage (\d) \((.*)\)", timeout_s=300)
+    finally:
+        trainer.signal(signal.SIGCONT)
     assert moved.groups() == ("1", "0", "state loaded from its peers"), moved.group(0)
     log = mover.log_path.read_text()
     assert "did not average" not in log, log[-3000:]

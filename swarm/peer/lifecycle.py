@@ -724,6 +724,7 @@ class Peer:
         )
         if dropped:
             logger.info("peer %s left %d uncommitted gradients behind", self.peer_id, dropped)
+        logger.info("peer %s left stage %d; loading stage %d", self.peer_id, old, stage_index)
         await self._worker.compute_urgent(self.executor.optimizer.shutdown)
         executor, source = await self._build_executor(stage_index, moving=True)
         self.executor, self.stage_index = executor, stage_index

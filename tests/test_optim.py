@@ -14,11 +14,12 @@ import pytest
 import torch
 from torch import nn
 
+from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.data import ByteCorpus
 from swarm.model import ModelConfig, build_full_model, build_stage, evaluate
 from swarm.optim import LaterBatches, adamw_param_groups, build_stage_optimizer, learning_rate
-from swarm.trainer.reference import train_reference
+from swarm.trainer.reference import CodecWire, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -94,6 +95,43 @@ def test_train_reference_applies_each_batch_delay_steps_batches_late():
     assert frozen.val_loss < untrained  # its four steps were taken before the validation
     with pytest.raises(ValueError, match="delay_steps must be >= 0"):
         train(-1)
+
+
+def test_train_reference_with_the_wire_round_trips_each_cut_through_the_run_codecs():
+    """``wire=True``: the activations crossing each cut come out of the run's codec and their gradients out of its
+    gradient codec, in training and validation; codec none changes nothing, and a lossy codec changes the run."""
+    text = bytes(range(32, 127)) * 40
+    corpus = ByteCorpus.from_bytes(text[:3000], text[3000:])
+    run = RunConfig(model=SMALL, target_batch_size=8, lr=3e-3, warmup_steps=0)
+
+    def train(run: RunConfig, wire: bool):
+        return train_reference(run, corpus, steps=3, microbatch_size=4, eval_batches=2, wire=wire)
+
+    plain = train(run, False)
+    assert train(run, True).losses == plain.losses  # none: the identity, bit for bit
+    int2 = train(replace(run, codec="int2"), True)
+    assert int2.losses[0] != plain.losses[0] and int2.val_loss != plain.val_loss
+    # the forward loss alone is the int2 one; the backward's codec changes only what the later steps see
+    int2_fp32_back = train(replace(run, codec="int2", grad_codec="none"), True)
+    assert (
+        int2_fp32_back.losses[0] == int2.losses[0] and int2_fp32_back.losses[1:] != int2.losses[1:]
+    )
+
+    model = build_full_model(SMALL)
+    model.wire = CodecWire("int8", "int2")
+    tokens = corpus.val_batches(4, SMALL.seq_len, 1)[0]
+    seen = []
+    model.stages[1].register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    h = model.stages[0](tokens[:, :-1])
+    model(tokens[:, :-1])
+    sent = CodecWire.round_trip(get_codec("int8"), h)
+    assert not torch.equal(sent, h) and torch.equal(
+        seen[0], sent
+    )  # stage 1 took what int8 delivers
+    cut = h.detach().requires_grad_()
+    grad = torch.randn_like(h)
+    model.wire(cut).backward(grad)
+    assert torch.equal(cut.grad, CodecWire.round_trip(get_codec("int2"), grad))
 
 
 # Four stages: each clips its own gradient to max_grad_norm / sqrt(4) = 0.5. No weight decay, so a step moves

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -25,13 +25,19 @@ class FullModel(nn.Module):
             )
         self.config = config
         self.stages = nn.ModuleList(stages)
+        # What each stage's output passes through before the next stage takes it (None: nothing); the reference
+        # trainer's stand-in for the swarm's wire codecs (swarm.trainer.reference.CodecWire).
+        self.wire: Callable[[Tensor], Tensor] | None = None
 
     def forward(self, tokens: Tensor) -> Tensor:
         """int64 tokens (B, T) -> logits (B, T, vocab)."""
         h = tokens
-        for stage in self.stages:
+        last = len(self.stages) - 1
+        for k, stage in enumerate(self.stages):
             # a stage after a subspace cut rebuilds the stream from the ids too (swarm.model.subspace)
             h = stage(stage.join_tokens(h, tokens) if stage.takes_tokens else h)
+            if self.wire is not None and k < last:
+                h = self.wire(h)
         return h
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:

@@ -10,6 +10,9 @@ samples. Same schedule: with ``delay_steps`` d (the trainer's ``--max-batches-ah
 gradient on the parameters after steps on batches ``0 ... e - d - 1`` and is applied d batches later, as averaging
 stages do when each batch's all-reduce overlaps the next batch's compute (the trainer pins every batch to those
 parameters, see swarm.peer.versions); 0 is lockstep.
+Same wire, on request (``wire=True``): each cut's activations and their gradients round-trip the run's codecs as
+they cross the swarm's network (:class:`CodecWire`), so what a codec or bottleneck costs in loss can be measured
+in one process, many seeds at a time (bench/quality_twin.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.data import ByteCorpus
 from swarm.model import FullModel, build_full_model, evaluate
@@ -48,6 +52,35 @@ class ReferenceResult:
         return self.val_losses[-1][1]
 
 
+class CodecWire:
+    """A stage cut's wire in one process: the activation a stage sends comes out of ``codec``'s encode and decode
+    (the whole tensor, flattened, as the swarm's chunked streams encode it: swarm.transport.tensors), and the
+    gradient sent back comes out of ``grad_codec``'s. Token ids that cross beside a bottleneck are joined after
+    it (``FullModel.forward``), raw, as on the wire."""
+
+    def __init__(self, codec: str, grad_codec: str) -> None:
+        self.codec, self.grad_codec = get_codec(codec), get_codec(grad_codec)
+
+    def __call__(self, activation: torch.Tensor) -> torch.Tensor:
+        return _WireRoundTrip.apply(activation, self)
+
+    @staticmethod
+    def round_trip(codec, tensor: torch.Tensor) -> torch.Tensor:
+        flat = tensor.detach().contiguous().view(-1)
+        return codec.decode(codec.encode(flat), flat.numel(), flat.dtype).view(tensor.shape)
+
+
+class _WireRoundTrip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, activation: torch.Tensor, wire: CodecWire) -> torch.Tensor:
+        ctx.wire = wire
+        return wire.round_trip(wire.codec, activation)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.wire.round_trip(ctx.wire.grad_codec, grad), None
+
+
 def train_reference(
     run: RunConfig,
     corpus: ByteCorpus,
@@ -60,6 +93,7 @@ def train_reference(
     clipping: str = "stage",
     delay_steps: int = 0,
     on_step: Callable[[int, float], bool | None] | None = None,
+    wire: bool = False,
 ) -> ReferenceResult:
     """Train ``steps`` global batches as a swarm trainer with ``--microbatch-size microbatch_size --seed seed``
     would send them, validating every ``eval_every_steps`` (0: only at the end) on ``eval_batches`` of the
@@ -68,7 +102,9 @@ def train_reference(
     ``max_grad_norm`` (exact, for comparison). ``delay_steps``: each batch's gradient is applied that many batches
     after it was computed (see the module); the last ones are applied at the end, before the final validation.
     ``on_step(step, loss)`` is called after every global batch (step counts from 1) with its mean loss; returning
-    True stops training there (the result holds the batches done and a validation at that step).
+    True stops training there (the result holds the batches done and a validation at that step). ``wire``: each
+    cut's activations and gradients round-trip ``run.codec`` and ``run.gradient_codec`` (:class:`CodecWire`), in
+    training and validation alike, as in the swarm; False (the default) sends nothing through a codec.
     Two calls with equal arguments give the same losses up to the backend's floating-point nondeterminism."""
     if steps < 1 or microbatch_size < 1:
         raise ValueError(
@@ -79,6 +115,8 @@ def train_reference(
     if delay_steps < 0:
         raise ValueError(f"delay_steps must be >= 0 (0 = lockstep), got {delay_steps}")
     model = build_full_model(run.model)
+    if wire:
+        model.wire = CodecWire(run.codec, run.gradient_codec)
     exact = clipping == "global"
     optimizers = [
         LocalStageOptimizer(

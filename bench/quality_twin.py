@@ -123,7 +123,11 @@ def report(outcomes: list[Outcome], schemes: list[str], seeds: list[int], preset
             gaps.append(gap)
             cells.append(f"{loss:.4f}" if scheme == "none" else f"{loss:.4f} ({100 * gap:+.2f}%)")
         mean = f"**{100 * statistics.fmean(gaps):+.2f}%**" if gaps and scheme != "none" else ""
-        spread = f"{100 * (max(gaps) - min(gaps)):.2f} points" if len(gaps) > 1 else ""
+        spread = (
+            f"{100 * (max(gaps) - min(gaps)):.2f} points"
+            if len(gaps) > 1 and scheme != "none"
+            else ""
+        )
         rows.append([scheme, f"{ratio(scheme, preset):.1f}", *cells, mean, spread])
     return markdown_table(headers, rows)
 

@@ -108,6 +108,15 @@ async def until(condition, what: str, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def until_step(peer: Peer, step: int, what: str, timeout_s: float = 60.0) -> None:
+    """Wait until ``peer`` reached optimizer step ``step`` and its compute thread finished the step check that took
+    it there: the step moves mid-check (a state load sets it before the replica drops or hands over its gradient
+    sums), so what the check leaves is only settled once it returns."""
+    await until(lambda: peer.executor.step >= step, what, timeout_s)
+    await peer._worker.compute_urgent(lambda: None)
+    assert peer.executor.step == step, f"{what}: went on to step {peer.executor.step}"
+
+
 def looking_for_group(peer: Peer) -> bool:
     """Whether ``peer``'s averager is in matchmaking for its next all-reduce group."""
     control = peer.executor.optimizer.opt.scheduled_grads

@@ -18,6 +18,7 @@ from livepeers import (
     averaging_replicas,
     one_microbatch,
     until,
+    until_step,
 )
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,8 @@ async def average_one_batch(replicas, batch: int, seeds) -> None:
         await one_microbatch(peer, seed, batch_step=batch)
     for peer in replicas:
         peer.executor.close_batch(batch, replicas=len(replicas))
-    await until(lambda: all(p.executor.step == batch + 1 for p in replicas), "they step together")
+    for peer in replicas:
+        await until_step(peer, batch + 1, "they step together")
     await assert_one_state(replicas)
 
 
@@ -49,11 +51,11 @@ async def late_for_step0(ahead, late, *, partial: bool = False) -> None:
     back in part first, as the optimizer marks it."""
     await one_microbatch(ahead, 0)
     ahead.executor.close_batch(0, replicas=1)
-    await until(lambda: ahead.executor.step == 1, "the first replica steps")
+    await until_step(ahead, 1, "the first replica steps")
     if partial:
         late.executor.optimizer._partial_step = 0
     await one_microbatch(late, 1)
-    await until(lambda: late.executor.step == 1, "the late replica takes its peer's state")
+    await until_step(late, 1, "the late replica takes its peer's state")
 
 
 def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(

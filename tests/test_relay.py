@@ -349,3 +349,60 @@ def test_a_relayed_replica_that_loses_its_relay_leaves_out_what_it_holds(peers, 
         assert hidden.executor.samples_left_out == 2 * B
 
     loop_thread.run(body(), timeout_s=120)
+
+
+def test_a_relayed_replica_thawed_before_it_hears_of_its_relay_holds_its_step(
+    peers, loop_thread, caplog
+):
+    """The race left by the test above: a relayed replica frozen past its relay's keepalives (the relay closes the
+    port it lent; a trainer then takes the replica for gone and computes its samples again elsewhere) thaws with the
+    lost channel's news still unread. Its step check must not step on (or hand over) what it holds before its
+    relaying loop tells: it waits while the relay has not been heard for two keepalives. The freeze is the whole
+    event loop's (relay and replica share it here), held past three keepalives with the batch closed; the compute
+    thread runs the step check before the loop resumes, as on a thaw."""
+    import logging
+
+    from livepeers import CLOSE_DRIVEN_RUN, B, one_microbatch, until
+
+    from swarm.averaging.config import AveragingConfig
+
+    caplog.set_level(logging.WARNING, logger="swarm.averaging.optimizer")
+    keepalive_s = 1.0
+    peers(  # the relay
+        "relaythaw",
+        0,
+        run=CLOSE_DRIVEN_RUN,
+        relay=RelayConfig(relay_open_timeout_s=OPEN_S, relay_keepalive_s=keepalive_s),
+    )
+    hidden = peers(
+        "relaythaw",
+        1,
+        run=CLOSE_DRIVEN_RUN,
+        host="127.0.0.2",
+        averaging=AveragingConfig(average=True),
+        **TIMING,
+    )
+    assert hidden.reachability == Reachability.RELAYED
+    optimizer = hidden.executor.optimizer
+
+    async def body():
+        await until(lambda: hidden.relaying.link is not None, "it serves through the relay")
+        # Heard from: it steps through the relay as any replica (it is the stage's only one).
+        await one_microbatch(hidden, 0)
+        hidden.executor.close_batch(0, replicas=1)
+        await until(lambda: optimizer.step == 1, "it steps on batch 0")
+        assert optimizer.samples_left_out == 0
+        await one_microbatch(hidden, 1, batch_step=1)
+        assert optimizer.local_samples == B
+        # Frozen: nothing on the event loop runs, the relay's keepalives included.
+        time.sleep(4 * keepalive_s)
+        hidden.executor.close_batch(1, replicas=1)
+        # Thawed: the compute thread checks the step before the event loop reads the lost channel.
+        stepped = hidden._worker.submit(hidden.executor.maybe_step).result(timeout=30)
+        assert not stepped and optimizer.step == 1 and optimizer.local_samples == B
+        # The loop resumes: the relay drops the silent tenant, the replica hears of it and leaves its samples out.
+        await until(lambda: optimizer.samples_left_out == B, "it leaves its samples out")
+        assert optimizer.local_samples == 0 and optimizer.step == 1
+
+    loop_thread.run(body(), timeout_s=120)
+    assert any("step 1 waits for word" in m for m in caplog.messages), caplog.messages

@@ -135,6 +135,10 @@ class HivemindStageOptimizer:
         self._beside_others = False  # see _begin_step
         # (step, when this replica first saw its batch closed): for the step's log line
         self._closed_at = (-1, 0.0)
+        # Whether this replica's endpoint may be gone without its knowing yet (a relayed replica whose relay was not
+        # heard for a while: see swarm.peer.relaying); set by the peer, called on the compute thread.
+        self.endpoint_in_doubt: Callable[[], bool] = lambda: False
+        self._doubt_logged = -1
         self.step_pause_s = (
             0.0  # how long global steps hold the compute thread: quick to rise, slow to fall
         )
@@ -357,6 +361,19 @@ class HivemindStageOptimizer:
             self._finish_step()
             self._catch_up()
             return True
+        if self._holds_samples() and self.endpoint_in_doubt():
+            # Thawed after a freeze, say, with the news of a lost relay still unread: a trainer may have found the
+            # port refusing meanwhile and computed these samples again elsewhere. Stepping on them (or handing them
+            # over) before the relaying loop tells would apply them twice; it tells within a keepalive, either way.
+            if self._doubt_logged != self.step:
+                self._doubt_logged = self.step
+                logger.warning(
+                    "stage %d: its endpoint may be gone (relay not heard for a while); step %d waits for word",
+                    self.stage_index,
+                    self.step,
+                )
+            self.check_soon = True
+            return False
         tracker.batch_closed = self._closed_through >= self.step
         if self._closed_through >= self.step and self._closed_at[0] != self.step:
             self._closed_at = (self.step, time.perf_counter())
@@ -477,6 +494,10 @@ class HivemindStageOptimizer:
             return False  # the all-reduce runs; a later check finishes the step
         self._catch_up()
         return True
+
+    def _holds_samples(self) -> bool:
+        """Whether it holds gradients of samples for a step not yet taken (``leave_out_held`` would drop some)."""
+        return bool(self.local_samples or self._late is not None or self._later.samples)
 
     def _held_sums(self) -> tuple[list[torch.Tensor], dict[int, int]] | None:
         """A copy of this replica's gradient sums and their samples by batch: its current step's, and any handed over

@@ -32,9 +32,14 @@ class LaterBatches:
                 sums[i] = g.detach().clone() if sums[i] is None else sums[i].add_(g)
         self._by_step[step] = (sums, n + num_samples)
 
+    @property
+    def samples(self) -> int:
+        """Samples of the batches kept."""
+        return sum(n for _, n in self._by_step.values())
+
     def clear(self) -> int:
         """Drop every batch kept; how many samples they held."""
-        samples = sum(n for _, n in self._by_step.values())
+        samples = self.samples
         self._by_step.clear()
         return samples
 

@@ -337,6 +337,7 @@ class Peer:
                 private_key=self.identity.private_key,
             )
             optimizer.wake = self._wake_step_loop
+            optimizer.endpoint_in_doubt = self._endpoint_in_doubt
         else:
             optimizer = LocalStageOptimizer(stage_module, run)
         executor = StageExecutor(
@@ -581,6 +582,12 @@ class Peer:
         with contextlib.suppress(TimeoutError):
             async with timeout(3 * relay.relay_open_timeout_s):
                 await self.relaying.has_relay.wait()
+
+    def _endpoint_in_doubt(self) -> bool:
+        """Whether the endpoint callers reach this peer at may be gone without its knowing yet: relayed, and its
+        relay not heard for a while (any thread)."""
+        link = self.relaying.link if self.relaying is not None else None
+        return link is not None and link.in_doubt()
 
     async def _relay_lost(self) -> None:
         """The relay closed the port this replica was reached at (it died, or this replica was silent past its

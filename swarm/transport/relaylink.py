@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from swarm.deadline import timeout
 from swarm.transport.callers import CallerToken
@@ -49,6 +50,8 @@ class RelayLink:
         self.local_host, self.local_port = local_host, local_port
         self.endpoint = ""
         self.keepalive_s = 5.0
+        # when (time.monotonic) the relay was last heard on the control channel: it answers each keepalive
+        self.heard_at = 0.0
         self.connections = 0  # callers spliced into the local server
         self._control: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -81,6 +84,7 @@ class RelayLink:
         if isinstance(keepalive_s, int | float) and 0 < keepalive_s <= 60:
             self.keepalive_s = float(keepalive_s)
         self.endpoint, self._control = endpoint, (reader, writer)
+        self.heard_at = time.monotonic()
         return endpoint
 
     async def serve(self) -> str:
@@ -90,6 +94,7 @@ class RelayLink:
         try:
             while True:
                 message = await read_message(reader, timeout_s=3 * self.keepalive_s)
+                self.heard_at = time.monotonic()
                 if message.get("op") == "open" and isinstance(message.get("nonce"), str):
                     task = asyncio.ensure_future(self._forward(message["nonce"][:64]))
                     self._tasks.add(task)
@@ -101,6 +106,12 @@ class RelayLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await pinger
             await close_writer(writer)
+
+    def in_doubt(self) -> bool:
+        """Whether the relay may have closed the port it lent without this side knowing yet: it was last heard more
+        than two keepalives ago (it answers each one, and drops a tenant silent for three). A process frozen past
+        that (SIGSTOP, a stalled host) thaws with its control channel's end still unread."""
+        return time.monotonic() - self.heard_at > 2 * self.keepalive_s
 
     async def close(self) -> None:
         """Close the control channel and every forwarded connection."""

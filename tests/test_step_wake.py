@@ -1,9 +1,13 @@
 """A closed batch is stepped when it closes, not at the peer's next periodic step check: the close wakes the check,
 the check looks again soon while the batch's all-reduce group forms, and the all-reduce's end wakes it to take the
-update. In lockstep training every batch waits for that step. Two real averaging replicas in this process, on a real
-DHT, whose periodic check is set far beyond the test's wait, so only the wake-ups can step them."""
+update (and only the state averagers declare themselves as donors). In lockstep training every batch waits for that
+step. Two real averaging replicas in this process, on a real DHT, whose periodic check is set far beyond the test's
+wait, so only the wake-ups can step them."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 from livepeers import assert_one_state, averaging_replicas, one_microbatch, until
@@ -12,6 +16,13 @@ pytestmark = pytest.mark.integration
 
 # no periodic step check within the test (the group-wait bound below it, as the config requires)
 FAR_S = 600.0
+
+
+async def declared_donors(peer, averager) -> dict[bytes, float]:
+    """The replicas that the DHT lists as donors of ``averager``'s state, with their priority (their step)."""
+    found = await peer.dht.get(f"{averager.prefix}.all_averagers", latest=True, return_future=True)
+    entries = found.value.items() if found is not None and isinstance(found.value, dict) else ()
+    return {subkey: item.value for subkey, item in entries if item.value is not None}
 
 
 def test_a_closed_batch_is_stepped_without_waiting_for_the_periodic_check(loop_thread, boot):
@@ -42,6 +53,17 @@ def test_a_closed_batch_is_stepped_without_waiting_for_the_periodic_check(loop_t
             ]
             assert held == [0, 0]
             await assert_one_state(replicas)
+            # Newcomers find donors among the state averagers, declared at the step each replica has reached; the
+            # gradient averagers, whose state nobody downloads, declare nothing (hivemind re-declared them once
+            # per tensor of each all-reduce: most of a peer's DHT traffic)
+            opt = replicas[0].executor.optimizer.opt
+            want = {p.dht.peer_id.to_bytes(): 1.0 for p in replicas}
+            deadline = time.monotonic() + 30
+            while (donors := await declared_donors(replicas[0], opt.state_averager)) != want:
+                assert time.monotonic() < deadline, (donors, want)
+                await asyncio.sleep(0.05)  # the DHT has no watch: poll with a deadline
+            # (declared once at start, again after each all-reduce and every 30 s, they would be there by now)
+            assert await declared_donors(replicas[0], opt.grad_averager) == {}
         finally:
             for peer in replicas:
                 await peer.shutdown()

@@ -358,8 +358,7 @@ def finish_global_step(opt: GlobalBatchOptimizer, began: bool) -> None:
         opt.state_averager.step(increment_epoch=True, optimizer_step=True)
         opt.tracker.update_epoch(new_epoch=opt.state_averager.local_epoch)
         opt.state_averager.state_sharing_priority = opt.local_epoch
-        opt.grad_averager.reset_accumulated_grads_()
-        opt.grad_averager.state_sharing_priority = opt.local_epoch
+        opt.grad_averager.reset_accumulated_grads_()  # (its state is not shared: no priority to raise)
 
 
 def tag_along_with_zero_weight(opt: GlobalBatchOptimizer, control) -> None:

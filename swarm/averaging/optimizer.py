@@ -188,8 +188,13 @@ class HivemindStageOptimizer:
             # they stay equal without averaging parameters; newcomers download the state instead.
             average_state_every=2**31,
             grad_compression=COMPRESSIONS[config.grad_compression](),
+            # Newcomers download the state averager's state; the gradient averager's would never be asked for, yet
+            # hivemind's averager declares it in the DHT again each time an all-reduce updates one of its tensors:
+            # a DHT store per parameter tensor per step, more than all of a peer's other DHT traffic together.
             grad_averager_factory=functools.partial(
-                hp.SampleSumGradientAverager, request_timeout=request_timeout
+                hp.SampleSumGradientAverager,
+                request_timeout=request_timeout,
+                allow_state_sharing=False,
             ),
             tracker_opts=dict(
                 private_key=private_key,
@@ -885,9 +890,7 @@ class HivemindStageOptimizer:
 
     def _announce_step(self) -> None:
         """Peers downloading the stage's state prefer the replica with the highest priority: its step."""
-        self.opt.state_averager.state_sharing_priority = (
-            self.opt.grad_averager.state_sharing_priority
-        ) = self.step
+        self.opt.state_averager.state_sharing_priority = self.step
 
     def shutdown(self) -> None:
         """Leave the stage's averaging (a drain, a move, the end). A group still forming for the next step counts on

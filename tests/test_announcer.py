@@ -9,18 +9,27 @@ from hivemind.utils import get_dht_time
 from swarm.config import RunConfig
 from swarm.discovery.records import StageRecord
 from swarm.model import ModelConfig
-from swarm.peer.announcer import Announcer, Serving
+from swarm.peer.announcer import RUN_TTL_FACTOR, Announcer, Serving
 from swarm.states import PeerState
 
 RUN = RunConfig(model=ModelConfig(d_model=32, n_heads=2, n_layers=3, seq_len=16, num_stages=3))
 
 
 class Directory:
-    def __init__(self):
+    def __init__(self, *, publish_failures: int = 0):
         self.announced: list[tuple[StageRecord, float]] = []
+        self.published: list[float] = []  # the TTL of each run refresh that went through
+        self.publish_failures = publish_failures  # refreshes to fail first (a DHT hiccup)
 
     async def announce(self, record: StageRecord, *, ttl_s: float) -> None:
         self.announced.append((record, ttl_s))
+
+    async def publish_run(self, run: RunConfig, *, ttl_s: float) -> bool:
+        if self.publish_failures:
+            self.publish_failures -= 1
+            raise TimeoutError("DHT store timed out")
+        self.published.append(ttl_s)
+        return True
 
 
 def announcer(serving=None) -> tuple[Announcer, Directory]:
@@ -91,3 +100,60 @@ def test_a_moving_peer_announces_both_stages_and_settles_on_the_new_one():
     assert before <= record.last_moved_s <= after  # the cooldown counts from the move, in DHT time
     ann.heading_to(None)  # leaving the swarm: no record anywhere else
     assert len(ann.records()) == 1
+
+
+def beat(ann: Announcer, directory: Directory, beats: int) -> None:
+    """Run the heartbeat until it has announced ``beats`` times."""
+
+    async def main():
+        task = asyncio.create_task(ann.run_forever())
+        while len(directory.announced) < beats:
+            await asyncio.sleep(0.001)
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_the_heartbeat_refreshes_the_run_config_a_few_times_per_its_lifetime_not_every_beat():
+    serving = Serving(
+        stage_index=0, state=PeerState.SERVING, throughput=1.0, in_flight=0, step=0, step_pause_s=0
+    )
+    # ttl 5 s: the run's config lives 60 s and is refreshed every 15 s; 30 beats of 1 ms publish it once
+    directory = Directory()
+    ann = Announcer(
+        directory,
+        RUN,
+        peer_id="p1",
+        ttl_s=5.0,
+        heartbeat_s=0.001,
+        endpoint=lambda: "a:1",
+        serving=lambda: serving,
+    )
+    beat(ann, directory, 30)
+    assert directory.published == [5.0 * RUN_TTL_FACTOR]
+    # a refresh that fails is tried again at the next beat, and the beats go on meanwhile
+    directory = Directory(publish_failures=2)
+    ann = Announcer(
+        directory,
+        RUN,
+        peer_id="p1",
+        ttl_s=5.0,
+        heartbeat_s=0.001,
+        endpoint=lambda: "a:1",
+        serving=lambda: serving,
+    )
+    beat(ann, directory, 30)
+    assert (directory.publish_failures, len(directory.published)) == (0, 1)
+    # refreshes come RUN_REFRESHES times per lifetime: here every 12 x 0.05 / 4 = 150 ms, about every 15th beat
+    directory = Directory()
+    ann = Announcer(
+        directory,
+        RUN,
+        peer_id="p1",
+        ttl_s=0.01,
+        heartbeat_s=0.01,
+        endpoint=lambda: "a:1",
+        serving=lambda: serving,
+    )
+    beat(ann, directory, 30)  # 30 beats sleep 300 ms at least
+    assert 2 <= len(directory.published) <= 15

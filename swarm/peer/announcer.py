@@ -22,8 +22,11 @@ from swarm.states import PeerState, Reachability
 
 logger = logging.getLogger(__name__)
 
-# The run's config lives this many record TTLs, refreshed every heartbeat: readable while any peer serves the run.
+# The run's config lives this many record TTLs, refreshed RUN_REFRESHES times in that span (not every heartbeat: the
+# two records cost a DHT store each, and with averaging on the DHT traffic already takes a third of a small
+# machine's cores, bench/results/convergence.md): readable while any peer serves the run.
 RUN_TTL_FACTOR = 12
+RUN_REFRESHES = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,11 +148,16 @@ class Announcer:
         await self.directory.publish_run(self.run, ttl_s=self.ttl_s * RUN_TTL_FACTOR)
 
     async def run_forever(self) -> None:
-        """Heartbeat every ``heartbeat_s`` until cancelled."""
+        """Heartbeat every ``heartbeat_s`` until cancelled: the peer's records each beat, the run's config
+        ``RUN_REFRESHES`` times per its lifetime (and at each beat after a failed refresh)."""
+        run_refresh_s = self.ttl_s * RUN_TTL_FACTOR / RUN_REFRESHES
+        run_published_s = -float("inf")
         while True:
             try:
                 await self.announce()
-                await self.publish_run()
+                if get_dht_time() - run_published_s >= run_refresh_s:
+                    await self.publish_run()
+                    run_published_s = get_dht_time()
             except Exception as e:  # a DHT hiccup must not kill the peer; the next beat retries
                 logger.warning("announcement failed: %s", e)
             await asyncio.sleep(self.heartbeat_s)

@@ -102,8 +102,20 @@ def test_a_moving_peer_announces_both_stages_and_settles_on_the_new_one():
     assert len(ann.records()) == 1
 
 
-def beat(ann: Announcer, directory: Directory, beats: int) -> None:
-    """Run the heartbeat until it has announced ``beats`` times."""
+def beat(directory: Directory, beats: int, *, ttl_s: float, heartbeat_s: float) -> None:
+    """Run a serving peer's heartbeat until it has announced ``beats`` times."""
+    serving = Serving(
+        stage_index=0, state=PeerState.SERVING, throughput=1.0, in_flight=0, step=0, step_pause_s=0
+    )
+    ann = Announcer(
+        directory,
+        RUN,
+        peer_id="p1",
+        ttl_s=ttl_s,
+        heartbeat_s=heartbeat_s,
+        endpoint=lambda: "a:1",
+        serving=lambda: serving,
+    )
 
     async def main():
         task = asyncio.create_task(ann.run_forever())
@@ -115,45 +127,15 @@ def beat(ann: Announcer, directory: Directory, beats: int) -> None:
 
 
 def test_the_heartbeat_refreshes_the_run_config_a_few_times_per_its_lifetime_not_every_beat():
-    serving = Serving(
-        stage_index=0, state=PeerState.SERVING, throughput=1.0, in_flight=0, step=0, step_pause_s=0
-    )
     # ttl 5 s: the run's config lives 60 s and is refreshed every 15 s; 30 beats of 1 ms publish it once
     directory = Directory()
-    ann = Announcer(
-        directory,
-        RUN,
-        peer_id="p1",
-        ttl_s=5.0,
-        heartbeat_s=0.001,
-        endpoint=lambda: "a:1",
-        serving=lambda: serving,
-    )
-    beat(ann, directory, 30)
+    beat(directory, 30, ttl_s=5.0, heartbeat_s=0.001)
     assert directory.published == [5.0 * RUN_TTL_FACTOR]
     # a refresh that fails is tried again at the next beat, and the beats go on meanwhile
     directory = Directory(publish_failures=2)
-    ann = Announcer(
-        directory,
-        RUN,
-        peer_id="p1",
-        ttl_s=5.0,
-        heartbeat_s=0.001,
-        endpoint=lambda: "a:1",
-        serving=lambda: serving,
-    )
-    beat(ann, directory, 30)
+    beat(directory, 30, ttl_s=5.0, heartbeat_s=0.001)
     assert (directory.publish_failures, len(directory.published)) == (0, 1)
     # refreshes come RUN_REFRESHES times per lifetime: here every 12 x 0.05 / 4 = 150 ms, about every 15th beat
     directory = Directory()
-    ann = Announcer(
-        directory,
-        RUN,
-        peer_id="p1",
-        ttl_s=0.01,
-        heartbeat_s=0.01,
-        endpoint=lambda: "a:1",
-        serving=lambda: serving,
-    )
-    beat(ann, directory, 30)  # 30 beats sleep 300 ms at least
+    beat(directory, 30, ttl_s=0.05, heartbeat_s=0.01)  # 30 beats sleep 300 ms at least
     assert 2 <= len(directory.published) <= 15

@@ -2,6 +2,7 @@
 (tests/test_live_peers.py, tests/test_live_replicas.py)."""
 
 import asyncio
+import inspect
 import re
 import socket
 import time
@@ -101,9 +102,10 @@ async def wait_for_records(directory: RunDirectory, stage: int, want, timeout_s:
 
 
 async def until(condition, what: str, timeout_s: float = 60.0) -> None:
-    """Poll ``condition()`` (state another thread or process updates) until it holds, failing after ``timeout_s``."""
+    """Poll ``condition()`` (state another thread or process updates; a coroutine for a read such as the DHT's) until
+    it holds, failing after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not (await held if inspect.isawaitable(held := condition()) else held):
         assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
         await asyncio.sleep(0.05)
 

@@ -119,8 +119,14 @@ def beat(directory: Directory, beats: int, *, ttl_s: float, heartbeat_s: float) 
 
     async def main():
         task = asyncio.create_task(ann.run_forever())
-        while len(directory.announced) < beats:
-            await asyncio.sleep(0.001)
+
+        async def announced():
+            while len(directory.announced) < beats:
+                await asyncio.sleep(0.001)
+
+        await asyncio.wait_for(
+            announced(), 30
+        )  # a heartbeat that stopped fails the test, not hangs it
         task.cancel()
 
     asyncio.run(main())

@@ -6,9 +6,6 @@ wait, so only the wake-ups can step them."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 from livepeers import assert_one_state, averaging_replicas, one_microbatch, until
 
@@ -58,10 +55,13 @@ def test_a_closed_batch_is_stepped_without_waiting_for_the_periodic_check(loop_t
             # per tensor of each all-reduce: most of a peer's DHT traffic)
             opt = replicas[0].executor.optimizer.opt
             want = {p.dht.peer_id.to_bytes(): 1.0 for p in replicas}
-            deadline = time.monotonic() + 30
-            while (donors := await declared_donors(replicas[0], opt.state_averager)) != want:
-                assert time.monotonic() < deadline, (donors, want)
-                await asyncio.sleep(0.05)  # the DHT has no watch: poll with a deadline
+
+            async def state_donors_declared():
+                return await declared_donors(replicas[0], opt.state_averager) == want
+
+            await until(
+                state_donors_declared, f"the state averagers declared at step 1: {want}", 30
+            )
             # (declared once at start, again after each all-reduce and every 30 s, they would be there by now)
             assert await declared_donors(replicas[0], opt.grad_averager) == {}
         finally:

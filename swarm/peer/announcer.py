@@ -22,9 +22,8 @@ from swarm.states import PeerState, Reachability
 
 logger = logging.getLogger(__name__)
 
-# The run's config lives this many record TTLs, refreshed RUN_REFRESHES times in that span (not every heartbeat: the
-# two records cost a DHT store each, and with averaging on the DHT traffic already takes a third of a small
-# machine's cores, bench/results/convergence.md): readable while any peer serves the run.
+# The run's config lives this many record TTLs, refreshed RUN_REFRESHES times in that span, not every heartbeat (its two
+# records cost a DHT store each and do not change): readable while any peer serves the run.
 RUN_TTL_FACTOR = 12
 RUN_REFRESHES = 4
 

@@ -53,6 +53,7 @@ from swarm.peer.relaying import Relaying, relay_summary, start_relay_server
 from swarm.peer.routecheck import RouteCheck
 from swarm.peer.service import ServiceContext, StageService
 from swarm.peer.statesync import fetch_stage_state, serving_peers
+from swarm.peer.stepwatch import StepWatch
 from swarm.peer.worker import PriorityWorker
 from swarm.states import PeerState, Reachability
 from swarm.transport.callers import CallerCheck, caller_token
@@ -131,6 +132,8 @@ class Peer:
         # wakes the step check before its period (see _wake_step_loop); the loop is set when the check starts
         self._step_wake = asyncio.Event()
         self._step_wake_loop: asyncio.AbstractEventLoop | None = None
+        # closes of a batch waiting for this replica's step on it (told after each step check)
+        self.steps = StepWatch(lambda: self.executor.step)
         # wakes the loop that hashes the parameters after they changed (see _digest_loop)
         self._digest_wake = asyncio.Event()
         self._stack = contextlib.AsyncExitStack()
@@ -426,6 +429,7 @@ class Peer:
             try:
                 if self.config.averaging.average:
                     await self._worker.compute_urgent(self.executor.maybe_step)
+                    self.steps.changed()
                 # rehash if the parameters changed since the last hash (in the digest loop: the heartbeat never
                 # hashes, and neither does the compute thread); known, it costs no trip to the compute thread
                 if not self.executor.step_and_digest()[1]:
@@ -487,6 +491,7 @@ class Peer:
             submit_urgent=self._worker.submit_urgent,
             limits=self.config.limits,
             push=await self._push_hops(),
+            steps=self.steps if self.config.averaging.average else None,
         )
         service = StageService(context)
         if self.config.metrics_port is not None:

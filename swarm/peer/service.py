@@ -38,6 +38,7 @@ from swarm.peer.limits import CallLimits, Reservation, caller_address
 from swarm.peer.push import PushHops, check_route, serve_push
 from swarm.peer.queue import WorkQueue
 from swarm.peer.reachability import DialBacks
+from swarm.peer.stepwatch import StepWatch
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
@@ -47,6 +48,9 @@ from swarm.transport.server import DeadlineFrames, stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, codec_or_invalid, tensor_frames
 
 logger = logging.getLogger(__name__)
+
+# The longest a CloseBatch may wait for this replica's step before it answers (a trainer asks for less).
+MAX_CLOSE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +73,9 @@ class ServiceContext:
     push: PushHops | None = (
         None  # calls the next stage of push calls (None: push calls are refused)
     )
+    # the replica's optimizer step, for a CloseBatch that waits for it (None: the peer does not average, and its
+    # step does not follow the trainer's batches: a close is answered at once)
+    steps: StepWatch | None = None
 
 
 class StageService(pb_grpc.StagePeerServicer):
@@ -364,7 +371,15 @@ class StageService(pb_grpc.StagePeerServicer):
     async def CloseBatch(self, request: pb.CloseBatchRequest, context) -> pb.CloseBatchReply:
         """A trainer's part of global batch ``batch_step`` is all committed: the stage need not wait for more."""
         self._check_stage(request)
+        wait_s = request.wait_for_step_s
+        if not (math.isfinite(wait_s) and 0.0 <= wait_s <= MAX_CLOSE_WAIT_S):
+            raise InvalidRequest(
+                f"wait_for_step_s must be between 0 and {MAX_CLOSE_WAIT_S:g} seconds, got {wait_s}; a trainer "
+                "waits less than its call's deadline"
+            )
         self.executor.close_batch(request.batch_step, request.replicas)
+        if wait_s > 0 and self.ctx.steps is not None:
+            await self.ctx.steps.wait_past(request.batch_step, wait_s)
         return pb.CloseBatchReply(step=self.executor.step)
 
     @stream_handler

@@ -10,6 +10,7 @@ has and knows whom to step with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 # behind is closed again.
 CLOSE_BATCH_TIMEOUT_S = 5.0
 RECLOSE_EVERY_S = 2.0
+# How long a replica may hold the first close of a batch until it has stepped on it (its answer then says the
+# step: the trainer in lockstep learns of it in that round trip; see wait_for_stage_steps)
+CLOSE_WAIT_FOR_STEP_S = 2.0
 # How long a replica whose call failed UNAVAILABLE is given to accept a TCP connection before it counts as gone
 REFUSED_PROBE_TIMEOUT_S = 2.0
 # While the trainer waits for stages to step: seconds between two reads of their replicas' steps (Info), and
@@ -68,6 +72,8 @@ class StageSteps:
         # (stage, peer id) -> the last record seen of each replica: a replica holding samples of a batch being closed
         # is asked even when its record has expired between heartbeats (see close_batch)
         self._last_records: dict[tuple[int, str], StageRecord] = {}
+        # set when a reply tells of a step (see replied): wakes wait_for_stage_steps between its polls
+        self._news = asyncio.Event()
 
     def replied(self, stage: int, step: int, peer: str | None = None) -> None:
         """A reply of ``stage`` said its replica (``peer``, if known) is at optimizer step ``step``: the trainer
@@ -76,6 +82,7 @@ class StageSteps:
         if peer is not None:
             key = (stage, peer)
             self._polled_steps[key] = max(self._polled_steps.get(key, 0), step)
+        self._news.set()
 
     def stages_average(self) -> bool:
         """Whether every serving replica of every stage averages with its stage (``swarm peer``'s default):
@@ -122,6 +129,7 @@ class StageSteps:
         deadline, last = time.monotonic() + stall_s, None
         reclosed = refreshed = time.monotonic()
         while True:
+            self._news.clear()
             steps = self.stage_steps(every_replica=every_replica)
             behind = [k for k, target in enumerate(targets) if steps[k] < target]
             if not behind:
@@ -142,13 +150,15 @@ class StageSteps:
                 )
                 return False
             # Ask the replicas of the stages behind (a local round trip), rather than wait a heartbeat for their
-            # DHT records to say it: in lockstep training every batch waits here.
+            # DHT records to say it: in lockstep training every batch waits here. A close still waiting for a
+            # replica's step (CLOSE_WAIT_FOR_STEP_S) ends this wait as soon as it is answered.
             await asyncio.gather(*(self._poll_steps(k) for k in behind))
             if time.monotonic() - refreshed >= self.refresh_s:
                 await self._refresh()
                 refreshed = time.monotonic()
             else:
-                await asyncio.sleep(STEP_POLL_S)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._news.wait(), STEP_POLL_S)
 
     async def poll(self) -> None:
         """Read every serving replica's step from its Info now: the steps the DHT records say may be a heartbeat
@@ -175,13 +185,16 @@ class StageSteps:
         serving = [r for r in self.records[stage].values() if r.state == PeerState.SERVING]
         await asyncio.gather(*(poll(r) for r in serving))
 
-    async def close_batch(self, batch_steps: list[int | None]) -> None:
+    async def close_batch(
+        self, batch_steps: list[int | None], *, wait_for_step_s: float = 0.0
+    ) -> None:
         """Tell every replica of each stage k that this trainer's part of its global batch ``batch_steps[k]`` is all
         committed, so the stage steps on what it has rather than wait for samples that will not come (a replica
         killed with its part), and how many of its replicas answered just now: the replicas to step with, whatever
         the stage's progress records (which outlive a killed replica, and lag a live one) say; no count (0) when a
         replica did not answer in time (it may be busy, not gone). Best effort: a replica that does not answer
-        steps on its own rules. ``batch_steps[k]`` None: leave stage k alone."""
+        steps on its own rules. ``batch_steps[k]`` None: leave stage k alone. ``wait_for_step_s``: each replica
+        answers once it has stepped on the batch, or after that long; its answer's step counts as a reply's."""
         targets = [
             (stage, record)
             for stage in range(len(self.records))
@@ -258,11 +271,18 @@ class StageSteps:
 
         async def close(stage: int, record: StageRecord) -> None:
             try:
-                await self.clients.get(PeerAddress.of(record)).close_batch(
-                    self.run_id, stage, batch_steps[stage], live[stage], CLOSE_BATCH_TIMEOUT_S
+                step = await self.clients.get(PeerAddress.of(record)).close_batch(
+                    self.run_id,
+                    stage,
+                    batch_steps[stage],
+                    live[stage],
+                    CLOSE_BATCH_TIMEOUT_S + wait_for_step_s,
+                    wait_for_step_s=wait_for_step_s,
                 )
             except SwarmError as e:
                 logger.debug("stage %d peer %s: closing batch failed: %s", stage, record.peer_id, e)
+                return
+            self.replied(stage, step, record.peer_id)
 
         await asyncio.gather(
             *(close(*target) for target, ok in zip(targets, answered) if ok is True)

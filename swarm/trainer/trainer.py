@@ -26,6 +26,7 @@ from swarm.trainer.config import TrainerConfig
 from swarm.trainer.data import TrainerData
 from swarm.trainer.metrics import TrainerMetrics
 from swarm.trainer.pipeline import MicrobatchResult, Pipeline
+from swarm.trainer.stagesteps import CLOSE_WAIT_FOR_STEP_S
 from swarm.trainer.tensorboard import TensorBoardLog
 
 logger = logging.getLogger(__name__)
@@ -536,7 +537,8 @@ class _BatchCloser:
             del self._done[batch]
             steps = [first + batch for first in self.first_steps]
             task = asyncio.create_task(
-                self.pipeline.steps.close_batch(steps), name=f"close-{batch}"
+                self.pipeline.steps.close_batch(steps, wait_for_step_s=CLOSE_WAIT_FOR_STEP_S),
+                name=f"close-{batch}",
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

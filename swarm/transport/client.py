@@ -248,16 +248,26 @@ class PeerClient:
         return reply.applied_now
 
     async def close_batch(
-        self, run_id: str, stage: int, batch_step: int, replicas: int, timeout_s: float
+        self,
+        run_id: str,
+        stage: int,
+        batch_step: int,
+        replicas: int,
+        timeout_s: float,
+        *,
+        wait_for_step_s: float = 0.0,
     ) -> int:
         """Tell the peer this caller's part of global batch ``batch_step`` is all committed, and that ``replicas``
-        replicas of the stage answered just now; returns the peer's step."""
+        replicas of the stage answered just now; returns the peer's step: at once, or with ``wait_for_step_s`` once
+        the peer has stepped past ``batch_step`` (at most that long; a peer that does not average answers at
+        once)."""
         request = pb.CloseBatchRequest(
             protocol_version=PROTOCOL_VERSION,
             run_id=run_id,
             stage=stage,
             batch_step=batch_step,
             replicas=replicas,
+            wait_for_step_s=wait_for_step_s,
         )
         try:
             reply = await self._stub.CloseBatch(request, timeout=timeout_s, metadata=self._auth())

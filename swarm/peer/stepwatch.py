@@ -1,0 +1,34 @@
+"""Calls that wait for this replica's optimizer step: a trainer closing a global batch in lockstep asks to be
+answered once the replica has stepped on it (``CloseBatch``'s ``wait_for_step_s``), so it learns of the step in
+that one round trip instead of asking every replica again every few tens of milliseconds while the stage steps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+
+class StepWatch:
+    """The replica's step, and the calls on its event loop waiting for it to pass a value."""
+
+    def __init__(self, step: Callable[[], int]):
+        self._step = (
+            step  # read on the event loop (a move swaps the executor that counts the steps)
+        )
+        self._changed = asyncio.Event()
+
+    def changed(self) -> None:
+        """The step may have moved (the peer's step check ran): the waiting calls look again. Event loop only."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_past(self, step: int, timeout_s: float) -> int:
+        """Wait until the replica's step is past ``step``, at most ``timeout_s``; the step then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._step() <= step and (left := deadline - loop.time()) > 0:
+            changed = self._changed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+        return self._step()

@@ -2,18 +2,21 @@
 (tests/test_live_peers.py, tests/test_live_replicas.py)."""
 
 import asyncio
+import dataclasses
 import inspect
 import re
 import socket
 import time
 
 import torch
+from conftest import record_wire
 from hivemind.averaging.control import AveragingStage
 
 from swarm.averaging.config import AveragingConfig
 from swarm.compression import get_codec
 from swarm.config import RunConfig
 from swarm.discovery.dht import DHTConfig, RunDirectory
+from swarm.discovery.records import StageRecord
 from swarm.model import ModelConfig
 from swarm.peer.config import PeerConfig
 from swarm.peer.lifecycle import Peer
@@ -138,6 +141,17 @@ async def one_microbatch(peer: Peer, seed: int, batch_step: int = 0) -> None:
         await reply.committed
     finally:
         await client.close()
+
+
+def live_record(peer: Peer, stage: int = 1) -> StageRecord:
+    """An averaging replica's record of ``stage`` at step 0, at ``peer``'s real address (a trainer's view of it)."""
+    return dataclasses.replace(
+        StageRecord.from_wire(
+            record_wire(peer_id=peer.peer_id, stage=stage, step=0, averaging=True)
+        ),
+        endpoint=peer.address.endpoint,
+        tls_cert=peer.address.tls_cert,
+    )
 
 
 def closed_port() -> int:

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 from conftest import record_wire
-from livepeers import MODEL, B, averaging_replica, closed_port
+from livepeers import MODEL, B, averaging_replica, closed_port, live_record
 
 from swarm.config import RunConfig
 from swarm.discovery.records import StageRecord
@@ -34,12 +34,7 @@ def test_a_replica_is_told_it_is_alone_only_when_another_left(loop_thread, boot)
         peer = await Peer.create(config, run=RUN)
         clients = ClientPool()
         try:
-            live = StageRecord.from_wire(
-                record_wire(peer_id=peer.peer_id, stage=1, step=0, averaging=True)
-            )
-            live = dataclasses.replace(
-                live, endpoint=peer.address.endpoint, tls_cert=peer.address.tls_cert
-            )
+            live = live_record(peer)
             records = [{}, {live.peer_id: live}]
             steps = StageSteps(records, clients, "count0", refresh=refresh, refresh_s=1.0)
             counted = peer.executor.optimizer._replicas
@@ -82,13 +77,7 @@ def test_a_replica_is_told_it_is_alone_when_another_moved_to_another_stage_or_dr
         clients = ClientPool()
         counts = []
         try:
-            live = dataclasses.replace(
-                StageRecord.from_wire(
-                    record_wire(peer_id=peer.peer_id, stage=1, step=0, averaging=True)
-                ),
-                endpoint=peer.address.endpoint,
-                tls_cert=peer.address.tls_cert,
-            )
+            live = live_record(peer)
             counted = peer.executor.optimizer._replicas
             for left in ("moved", "drained"):
                 counted.clear()

@@ -5,14 +5,11 @@ closed through the trainer's own StageSteps."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
-from conftest import record_wire
-from livepeers import averaging_replicas, one_microbatch
+from livepeers import averaging_replicas, live_record, one_microbatch
 
-from swarm.discovery.records import StageRecord
 from swarm.errors import SwarmError
 from swarm.trainer.stagesteps import StageSteps
 from swarm.transport.client import ClientPool, PeerClient
@@ -31,13 +28,7 @@ def test_a_close_that_waits_is_answered_with_the_step_it_waited_for(loop_thread,
         clients = ClientPool()
         client = PeerClient(peer.address)
         try:
-            record = dataclasses.replace(
-                StageRecord.from_wire(
-                    record_wire(peer_id=peer.peer_id, stage=1, step=0, averaging=True)
-                ),
-                endpoint=peer.address.endpoint,
-                tls_cert=peer.address.tls_cert,
-            )
+            record = live_record(peer)
             steps = StageSteps(
                 [{}, {record.peer_id: record}], clients, RUN_ID, refresh=refresh, refresh_s=1.0
             )

@@ -13,9 +13,8 @@ class StepWatch:
     """The replica's step, and the calls on its event loop waiting for it to pass a value."""
 
     def __init__(self, step: Callable[[], int]):
-        self._step = (
-            step  # read on the event loop (a move swaps the executor that counts the steps)
-        )
+        # read on the event loop each time (a move swaps the executor that counts the steps)
+        self._step = step
         self._changed = asyncio.Event()
 
     def changed(self) -> None:

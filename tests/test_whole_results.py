@@ -1,7 +1,7 @@
 """An all-reduce handler keeps its stream open until the caller has read every result
 (swarm.averaging.hivemind_private.WholeResults), instead of closing it behind its last result, which p2pd could then
-reset with results still on their way ("received 70.6% results" in the swarm, in 9 of 13 runs of 20-30 steps; too rare here
-to show on two quiet averagers, see bench/results/convergence.md). What it relies on is shown here: the caller
+reset with results still on their way ("received 70.6% results" in the swarm, in 9 of 13 runs of 20-30 steps; too
+rare to show on two quiet averagers, see bench/results/convergence.md). What it relies on is shown here: the caller
 closes as soon as its result is whole, so the open stream costs no round its time. Two real averagers, each on its
 own hivemind DHT and p2pd, on loopback."""
 

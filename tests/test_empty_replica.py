@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import pytest
 from livepeers import (
@@ -36,9 +37,14 @@ def test_a_replica_holding_none_of_the_batch_waits_for_its_close_before_looking_
             3, "empty0", boot, run=FULL_AT_TWO, matchmaking_s=1.0, group_wait_s=4.0
         )
         *holders, empty = replicas
+        # Holds the first holder's compute thread, so it takes no step check: the holders would otherwise average
+        # the full batch between two reads of the empty replica's progress records, which then never show it full
+        # (the empty replica is behind at once and loads their state: one run in four failed that way).
+        gate = threading.Event()
         try:
-            for seed, peer in enumerate(holders):
-                await one_microbatch(peer, seed)
+            await one_microbatch(holders[0], 0)
+            holders[0]._worker.submit(gate.wait)
+            await one_microbatch(holders[1], 1)
             # the batch is full by the stage's records: every replica sees it, the empty one too
             await until(
                 lambda: (
@@ -47,6 +53,7 @@ def test_a_replica_holding_none_of_the_batch_waits_for_its_close_before_looking_
                 ),
                 "the empty replica sees the batch full",
             )
+            gate.set()
             # the trainer's count, taken before the empty replica was listed: the two holders
             holders[0].executor.close_batch(0, replicas=2)
             # the batch being full by samples, the holder may look before its close, or even have formed its group
@@ -66,6 +73,7 @@ def test_a_replica_holding_none_of_the_batch_waits_for_its_close_before_looking_
             await until(lambda: empty.executor.step == 1, "the empty replica takes their state")
             await assert_one_state(replicas)
         finally:
+            gate.set()
             for peer in replicas:
                 await peer.shutdown()
 

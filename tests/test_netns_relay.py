@@ -28,7 +28,7 @@ from tests.conftest import SOLO_PEER_FLAGS, TEST_TRAINER, peers_on_hosts, status
 
 pytestmark = [pytest.mark.swarm, pytest.mark.netns, pytest.mark.nat]
 
-STEPS = 16
+STEPS = 40  # after the kill at step 5, long enough for calls to reach the NATed peer through its second relay
 KILL_AT_STEP = 5
 LENDS = r"relay (\w+) lends this peer the endpoint (\S+)"
 

@@ -124,9 +124,8 @@ def beat(directory: Directory, beats: int, *, ttl_s: float, heartbeat_s: float) 
             while len(directory.announced) < beats:
                 await asyncio.sleep(0.001)
 
-        await asyncio.wait_for(
-            announced(), 30
-        )  # a heartbeat that stopped fails the test, not hangs it
+        # a heartbeat that stopped fails the test, not hangs it
+        await asyncio.wait_for(announced(), 30)
         task.cancel()
 
     asyncio.run(main())

@@ -369,7 +369,8 @@ class StageService(pb_grpc.StagePeerServicer):
 
     @unary_handler
     async def CloseBatch(self, request: pb.CloseBatchRequest, context) -> pb.CloseBatchReply:
-        """A trainer's part of global batch ``batch_step`` is all committed: the stage need not wait for more."""
+        """A trainer's part of global batch ``batch_step`` is all committed: the stage need not wait for more. With
+        ``wait_for_step_s``, answered once this replica has stepped past the batch (or that wait is over)."""
         self._check_stage(request)
         wait_s = request.wait_for_step_s
         if not (math.isfinite(wait_s) and 0.0 <= wait_s <= MAX_CLOSE_WAIT_S):

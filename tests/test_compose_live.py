@@ -113,6 +113,11 @@ def test_the_compose_demo_trains_survives_a_killed_peer_and_its_replicas_agree(t
     # Nothing of the engine is left running, and the host's network is as it was.
     if engine.start_s:  # this test started the daemon (none was running)
         assert subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 1
-        assert HostNetwork.capture() == network_before
+        after = HostNetwork.capture()
+        assert (after.rules, after.ip_forward) == (network_before.rules, network_before.ip_forward)
+        # No Docker link is left that was not there before. One that was may be gone: left by an earlier daemon
+        # that was killed, it named a network this daemon found in its state and removed with the project (one CI
+        # run began with a compose network's bridge and five veths of no running daemon).
+        assert after.docker_links <= network_before.docker_links, after.docker_links
     with capsys.disabled():
         print("\ncompose demo costs: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))

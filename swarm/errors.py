@@ -68,6 +68,13 @@ class GradientsDropped(SwarmError):
     code = grpc.StatusCode.ABORTED
 
 
+class AllReduceFailed(SwarmError):
+    """A part of a step's direct all-reduce could not complete (swarm.averaging.direct): a member's share did not
+    come in time, or the part's owner has moved on. No member steps on it."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class PeerDraining(SwarmError):
     """The peer is shutting down (preemption) and takes no new work."""
 
@@ -141,6 +148,7 @@ WIRE_ERRORS: tuple[type[SwarmError], ...] = (
     AlreadyApplied,
     GradientsDropped,
     GradientOutlier,
+    AllReduceFailed,
     PeerDraining,
     PeerOverloaded,
     DeadlineUnmet,

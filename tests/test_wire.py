@@ -155,6 +155,7 @@ def test_every_rpc_of_the_proto_is_registered() -> None:
         "Commit",
         "CloseBatch",
         "DialBack",
+        "ReducePart",
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 GRAD_COMPRESSIONS = ("none", "fp16", "scaled-fp16")
+ALL_REDUCES = ("hivemind", "direct")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,8 +37,16 @@ class AveragingConfig:
     # gradient all-reduce codec (hivemind's 8-bit codecs fail under numpy 2)
     grad_compression: str = field(default="none", metadata={"choices": GRAD_COMPRESSIONS})
     step_check_s: float = 0.1  # seconds between checks whether the stage's global batch is full
+    # How the replicas of a stage all-reduce: "hivemind" forms each step's group through the DHT and averages over
+    # libp2p; "direct" averages with exactly the replicas the trainer's close names, over the replicas' own gRPC
+    # servers (swarm.averaging.direct), with no matchmaking. Every replica of a stage must use the same.
+    all_reduce: str = field(default="hivemind", metadata={"choices": ALL_REDUCES})
 
     def __post_init__(self):
+        if self.all_reduce not in ALL_REDUCES:
+            raise ValueError(
+                f"all_reduce '{self.all_reduce}' is unknown; choose one of {', '.join(ALL_REDUCES)}"
+            )
         if self.grad_compression not in GRAD_COMPRESSIONS:
             raise ValueError(
                 f"grad_compression '{self.grad_compression}' is unknown; choose one of "

@@ -374,14 +374,19 @@ def forget_averaged(opt: GlobalBatchOptimizer) -> None:
     opt.grad_averager.notify_used_averaged_gradients()
 
 
-def finish_global_step(opt: GlobalBatchOptimizer, began: bool) -> None:
+def finish_global_step(
+    opt: GlobalBatchOptimizer, began: bool, averaged: torch.Tensor | None = None
+) -> None:
     """Once the all-reduce ``begin_global_step`` started is done (or none was): load the averaged gradients (this
-    replica's own if there was no group or the all-reduce failed), step, and count the step."""
+    replica's own if there was no group or the all-reduce failed), step, and count the step. ``averaged``: the
+    flat average of another all-reduce (swarm.averaging.direct), in the accumulators' order, to step on instead."""
     # Private: the second half of _update_global_epoch (see begin_global_step). hivemind's version loads no
     # gradients into the optimizer when no all-reduce began (it relies on .grad, which we leave empty): load the
     # replica's own then, or a replica alone would step on nothing.
     with opt.tracker.pause_updates():
-        if began:
+        if averaged is not None:
+            _load_flat_average(opt, averaged)
+        elif began:
             opt._average_gradients_and_load_into_optimizer(opt.scheduled_grads)
         else:
             opt._load_local_gradients_into_optimizer()
@@ -389,6 +394,21 @@ def finish_global_step(opt: GlobalBatchOptimizer, began: bool) -> None:
         opt.tracker.update_epoch(new_epoch=opt.state_averager.local_epoch)
         opt.state_averager.state_sharing_priority = opt.local_epoch
         opt.grad_averager.reset_accumulated_grads_()  # (its state is not shared: no priority to raise)
+
+
+@torch.no_grad()
+def _load_flat_average(opt: GlobalBatchOptimizer, averaged: torch.Tensor) -> None:
+    """Put ``averaged`` where hivemind's all-reduce leaves its result, and load that into the optimizer."""
+    # Private: the averaged tensors and their loader have no public counterpart outside hivemind's own step.
+    with opt.grad_averager.get_tensors() as tensors:
+        numel = sum(tensor.numel() for tensor in tensors)
+        if numel != averaged.numel():
+            raise ValueError(f"an average of {averaged.numel()} values for gradients of {numel}")
+        start = 0
+        for tensor in tensors:
+            tensor.copy_(averaged[start : start + tensor.numel()].view_as(tensor))
+            start += tensor.numel()
+    opt._load_averaged_gradients_into_optimizer_()
 
 
 def tag_along_with_zero_weight(opt: GlobalBatchOptimizer, control) -> None:

@@ -45,6 +45,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging import hivemind_private as hp
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.direct import DirectAllReduce, Group
 from swarm.averaging.keys import stage_run_id, step_group_bits
 from swarm.config import RunConfig
 from swarm.model import Stage
@@ -129,6 +130,12 @@ class HivemindStageOptimizer:
         # order, samples by batch), handed over into the next step once it is taken (see accumulate)
         self._late: tuple[list[torch.Tensor | None], dict[int, int]] | None = None
         self._regrouped = -1  # the last step whose all-reduce was run again (see _regroup)
+        # Averaging directly (set by the peer; None: through hivemind): the groups trainers named, by batch; the group
+        # of the all-reduce under way; the key of the last group whose all-reduce failed (not run again)
+        self.direct: DirectAllReduce | None = None
+        self._groups: dict[int, Group] = {}
+        self._direct_group: Group | None = None
+        self._direct_failed: str | None = None
         # the last step whose all-reduce returned part of the average only (see _regroup)
         self._partial_step = -1
         self._regrouped_at = 0.0
@@ -307,12 +314,16 @@ class HivemindStageOptimizer:
         hp.accumulate_gradients(opt, num_samples)
         for p in self.params:
             p.grad = None
-        if opt.tracker.global_progress.num_peers > 1 and opt.tracker.global_epoch <= self.step:
+        if (
+            self.direct is None
+            and opt.tracker.global_progress.num_peers > 1
+            and opt.tracker.global_epoch <= self.step
+        ):
             # (behind its peers, no group of this step will form: maybe_step loads their state instead)
             hp.schedule_gradient_averaging(opt)
         return False
 
-    def close_batch(self, batch_step: int, replicas: int = 0) -> None:
+    def close_batch(self, batch_step: int, replicas: int = 0, group: Group | None = None) -> None:
         """The trainer has every microbatch of global batch ``batch_step`` committed (the CloseBatch RPC): the stage
         steps on what it has once its batch is closed, without waiting for samples that will not come (a replica
         killed with its part). ``replicas``: how many of the stage's replicas answered the trainer just before (0 =
@@ -322,6 +333,10 @@ class HivemindStageOptimizer:
         thread: the next ``maybe_step`` reads it."""
         # The count first, then the close: maybe_step runs on the compute thread and steps once it sees the close,
         # reading the count then (read before it was set, a replica of several stepped alone: tests/test_regroup.py).
+        if group is not None and self.direct is not None:
+            # averaging directly: the group names whom to step with (the latest close wins, as for the count)
+            self._groups[batch_step] = group
+            replicas = len(group.members)
         if replicas:  # the latest count wins: a trainer closes again while it waits
             self._replicas[batch_step] = replicas
             self._last_count, self._last_count_step = replicas, batch_step
@@ -382,6 +397,8 @@ class HivemindStageOptimizer:
         tracker.batch_closed = self._closed_through >= self.step
         if self._closed_through >= self.step and self._closed_at[0] != self.step:
             self._closed_at = (self.step, time.perf_counter())
+        if self.direct is not None:
+            return self._maybe_step_direct()
         if (
             tracker.global_epoch <= self.step
             and tracker.global_progress.samples_accumulated == 0
@@ -462,21 +479,7 @@ class HivemindStageOptimizer:
             # A peer already stepped past this replica's step and this replica is in no group: groups only join
             # replicas at the same step, and that step's group could not complete without this replica's part, so
             # it ran without it (it joined mid-step, or its peers' group assembled before it looked for one).
-            # Take their state now, in time to look for the next step's group.
-            # Its samples of that step are not lost: handed over into the next step, late (see _hand_over).
-            missed, held = self.step, self._held_sums()
-            logger.warning(
-                "stage %d replica is behind its peers (step %d < %d): loading their state (%d samples of its "
-                "own left out of step %d)",
-                self.stage_index,
-                missed,
-                tracker.global_epoch,
-                sum(held[1].values()) if held else 0,
-                missed,
-            )
-            self._load_from_peers(tracker.global_epoch)
-            self._hand_over(held, missed)
-            self._catch_up()
+            self._rejoin_peers()
             return True
         if forming:
             self._size_group(replicas)
@@ -499,6 +502,100 @@ class HivemindStageOptimizer:
             return False  # the all-reduce runs; a later check finishes the step
         self._catch_up()
         return True
+
+    def _rejoin_peers(self) -> None:
+        """A peer stepped past this replica's step without it: take their state now, in time for the next step's
+        group. Its samples of that step are not lost: handed over into the next step, late (see _hand_over)."""
+        tracker = self.opt.tracker
+        missed, held = self.step, self._held_sums()
+        logger.warning(
+            "stage %d replica is behind its peers (step %d < %d): loading their state (%d samples of its "
+            "own left out of step %d)",
+            self.stage_index,
+            missed,
+            tracker.global_epoch,
+            sum(held[1].values()) if held else 0,
+            missed,
+        )
+        self._load_from_peers(tracker.global_epoch)
+        self._hand_over(held, missed)
+        self._catch_up()
+
+    def _maybe_step_direct(self) -> bool:
+        """``maybe_step`` for replicas that average directly (swarm.averaging.direct): the group is the one the
+        trainer's close names for this step, so there is no matchmaking to wait for. No group naming this replica
+        (none sent, or the last one failed): its peers' step makes it load their state; the trainer's next close
+        (it closes again while a stage is behind) names a new group; past ``averaging_timeout_s`` it steps on its
+        own gradients and reloads."""
+        tracker = self.opt.tracker
+        for k in list(
+            self._groups
+        ):  # in place, from a snapshot: close_batch adds groups from another thread
+            if k < self.step:
+                self._groups.pop(k, None)
+        group = self._groups.get(self.step)
+        if group is not None and (
+            group.key == self._direct_failed or self.direct.peer_id not in group.ids
+        ):
+            group = None
+        if group is None and tracker.global_epoch > self.step:
+            self._rejoin_peers()
+            return True
+        if group is None:
+            if self._closed_through < self.step:
+                return False
+            looking_since = max(
+                self._closed_at[1], self._regrouped_at if self._regrouped == self.step else 0.0
+            )
+            if (
+                time.perf_counter() - looking_since <= self.config.averaging_timeout_s
+                or self.local_samples == 0
+            ):
+                return False
+            logger.warning(
+                "stage %d: no all-reduce group named this replica for step %d within %.0fs; stepping without one",
+                self.stage_index,
+                self.step,
+                self.config.averaging_timeout_s,
+            )
+            self._begin_step(alone=False)
+            self._catch_up()
+            return True
+        if len(group.members) == 1:
+            if self.local_samples == 0 and tracker.global_progress.samples_accumulated:
+                return False  # see the same case in maybe_step
+            self._begin_step(alone=True)
+            self._catch_up()
+            return True
+        self._begin_direct(group)
+        return False
+
+    def _begin_direct(self, group: Group) -> None:
+        """Hand this replica's gradient sums to the direct all-reduce with ``group`` (it runs on the event loop);
+        a later check takes the step once it is done."""
+        self._step_started = (
+            self.opt.opt.skipped_steps,
+            self._partial.count.value,
+            time.perf_counter(),
+            False,
+        )
+        self._beside_others = False
+        set_learning_rate(self.opt.opt, self.run, self.step)
+        self.opt.used_local_gradients = False
+        self._handed = self.local_samples
+        self._handed_over = self.opt.grad_averager.carried
+        sums = torch.cat(
+            [
+                acc.detach().reshape(-1).to("cpu", torch.float32)
+                for acc in hp.gradient_accumulators(self.opt)
+            ]
+        )
+        self._direct_group = group
+        self._pending = self.direct.start(group, sums, self.local_samples)
+        self._hold_s = time.perf_counter() - self._step_started[2]
+        if self.wake is not None:
+            wake = self.wake
+            self._pending.add_done_callback(lambda _: wake())
 
     def _holds_samples(self) -> bool:
         """Whether it holds gradients of samples for a step not yet taken (``leave_out_held`` would drop some)."""
@@ -659,6 +756,25 @@ class HivemindStageOptimizer:
         what it has, reloading, and losing its samples of the batch. True if it will look again."""
         pending, (_, partial, _, alone) = self._pending, self._step_started
         failed = _failed(pending)
+        if self._direct_group is not None:
+            if not failed:
+                return False
+            group, self._direct_group = self._direct_group, None
+            self._direct_failed = group.key
+            # Its shares may have completed a groupmate's average (that groupmate then steps on its samples): should
+            # it end up loading the peers' state, it must not hand them over too (see _hand_over).
+            self._partial_step = self.step
+            self._regrouped, self._regrouped_at = self.step, time.perf_counter()
+            logger.warning(
+                "stage %d: the all-reduce of step %d with %d replicas failed (%s); waiting for the trainer's next "
+                "group",
+                self.stage_index,
+                self.step,
+                len(group.members),
+                "abandoned" if pending.cancelled() else pending.exception(),
+            )
+            self._pending = None
+            return True
         if (
             alone
             or self._regrouped == self.step
@@ -690,8 +806,11 @@ class HivemindStageOptimizer:
         # (Not on an all-reduce that came back in part: its own values there hold some of its peers' gradients.)
         on_its_own = (not alone and (not began or _failed(self._pending))) or self._beside_others
         held = self._held_sums() if on_its_own else None
+        averaged = None
+        if self._direct_group is not None:  # (a failed one went to _regroup)
+            averaged, self._direct_group = self._pending.result(), None
         self._pending = None
-        hp.finish_global_step(self.opt, began)
+        hp.finish_global_step(self.opt, began and averaged is None, averaged)
         now, started = time.perf_counter(), self._step_started[2]
         closed = self._closed_at[1] if self._closed_at[0] == before else started
         if self._group_sized is not None:  # the next step's group waits for its own count

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from swarm.averaging import HivemindStageOptimizer
+from swarm.averaging.direct import DirectAllReduce
 from swarm.averaging.optimizer import CHECK_SOON_S
 from swarm.config import RunConfig
 from swarm.deadline import timeout
@@ -104,6 +105,7 @@ class Peer:
         self.directory: RunDirectory | None = None
         # calls the next stage of push calls (set once it serves)
         self.push_hops: PushHops | None = None
+        self._reduce_clients: ClientPool | None = None  # see _direct_clients
         self.rebalancer: Rebalancer | None = None
         self.metrics: PeerMetrics | None = None  # with --metrics-port
         self.metrics_port: int | None = None  # the port they are served on
@@ -341,6 +343,17 @@ class Peer:
             )
             optimizer.wake = self._wake_step_loop
             optimizer.endpoint_in_doubt = self._endpoint_in_doubt
+            if config.averaging.all_reduce == "direct":
+                optimizer.direct = DirectAllReduce(
+                    peer_id=self.peer_id,
+                    run_id=self.run_id,
+                    stage=stage_index,
+                    clients=self._direct_clients(),
+                    loop=asyncio.get_running_loop(),
+                    timeout_s=config.averaging.chunk_timeout_s,
+                    current_step=lambda: optimizer.step,
+                    numel=sum(p.numel() for p in stage_module.parameters()),
+                )
         else:
             optimizer = LocalStageOptimizer(stage_module, run)
         executor = StageExecutor(
@@ -607,6 +620,14 @@ class Peer:
             )
         except Exception as e:  # never kills the relaying loop: the samples then stay in
             logger.warning("leaving out the samples held after losing the relay failed: %s", e)
+
+    def _direct_clients(self) -> ClientPool:
+        """The clients this peer calls its stage's replicas with in direct all-reduces (one pool for the peer's
+        life, whatever stage it serves), signed with its own identity."""
+        if self._reduce_clients is None:
+            self._reduce_clients = ClientPool(token=caller_token(self.identity))
+            self._stack.push_async_callback(self._reduce_clients.close)
+        return self._reduce_clients
 
     async def _push_hops(self) -> PushHops:
         """The client this peer calls the next stage of push calls with, signed with its own identity."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from swarm.averaging.direct import Group
 from swarm.compression import CODEC_NAMES
 from swarm.compression.base import all_finite
 from swarm.deadline import timeout
@@ -43,6 +44,7 @@ from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
 from swarm.proto import swarm_pb2_grpc as pb_grpc
 from swarm.states import PeerState
+from swarm.transport.callers import caller_peer_id
 from swarm.transport.channel import WORK_TIMEOUT_KEY
 from swarm.transport.server import DeadlineFrames, stream_handler, unary_handler
 from swarm.transport.tensors import FrameReader, StreamLimits, codec_or_invalid, tensor_frames
@@ -378,10 +380,50 @@ class StageService(pb_grpc.StagePeerServicer):
                 f"wait_for_step_s must be between 0 and {MAX_CLOSE_WAIT_S:g} seconds, got {wait_s}; a trainer "
                 "waits less than its call's deadline"
             )
-        self.executor.close_batch(request.batch_step, request.replicas)
+        group = Group.from_request(request.batch_step, request.group) if request.group else None
+        self.executor.close_batch(request.batch_step, request.replicas, group)
         if wait_s > 0 and self.ctx.steps is not None:
             await self.ctx.steps.wait_past(request.batch_step, wait_s)
         return pb.CloseBatchReply(step=self.executor.step)
+
+    @stream_handler
+    async def ReducePart(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
+        """A groupmate's share of the part of a step's all-reduce that this replica owns (swarm.averaging.direct);
+        answered with the part's average once every member's share is in."""
+        with self.calls.call(caller_address(context.peer())) as reservation:
+            frames = self._deadlines(request_iterator)
+            reader = FrameReader(frames, limits=self.limits)
+            meta = await reader.reduce()
+            self._check_stage(meta)
+            direct = getattr(self.executor.optimizer, "direct", None)
+            if direct is None:
+                raise WrongPeer(
+                    f"this peer does not average stage {meta.stage} directly (it runs without --all-reduce "
+                    "direct, or without averaging); its trainer's group should not have named it"
+                )
+            sender = caller_peer_id(context.invocation_metadata())
+            numel = direct.parts.check(meta, sender, direct.numel)
+
+            def check(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str) -> None:
+                if name != "sums" or shape != (numel,) or dtype != torch.float32 or codec != "none":
+                    raise InvalidRequest(
+                        f"a share of part {meta.part} is the float32 tensor 'sums' of shape [{numel}] in codec "
+                        f"'none', got '{name}' {dtype} of shape {list(shape)} in '{codec}'"
+                    )
+                reservation.reserve(
+                    2 * numel * 4, f"a share of {numel} gradient values and its average"
+                )
+
+            share = (await reader.tensors(1, check=check))["sums"]
+            await reader.end()
+            average = await direct.parts.contribute(
+                meta.step, tuple(meta.members), meta.part, sender, share, meta.samples
+            )
+            reply = self._reply(num_tensors=1)
+            async for frame in tensor_frames(
+                "average", average, codec_or_invalid("none"), lead=[reply], known_finite=True
+            ):
+                yield frame
 
     @stream_handler
     async def GetState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.Frame]:

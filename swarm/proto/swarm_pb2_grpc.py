@@ -64,6 +64,11 @@ class StagePeerStub:
                 request_serializer=swarm__pb2.CloseBatchRequest.SerializeToString,
                 response_deserializer=swarm__pb2.CloseBatchReply.FromString,
                 _registered_method=True)
+        self.ReducePart = channel.stream_stream(
+                '/swarm.v1.StagePeer/ReducePart',
+                request_serializer=swarm__pb2.Frame.SerializeToString,
+                response_deserializer=swarm__pb2.Frame.FromString,
+                _registered_method=True)
         self.DialBack = channel.unary_unary(
                 '/swarm.v1.StagePeer/DialBack',
                 request_serializer=swarm__pb2.DialBackRequest.SerializeToString,
@@ -110,6 +115,12 @@ class StagePeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReducePart(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DialBack(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -148,6 +159,11 @@ def add_StagePeerServicer_to_server(servicer, server):
                     servicer.CloseBatch,
                     request_deserializer=swarm__pb2.CloseBatchRequest.FromString,
                     response_serializer=swarm__pb2.CloseBatchReply.SerializeToString,
+            ),
+            'ReducePart': grpc.stream_stream_rpc_method_handler(
+                    servicer.ReducePart,
+                    request_deserializer=swarm__pb2.Frame.FromString,
+                    response_serializer=swarm__pb2.Frame.SerializeToString,
             ),
             'DialBack': grpc.unary_unary_rpc_method_handler(
                     servicer.DialBack,
@@ -317,6 +333,33 @@ class StagePeer:
             '/swarm.v1.StagePeer/CloseBatch',
             swarm__pb2.CloseBatchRequest.SerializeToString,
             swarm__pb2.CloseBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReducePart(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarm.v1.StagePeer/ReducePart',
+            swarm__pb2.Frame.SerializeToString,
+            swarm__pb2.Frame.FromString,
             options,
             channel_credentials,
             insecure,

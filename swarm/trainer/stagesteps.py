@@ -269,6 +269,15 @@ class StageSteps:
             if live[stage] == 1 and not (refused or self._one_left(stage)):
                 live[stage] = 0
 
+        # Each stage's replicas that answered, in one order for all of them: the group a replica that averages
+        # directly (swarm.averaging.direct) averages with; the others go by the count.
+        groups: list[list[PeerAddress]] = [[] for _ in self.records]
+        for (stage, record), ok in zip(targets, answered):
+            if ok is True and all(a.peer_id != record.peer_id for a in groups[stage]):
+                groups[stage].append(PeerAddress.of(record))
+        for group in groups:
+            group.sort(key=lambda address: address.peer_id)
+
         async def close(stage: int, record: StageRecord) -> None:
             try:
                 step = await self.clients.get(PeerAddress.of(record)).close_batch(
@@ -278,6 +287,7 @@ class StageSteps:
                     live[stage],
                     CLOSE_BATCH_TIMEOUT_S + wait_for_step_s,
                     wait_for_step_s=wait_for_step_s,
+                    group=groups[stage],
                 )
             except SwarmError as e:
                 logger.debug("stage %d peer %s: closing batch failed: %s", stage, record.peer_id, e)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection
 import grpc
 
 from swarm.errors import NotAdmitted, SwarmError, Unauthenticated
-from swarm.identity import PEER_ID_HEX, Identity, fingerprint_of, verify
+from swarm.identity import PEER_ID_HEX, Identity, fingerprint_of, peer_id_of, verify
 from swarm.transport.server import abort_with, drain_request
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,17 @@ def _header(metadata, key: str):
         if k == key:
             return v
     return None
+
+
+def caller_peer_id(metadata) -> str:
+    """The peer id of the caller whose call carries ``metadata``, read from its key (a server's
+    :class:`CallerCheck` has verified the token before any handler runs); raises Unauthenticated if it has none."""
+    key = _header(metadata, KEY_HEADER)
+    if not isinstance(key, bytes):
+        raise Unauthenticated(
+            "the call carries no caller key: call with swarm's client, which signs one"
+        )
+    return peer_id_of(key)
 
 
 class CallerCheck(grpc.aio.ServerInterceptor):

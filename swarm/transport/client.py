@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from swarm.compression import Codec
+from swarm.compression import Codec, get_codec
 from swarm.errors import (
     ERROR_METADATA_KEY,
     BadReply,
@@ -162,6 +162,33 @@ class PeerClient:
         )
         return await self._read(call)
 
+    async def reduce_part(
+        self, meta: pb.ReduceMeta, share: torch.Tensor, *, timeout_s: float
+    ) -> torch.Tensor:
+        """Send this replica's share of an all-reduce part to the part's owner (swarm.averaging.direct); its reply
+        is the part's average over the group (float32, as long as the share)."""
+        codec = get_codec(
+            "none"
+        )  # gradients travel exactly: every member takes the owner's average as it is
+
+        async def frames() -> AsyncIterator[pb.Frame | Chunk | Batch]:
+            async for frame in tensor_frames(
+                "sums",
+                share,
+                codec,
+                segment_bytes=self._segment_bytes,
+                lead=[pb.Frame(reduce=meta)],
+            ):
+                yield frame
+
+        call = self._stub.ReducePart(
+            frames(),
+            timeout=timeout_s,
+            metadata=((WORK_TIMEOUT_KEY, f"{timeout_s:.3f}"), *self._auth()),
+        )
+        expect = {"average": ((share.numel(),), torch.float32)}
+        return (await self._read(call, expect=expect)).tensors["average"]
+
     async def _stream(
         self,
         method,
@@ -256,11 +283,12 @@ class PeerClient:
         timeout_s: float,
         *,
         wait_for_step_s: float = 0.0,
+        group: Sequence[PeerAddress] = (),
     ) -> int:
         """Tell the peer this caller's part of global batch ``batch_step`` is all committed, and that ``replicas``
         replicas of the stage answered just now; returns the peer's step: at once, or with ``wait_for_step_s`` once
         the peer has stepped past ``batch_step`` (at most that long; a peer that does not average answers at
-        once)."""
+        once). ``group``: those replicas, in the order of their all-reduce parts (swarm.averaging.direct)."""
         request = pb.CloseBatchRequest(
             protocol_version=PROTOCOL_VERSION,
             run_id=run_id,
@@ -268,6 +296,10 @@ class PeerClient:
             batch_step=batch_step,
             replicas=replicas,
             wait_for_step_s=wait_for_step_s,
+            group=[
+                pb.Replica(peer_id=a.peer_id, endpoint=a.endpoint, tls_cert=a.tls_cert)
+                for a in group
+            ],
         )
         try:
             reply = await self._stub.CloseBatch(request, timeout=timeout_s, metadata=self._auth())

@@ -191,6 +191,9 @@ class FrameReader:
     async def request(self) -> pb.RequestMeta:
         return (await self._expect("request", "to open the call")).request
 
+    async def reduce(self) -> pb.ReduceMeta:
+        return (await self._expect("reduce", "to open the call")).reduce
+
     async def reply(self) -> pb.ReplyMeta:
         return (await self._expect("reply", "to open the reply")).reply
 

@@ -212,6 +212,11 @@ def stage_stub(channel: grpc.aio.Channel) -> pb_grpc.StagePeerStub:
         request_serializer=serialize_frame,
         response_deserializer=parse_frame,
     )
+    stub.ReducePart = channel.stream_stream(
+        f"/{_SERVICE}/ReducePart",
+        request_serializer=serialize_frame,
+        response_deserializer=parse_frame,
+    )
     stub.GetState = channel.unary_stream(
         f"/{_SERVICE}/GetState",
         request_serializer=pb.StateRequest.SerializeToString,
@@ -227,6 +232,7 @@ def add_stage_servicer(servicer: pb_grpc.StagePeerServicer, server: grpc.aio.Ser
     handlers = {
         "Forward": grpc.stream_stream_rpc_method_handler(servicer.Forward, **frames),
         "Backward": grpc.stream_stream_rpc_method_handler(servicer.Backward, **frames),
+        "ReducePart": grpc.stream_stream_rpc_method_handler(servicer.ReducePart, **frames),
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info,
             request_deserializer=pb.InfoRequest.FromString,

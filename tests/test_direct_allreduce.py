@@ -1,0 +1,246 @@
+"""Replicas that average directly (``--all-reduce direct``, swarm.averaging.direct): the trainer's close names the
+group, and the replicas average over their own gRPC servers with no matchmaking. Real peers in this process on a
+real DHT and real gRPC; the closes come through the trainer's own StageSteps or its client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from livepeers import (
+    B,
+    assert_one_state,
+    averaging_replicas,
+    live_record,
+    one_microbatch,
+    until_step,
+)
+
+from swarm.averaging.direct import OwnedParts, part_spans
+from swarm.errors import AllReduceFailed, InvalidRequest, SwarmError
+from swarm.proto import PROTOCOL_VERSION
+from swarm.proto import swarm_pb2 as pb
+from swarm.trainer.stagesteps import StageSteps
+from swarm.transport.callers import caller_token
+from swarm.transport.client import ClientPool, PeerClient
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("numel,parts", [(10, 3), (2, 3), (0, 2), (1_000_003, 4)])
+def test_parts_cover_the_gradients_once_in_order(numel, parts):
+    spans = part_spans(numel, parts)
+    assert len(spans) == parts and spans[0][0] == 0 and spans[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    sizes = [end - start for start, end in spans]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_an_owned_part_averages_the_shares_over_their_samples_and_refuses_what_does_not_belong():
+    members = ("a", "b", "c")
+
+    async def body():
+        parts = OwnedParts("b", timeout_s=5.0, current_step=lambda: 3)
+        share = {m: torch.full((4,), float(i + 1)) for i, m in enumerate(members)}
+        samples = {"a": 2, "b": 0, "c": 6}
+        waits = [
+            asyncio.ensure_future(parts.contribute(3, members, 1, m, share[m], samples[m]))
+            for m in ("a", "b")
+        ]
+        await asyncio.sleep(0)  # both shares are in; the part waits for c's
+        assert not any(w.done() for w in waits)
+        with pytest.raises(InvalidRequest, match="twice"):
+            await parts.contribute(3, members, 1, "a", share["a"], 2)
+        last = await parts.contribute(3, members, 1, "c", share["c"], 6)
+        first = await asyncio.gather(*waits)
+        meta = pb.ReduceMeta(step=3, members=list(members), part=1)
+        refusals = []
+        for sender, change in (("x", {}), ("a", dict(part=0)), ("a", dict(step=2))):
+            bad = pb.ReduceMeta()
+            bad.CopyFrom(meta)
+            for field, value in change.items():
+                setattr(bad, field, value)
+            with pytest.raises(SwarmError) as refused:
+                parts.check(bad, sender, numel=12)
+            refusals.append(refused.value)
+        return last, first, parts.check(meta, "a", numel=12), refusals
+
+    last, first, part_len, refusals = asyncio.run(body())
+    want = (1 + 2 + 3) / (2 + 0 + 6)  # shares are sums already: their sum over all their samples
+    assert torch.equal(last, torch.full((4,), want)) and all(torch.equal(f, last) for f in first)
+    assert part_len == 4  # part 1 of 12 values in 3 parts
+    stranger, not_its_part, step_taken = refusals
+    assert isinstance(stranger, InvalidRequest) and "not a member" in str(stranger)
+    assert isinstance(not_its_part, InvalidRequest) and "not this peer's" in str(not_its_part)
+    assert isinstance(step_taken, AllReduceFailed) and "step 3 already" in str(step_taken)
+
+
+def test_a_part_whose_shares_do_not_all_come_fails_for_every_waiting_member_naming_the_missing():
+    async def body():
+        parts = OwnedParts("b", timeout_s=0.3, current_step=lambda: 0)
+        waits = [parts.contribute(0, ("a", "b", "c"), 1, m, torch.zeros(2), 1) for m in ("a", "b")]
+        return await asyncio.gather(*waits, return_exceptions=True)
+
+    outcomes = asyncio.run(body())
+    assert len(outcomes) == 2
+    for failed in outcomes:
+        assert isinstance(failed, AllReduceFailed), failed
+        assert "the shares of ['c'] did not come within 0.3s" in str(failed)
+
+
+RUN_ID = "direct"
+
+
+async def _sums(peer) -> tuple[torch.Tensor, int]:
+    """The replica's gradient sums (flat, in its optimizer's order) and their samples, read on its compute thread."""
+    from swarm.averaging import hivemind_private as hp
+
+    opt = peer.executor.optimizer
+
+    def read():
+        accs = hp.gradient_accumulators(opt.opt)
+        return torch.cat([a.detach().reshape(-1).clone() for a in accs]), opt.local_samples
+
+    return await peer._worker.compute_urgent(read)
+
+
+async def _averaged(peer) -> torch.Tensor:
+    """What the replica's last step loaded as the averaged gradient (flat, in its optimizer's order)."""
+
+    def read():
+        with peer.executor.optimizer.opt.grad_averager.get_tensors() as tensors:
+            return torch.cat([t.detach().reshape(-1).clone() for t in tensors])
+
+    return await peer._worker.compute_urgent(read)
+
+
+def test_replicas_average_with_the_group_the_close_names_and_refuse_strangers(loop_thread, boot):
+    """Three replicas hold 2, 1 and 0 microbatches of the batch; the trainer's close names all three: they step
+    together on the global mean (sums over samples) and end bit-identical. A stranger's share and a malformed one
+    are refused with what is wrong, and the replicas go on serving."""
+
+    async def body():
+        async def refresh() -> None:
+            pass
+
+        replicas = await averaging_replicas(3, RUN_ID, boot, all_reduce="direct")
+        clients = ClientPool()
+        try:
+            await one_microbatch(replicas[0], seed=0)
+            await one_microbatch(replicas[0], seed=1)
+            await one_microbatch(replicas[1], seed=2)
+            held = [await _sums(r) for r in replicas]
+
+            # A stranger (this process's own identity) and a member sending a share of the wrong length.
+            ids = sorted(r.peer_id for r in replicas)
+            owner = next(r for r in replicas if r.peer_id == ids[0])
+            member = next(r for r in replicas if r.peer_id == ids[1])
+            numel = owner.executor.optimizer.direct.numel
+            part = part_spans(numel, 3)[0]
+            meta = pb.ReduceMeta(
+                protocol_version=PROTOCOL_VERSION,
+                run_id=RUN_ID,
+                stage=1,
+                step=0,
+                members=ids,
+                part=0,
+                samples=B,
+            )
+            errors = []
+            stranger = PeerClient(owner.address)
+            as_member = ClientPool(token=caller_token(member.identity))
+            try:
+                for client, share in (
+                    (stranger, torch.zeros(part[1] - part[0])),
+                    (as_member.get(owner.address), torch.zeros(part[1] - part[0] + 1)),
+                ):
+                    with pytest.raises(SwarmError) as refused:
+                        await client.reduce_part(meta, share, timeout_s=10)
+                    errors.append(refused.value)
+            finally:
+                await stranger.close()
+                await as_member.close()
+
+            records = {r.peer_id: live_record(r) for r in replicas}
+            steps = StageSteps([{}, records], clients, RUN_ID, refresh=refresh, refresh_s=1.0)
+            await steps.close_batch([None, 0], wait_for_step_s=20.0)
+            for r in replicas:
+                await until_step(r, 1, "the replica stepped on the group's average")
+            await assert_one_state(replicas)
+            return held, [await _averaged(r) for r in replicas], errors
+        finally:
+            await clients.close()
+            for r in replicas:
+                await r.shutdown()
+
+    held, averaged, errors = loop_thread.run(body(), timeout_s=300)
+    assert [n for _, n in held] == [2 * B, B, 0]
+    want = sum(s for s, _ in held) / (3 * B)
+    for got in averaged:
+        assert torch.equal(got, averaged[0])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    stranger, wrong_length = errors
+    assert isinstance(stranger, InvalidRequest) and "not a member" in str(stranger)
+    assert isinstance(wrong_length, InvalidRequest) and "shape" in str(wrong_length)
+
+
+def test_a_group_naming_a_dead_replica_fails_and_the_next_close_averages_the_living(
+    loop_thread, boot
+):
+    """The close names three replicas, one of which is gone (its server shut down after it was counted): the
+    others' all-reduce fails within the part timeout and neither steps on it; the trainer's next close (its
+    StageSteps finds the dead one refusing) names the two, and they step together on their samples."""
+
+    async def body():
+        async def refresh() -> None:
+            pass
+
+        replicas = await averaging_replicas(
+            3, RUN_ID + "-dead", boot, all_reduce="direct", chunk_timeout_s=1.0
+        )
+        living, dead = replicas[:2], replicas[2]
+        clients = ClientPool()
+        try:
+            await one_microbatch(living[0], seed=0)
+            await one_microbatch(living[1], seed=1)
+            held = [await _sums(r) for r in living]
+            records = {r.peer_id: live_record(r) for r in replicas}
+            group = sorted((r.address for r in replicas), key=lambda a: a.peer_id)
+            await dead.shutdown()
+            for r in living:
+                await clients.get(r.address).close_batch(
+                    RUN_ID + "-dead", 1, 0, 3, timeout_s=30, group=group
+                )
+            failed = []
+            for r in living:
+                opt = r.executor.optimizer
+                await until_step_or_failed(opt)
+                failed.append((opt.step, opt._direct_failed is not None))
+            steps = StageSteps(
+                [{}, records], clients, RUN_ID + "-dead", refresh=refresh, refresh_s=1.0
+            )
+            await steps.close_batch([None, 0], wait_for_step_s=20.0)
+            for r in living:
+                await until_step(r, 1, "the living replicas stepped on the second group")
+            await assert_one_state(living)
+            return held, failed, [await _averaged(r) for r in living]
+        finally:
+            await clients.close()
+            for r in living:
+                await r.shutdown()
+
+    held, failed, averaged = loop_thread.run(body(), timeout_s=300)
+    assert failed == [(0, True), (0, True)]  # the first group failed and nobody stepped on it
+    want = sum(s for s, _ in held) / (2 * B)
+    for got in averaged:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+async def until_step_or_failed(opt, timeout_s: float = 30.0) -> None:
+    """Wait until the replica's direct all-reduce of its step has failed (or it stepped)."""
+    from livepeers import until
+
+    await until(
+        lambda: opt._direct_failed is not None or opt.step > 0, "the all-reduce ended", timeout_s
+    )

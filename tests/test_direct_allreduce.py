@@ -5,6 +5,7 @@ real DHT and real gRPC; the closes come through the trainer's own StageSteps or 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -244,3 +245,51 @@ async def until_step_or_failed(opt, timeout_s: float = 30.0) -> None:
     await until(
         lambda: opt._direct_failed is not None or opt.step > 0, "the all-reduce ended", timeout_s
     )
+
+
+def test_a_newer_group_replaces_one_stuck_on_a_frozen_replica_without_waiting_out_its_timeout(
+    loop_thread, boot
+):
+    """The close names three replicas; one is frozen (its compute thread held: it never adds its share, though its
+    server takes theirs), so the group's all-reduce cannot complete. The trainer's next close names the other
+    two: they leave the stuck group at once (its part timeout is a minute) and step together; the thawed replica
+    finds them a step ahead and loads their state."""
+
+    async def body():
+        run_id = RUN_ID + "-frozen"
+        replicas = await averaging_replicas(
+            3, run_id, boot, all_reduce="direct", chunk_timeout_s=60.0
+        )
+        living, frozen = replicas[:2], replicas[2]
+        gate = threading.Event()
+        clients = ClientPool()
+        try:
+            for seed, r in enumerate(replicas):
+                await one_microbatch(r, seed=seed)
+            held = [await _sums(r) for r in living]
+            frozen._worker.submit(gate.wait)
+            everyone = sorted((r.address for r in replicas), key=lambda a: a.peer_id)
+            two = sorted((r.address for r in living), key=lambda a: a.peer_id)
+            for group in (everyone, two):
+                for r in replicas:
+                    await clients.get(r.address).close_batch(
+                        run_id, 1, 0, len(group), timeout_s=30, group=group
+                    )
+            for r in living:
+                await until_step(r, 1, "the two stepped on the newer group", timeout_s=30)
+            await assert_one_state(living)
+            averaged = [await _averaged(r) for r in living]
+            gate.set()
+            await until_step(frozen, 1, "the thawed replica loaded its peers' state")
+            await assert_one_state(replicas)
+            return held, averaged
+        finally:
+            gate.set()
+            await clients.close()
+            for r in replicas:
+                await r.shutdown()
+
+    held, averaged = loop_thread.run(body(), timeout_s=300)
+    want = sum(s for s, _ in held) / (2 * B)
+    for got in averaged:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

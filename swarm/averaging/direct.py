@@ -191,6 +191,12 @@ class OwnedParts:
             f"the shares of {missing} did not come within {self.timeout_s:g}s (step {key[0]}, part {key[2]})"
         )
 
+    def abandon(self, step: int, members: tuple[str, ...], part: int) -> None:
+        """Fail this replica's part of a group it gave up on (the trainer named a newer one), unless complete."""
+        entry = self._parts.pop((step, group_key(step, members), part), None)
+        if entry is not None:
+            entry.fail(f"this replica left the all-reduce of step {step} for a newer group")
+
     def forget_before(self, step: float) -> None:
         """Fail the open parts of steps before ``step`` (taken: nobody will complete them)."""
         for key in [k for k in self._parts if k[0] < step]:
@@ -228,6 +234,15 @@ class DirectAllReduce:
         self.peer_id, self.run_id, self.stage, self.numel = peer_id, run_id, stage, numel
         self.clients, self.loop, self.timeout_s = clients, loop, timeout_s
         self.parts = OwnedParts(peer_id, timeout_s=timeout_s, current_step=current_step)
+        # keys of the recent groups whose part this replica owns was completed (see own_part_completed)
+        self._completed: OrderedDict[str, None] = OrderedDict()
+
+    def own_part_completed(self, group: Group) -> bool:
+        """Whether this replica's own part of ``group``'s all-reduce was completed (every member's share came in).
+        Only then can another member have had every part and stepped on the group's average, this replica's samples
+        in it, although this replica's all-reduce failed; if its own part never completed, nobody stepped on that
+        group. Any thread."""
+        return group.key in self._completed
 
     def start(self, group: Group, sums: torch.Tensor, samples: int):
         """Average ``sums`` (this replica's flat float32 gradient sums over ``samples`` samples) with ``group``: a
@@ -244,9 +259,13 @@ class DirectAllReduce:
             start, end = spans[index]
             share = sums[start:end]
             if member.peer_id == self.peer_id:
-                return await self.parts.contribute(
+                average = await self.parts.contribute(
                     group.step, ids, index, self.peer_id, share, samples
                 )
+                self._completed[group.key] = None
+                while len(self._completed) > MAX_OPEN_PARTS:
+                    self._completed.popitem(last=False)
+                return average
             meta = pb.ReduceMeta(
                 protocol_version=PROTOCOL_VERSION,
                 run_id=self.run_id,
@@ -268,6 +287,9 @@ class DirectAllReduce:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # Its own part left open could still complete for the others, who would then step on the group while
+            # this replica does not: close it (if it completed already, see own_part_completed).
+            self.parts.abandon(group.step, ids, ids.index(self.peer_id))
             raise
         return torch.cat(averages) if averages else sums.new_zeros(0)
 

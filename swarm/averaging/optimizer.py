@@ -366,16 +366,21 @@ class HivemindStageOptimizer:
             # The step's all-reduce runs in hivemind's averager (bounded by averaging_timeout_s); the compute thread
             # serves meanwhile and takes the step once it is done.
             if not self._pending.done():
-                if time.perf_counter() - self._step_started[2] < self.config.averaging_timeout_s:
+                if self._newer_group():
+                    # The trainer closed again and named other replicas (a groupmate stopped answering it: killed or
+                    # frozen): that group's all-reduce cannot complete; run the new one now rather than time out.
+                    self._pending.cancel()
+                elif time.perf_counter() - self._step_started[2] < self.config.averaging_timeout_s:
                     return False
-                # hivemind bounds a round it scheduled itself only when someone waits for its result
-                logger.warning(
-                    "stage %d: the all-reduce of step %d did not end within %.0fs; abandoning it",
-                    self.stage_index,
-                    self.step,
-                    self.config.averaging_timeout_s,
-                )
-                self._pending.cancel()
+                else:
+                    # hivemind bounds a round it scheduled itself only when someone waits for its result
+                    logger.warning(
+                        "stage %d: the all-reduce of step %d did not end within %.0fs; abandoning it",
+                        self.stage_index,
+                        self.step,
+                        self.config.averaging_timeout_s,
+                    )
+                    self._pending.cancel()
             if self._regroup():
                 return False
             self._finish_step()
@@ -570,6 +575,17 @@ class HivemindStageOptimizer:
         self._begin_direct(group)
         return False
 
+    def _newer_group(self) -> bool:
+        """Whether a trainer named another group naming this replica for the step whose direct all-reduce runs."""
+        if self._direct_group is None:
+            return False
+        newer = self._groups.get(self.step)
+        return (
+            newer is not None
+            and newer.key != self._direct_group.key
+            and self.direct.peer_id in newer.ids
+        )
+
     def _begin_direct(self, group: Group) -> None:
         """Hand this replica's gradient sums to the direct all-reduce with ``group`` (it runs on the event loop);
         a later check takes the step once it is done."""
@@ -761,9 +777,11 @@ class HivemindStageOptimizer:
                 return False
             group, self._direct_group = self._direct_group, None
             self._direct_failed = group.key
-            # Its shares may have completed a groupmate's average (that groupmate then steps on its samples): should
-            # it end up loading the peers' state, it must not hand them over too (see _hand_over).
-            self._partial_step = self.step
+            if self.direct.own_part_completed(group):
+                # Every member's share of its part came in, so a groupmate may have had every part and stepped on
+                # this group's average, its samples in it: should it end up loading the peers' state, it must not
+                # hand them over too (see _hand_over). (Its own part incomplete, nobody could step on the group.)
+                self._partial_step = self.step
             self._regrouped, self._regrouped_at = self.step, time.perf_counter()
             logger.warning(
                 "stage %d: the all-reduce of step %d with %d replicas failed (%s); waiting for the trainer's next "

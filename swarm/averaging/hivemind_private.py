@@ -317,12 +317,16 @@ class GlobalBatchOptimizer(hivemind.Optimizer):
         super()._load_local_gradients_into_optimizer()
 
 
-def accumulate_gradients(opt: GlobalBatchOptimizer, num_samples: int) -> None:
-    """Add the parameters' .grad to the accumulators and report the batch's samples to the stage's progress."""
+def accumulate_gradients(
+    opt: GlobalBatchOptimizer, num_samples: int, *, report: bool = True
+) -> None:
+    """Add the parameters' .grad to the accumulators and, with ``report``, report the batch's samples to the stage's
+    progress (a DHT store)."""
     # What hivemind's private _check_and_accumulate_gradients does without a grad scaler, but reporting the batch's
     # samples only: samples carried from the batch before (SampleSumGradientAverager.carry_in) are not this batch's.
     opt.grad_averager.accumulate_grads_(num_samples)
-    opt.tracker.report_local_progress(opt.local_epoch, opt.grad_averager.batch_samples)
+    if report:
+        opt.tracker.report_local_progress(opt.local_epoch, opt.grad_averager.batch_samples)
 
 
 def schedule_gradient_averaging(opt: GlobalBatchOptimizer) -> None:

@@ -69,6 +69,10 @@ CHECK_SOON_S = 0.02
 # replica frozen for a few steps comes back that far behind; staler gradients are left out.
 HAND_OVER_STEPS = 4
 
+# How often a replica that averages directly reads its stage's progress records (hivemind's tracker: a DHT read): they
+# only tell it that its peers stepped past it (it then loads their state), or who is left to load from.
+DIRECT_PROGRESS_REFRESH_S = 2.0
+
 # A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
 UNREACHABLE_DONOR_TRIES = 3
 
@@ -206,7 +210,9 @@ class HivemindStageOptimizer:
             tracker_opts=dict(
                 private_key=private_key,
                 min_refresh_period=0.2,
-                default_refresh_period=0.5,
+                default_refresh_period=(
+                    DIRECT_PROGRESS_REFRESH_S if config.all_reduce == "direct" else 0.5
+                ),
                 metadata_expiration=config.progress_ttl_s,
             ),
             averager_opts=dict(request_timeout=request_timeout),
@@ -311,7 +317,11 @@ class HivemindStageOptimizer:
         opt = self.opt
         for p, g in zip(self.params, grads):
             p.grad = g if g is not None else torch.zeros_like(p)
-        hp.accumulate_gradients(opt, num_samples)
+        # Averaging directly, the step waits for the trainer's group, not for the stage's progress records: report
+        # the batch's first samples only (its peers then see it holds some), not every microbatch (a DHT store each:
+        # a fifth of the tokens/s on two cores, bench/results/convergence.md).
+        report = self.direct is None or self.opt.grad_averager.batch_samples == 0
+        hp.accumulate_gradients(opt, num_samples, report=report)
         for p in self.params:
             p.grad = None
         if (

@@ -269,11 +269,19 @@ class StageSteps:
             if live[stage] == 1 and not (refused or self._one_left(stage)):
                 live[stage] = 0
 
-        # Each stage's replicas that answered, in one order for all of them: the group a replica that averages
-        # directly (swarm.averaging.direct) averages with; the others go by the count.
+        # Each stage's replicas that answered at the batch's step (or the one before: still averaging it, when the
+        # trainer runs a batch ahead), in one order for all of them: the group a replica that averages directly
+        # (swarm.averaging.direct) averages with; the others go by the count. (A replica further behind, a newcomer
+        # still loading its peers' state say, would not take part: the group would wait for it in vain.)
         groups: list[list[PeerAddress]] = [[] for _ in self.records]
         for (stage, record), ok in zip(targets, answered):
-            if ok is True and all(a.peer_id != record.peer_id for a in groups[stage]):
+            if (
+                ok is True
+                and batch_steps[stage] - 1
+                <= self._polled_steps.get((stage, record.peer_id), -2)
+                <= batch_steps[stage]
+                and all(a.peer_id != record.peer_id for a in groups[stage])
+            ):
                 groups[stage].append(PeerAddress.of(record))
         for group in groups:
             group.sort(key=lambda address: address.peer_id)

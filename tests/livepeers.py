@@ -162,7 +162,10 @@ def closed_port() -> int:
 
 
 def averaging_replica(run_id: str, boot, **averaging) -> PeerConfig:
-    """A replica of stage 1 that averages with its stage (``averaging``: AveragingConfig fields), on DHT ``boot``."""
+    """A replica of stage 1 that averages with its stage (``averaging``: AveragingConfig fields), on DHT ``boot``.
+    Through hivemind unless ``all_reduce`` says otherwise: the tests that close batches by hand with a count (no
+    group) check hivemind's matchmaking; tests/test_direct_allreduce.py the direct all-reduce."""
+    averaging = {"all_reduce": "hivemind", **averaging}
     return PeerConfig(
         run_id=run_id,
         stage=1,

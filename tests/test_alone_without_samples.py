@@ -52,7 +52,7 @@ def test_a_replica_told_to_step_alone_without_samples_waits_and_takes_its_peers_
             rebalance=False,
             heartbeat_s=0.3,
             ttl_s=2.0,
-            averaging=AveragingConfig(average=True, matchmaking_s=1.0),
+            averaging=AveragingConfig(average=True, matchmaking_s=1.0, all_reduce="hivemind"),
             dht=DHTConfig(initial_peers=boot),
         )
 

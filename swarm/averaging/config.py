@@ -37,10 +37,11 @@ class AveragingConfig:
     # gradient all-reduce codec (hivemind's 8-bit codecs fail under numpy 2)
     grad_compression: str = field(default="none", metadata={"choices": GRAD_COMPRESSIONS})
     step_check_s: float = 0.1  # seconds between checks whether the stage's global batch is full
-    # How the replicas of a stage all-reduce: "hivemind" forms each step's group through the DHT and averages over
-    # libp2p; "direct" averages with exactly the replicas the trainer's close names, over the replicas' own gRPC
-    # servers (swarm.averaging.direct), with no matchmaking. Every replica of a stage must use the same.
-    all_reduce: str = field(default="hivemind", metadata={"choices": ALL_REDUCES})
+    # How the replicas of a stage all-reduce: "direct" averages with exactly the replicas the trainer's close names,
+    # over the replicas' own gRPC servers (swarm.averaging.direct), with no matchmaking; "hivemind" forms each step's
+    # group through the DHT and averages over libp2p (1.6x slower on two cores). Every replica of a stage must use
+    # the same.
+    all_reduce: str = field(default="direct", metadata={"choices": ALL_REDUCES})
 
     def __post_init__(self):
         if self.all_reduce not in ALL_REDUCES:

@@ -17,6 +17,10 @@ and the trainer closes each batch (``close_batch``), so the wait for the group i
 parameters under a running backward (or, with an offloaded optimizer, apply one step late), which breaks the
 parity the issue asks for.
 
+With ``--all-reduce direct`` (the default) the step's all-reduce is :mod:`swarm.averaging.direct` with the group the
+trainer's close names (``_maybe_step_direct``); hivemind's progress records and state downloads stay as they are,
+and the rules below about groups apply to ``--all-reduce hivemind``.
+
 How the replicas of a stage stay equal (each rule closes a way they drifted apart in measurements):
 
 * an all-reduce group only joins replicas at the same step (its key holds the step): a replica one step behind
@@ -556,6 +560,23 @@ class HivemindStageOptimizer:
         if group is None and tracker.global_epoch > self.step:
             self._rejoin_peers()
             return True
+        alone = group is not None and len(group.members) == 1
+        if (
+            group is None
+            and self._closed_through >= self.step
+            and self._replicas.get(self.step) == 1
+        ):
+            alone = (
+                True  # a close with a count of one and no group (a trainer of before): step alone
+            )
+        if alone:
+            if self.local_samples == 0:
+                # nothing to step on (a step on a zero gradient still moves the parameters: momentum and decay); if
+                # another replica holds the batch after all, it steps, and this one then loads its state
+                return False
+            self._begin_step(alone=True)
+            self._catch_up()
+            return True
         if group is None:
             if self._closed_through < self.step:
                 return False
@@ -574,12 +595,6 @@ class HivemindStageOptimizer:
                 self.config.averaging_timeout_s,
             )
             self._begin_step(alone=False)
-            self._catch_up()
-            return True
-        if len(group.members) == 1:
-            if self.local_samples == 0 and tracker.global_progress.samples_accumulated:
-                return False  # see the same case in maybe_step
-            self._begin_step(alone=True)
             self._catch_up()
             return True
         self._begin_direct(group)

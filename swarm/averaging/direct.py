@@ -15,10 +15,10 @@ misses any part has no average and does not step on one (see ``HivemindStageOpti
 trainer's next group, or loads its peers' state).
 
 Who may contribute: the caller's id is the one its signed token proves (swarm.transport.callers), and it must be
-among the members the call names; the owner must be the member whose part the call names. The rendezvous holds
-contributions for a (step, members) group only until the owner itself contributes to that group, which it does only
-for the group its trainer gave it: a caller that lists a made-up group can only wait out ``timeout_s``. Each part
-accepts one share per member, of the part's exact length, finite (checked while decoding).
+among the members the call names; the owner must be the member whose part the call names. A part completes only
+once the owner has added its own share, which it does only for the group its trainer gave it: a caller that lists a
+made-up group can only wait out ``timeout_s``. Each part accepts one share per member, of the part's exact length,
+finite (checked while decoding).
 """
 
 from __future__ import annotations

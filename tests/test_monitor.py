@@ -128,12 +128,8 @@ def test_the_dashboard_shows_the_stages_live_in_a_real_browser(local_swarm, brow
         f"{run_id}-trainer", run_id=run_id, **TEST_TRAINER, steps=3, eval_batches=1
     )
     finished(trainer, timeout_s=300)
-    _wait(
-        lambda: (
-            [int(cell.text) for cell in browser.find_elements("css selector", "td.step")] == [3, 3]
-        ),
-        "both stages at step 3 on the page",
-    )
+    # (read in one script: cells found first and read after could be gone, the page redrawn in between)
+    _wait(lambda: steps() == [3, 3], "both stages at step 3 on the page")
     # The trainer announced its progress: the page lists it, at its last step, while its record lives.
     _wait(
         lambda: (

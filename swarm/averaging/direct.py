@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -197,11 +196,6 @@ class OwnedParts:
         if entry is not None:
             entry.fail(f"this replica left the all-reduce of step {step} for a newer group")
 
-    def forget_before(self, step: float) -> None:
-        """Fail the open parts of steps before ``step`` (taken: nobody will complete them)."""
-        for key in [k for k in self._parts if k[0] < step]:
-            self._parts.pop(key).fail(f"this replica has moved on to step {step}")
-
 
 def _average(entry: _Part, members: tuple[str, ...]) -> torch.Tensor:
     """The shares summed in member order (the same result wherever it is computed), over their samples."""
@@ -292,6 +286,3 @@ class DirectAllReduce:
             self.parts.abandon(group.step, ids, ids.index(self.peer_id))
             raise
         return torch.cat(averages) if averages else sums.new_zeros(0)
-
-    async def close(self) -> None:
-        self.parts.forget_before(math.inf)

@@ -440,10 +440,7 @@ class HivemindStageOptimizer:
                 hp.schedule_gradient_averaging(opt)
             return False
         control = opt.scheduled_grads
-        # in place, from a snapshot: close_batch adds counts from another thread
-        for k in list(self._replicas):
-            if k < self.step:
-                self._replicas.pop(k, None)
+        _drop_before(self._replicas, self.step)
         replicas = self._replicas.get(self.step, 0)
         # Unknown for this batch yet: the progress records, unless the trainer last counted more replicas (records
         # read while the DHT is slow to answer can show none, and a replica stepping alone then drifts apart).
@@ -547,11 +544,7 @@ class HivemindStageOptimizer:
         (it closes again while a stage is behind) names a new group; past ``averaging_timeout_s`` it steps on its
         own gradients and reloads."""
         tracker = self.opt.tracker
-        for k in list(
-            self._groups
-        ):  # in place, from a snapshot: close_batch adds groups from another thread
-            if k < self.step:
-                self._groups.pop(k, None)
+        _drop_before(self._groups, self.step)
         group = self._groups.get(self.step)
         if group is not None and (
             group.key == self._direct_failed or self.direct.peer_id not in group.ids
@@ -560,15 +553,12 @@ class HivemindStageOptimizer:
         if group is None and tracker.global_epoch > self.step:
             self._rejoin_peers()
             return True
-        alone = group is not None and len(group.members) == 1
-        if (
-            group is None
-            and self._closed_through >= self.step
-            and self._replicas.get(self.step) == 1
-        ):
-            alone = (
-                True  # a close with a count of one and no group (a trainer of before): step alone
-            )
+        # a group of one, or a close with a count of one and no group (a trainer of before): step alone
+        alone = (
+            len(group.members) == 1
+            if group is not None
+            else self._closed_through >= self.step and self._replicas.get(self.step) == 1
+        )
         if alone:
             if self.local_samples == 0:
                 # nothing to step on (a step on a zero gradient still moves the parameters: momentum and decay); if
@@ -614,17 +604,7 @@ class HivemindStageOptimizer:
     def _begin_direct(self, group: Group) -> None:
         """Hand this replica's gradient sums to the direct all-reduce with ``group`` (it runs on the event loop);
         a later check takes the step once it is done."""
-        self._step_started = (
-            self.opt.opt.skipped_steps,
-            self._partial.count.value,
-            time.perf_counter(),
-            False,
-        )
-        self._beside_others = False
-        set_learning_rate(self.opt.opt, self.run, self.step)
-        self.opt.used_local_gradients = False
-        self._handed = self.local_samples
-        self._handed_over = self.opt.grad_averager.carried
+        self._start_step(alone=False)
         sums = torch.cat(
             [
                 acc.detach().reshape(-1).to("cpu", torch.float32)
@@ -634,9 +614,7 @@ class HivemindStageOptimizer:
         self._direct_group = group
         self._pending = self.direct.start(group, sums, self.local_samples)
         self._hold_s = time.perf_counter() - self._step_started[2]
-        if self.wake is not None:
-            wake = self.wake
-            self._pending.add_done_callback(lambda _: wake())
+        self._wake_when_done()
 
     def _holds_samples(self) -> bool:
         """Whether it holds gradients of samples for a step not yet taken (``leave_out_held`` would drop some)."""
@@ -761,6 +739,17 @@ class HivemindStageOptimizer:
     def _begin_step(self, alone: bool) -> None:
         """Start the stage's step: hand this replica's gradients to the group's all-reduce (hivemind's averager runs
         it in its process), or with no group, step at once on them."""
+        self._start_step(alone)
+        began = hp.begin_global_step(self.opt)
+        self._hold_s = time.perf_counter() - self._step_started[2]
+        self._pending = self.opt.scheduled_grads if began else None
+        if self._pending is None:
+            self._finish_step()
+        else:
+            self._wake_when_done()
+
+    def _start_step(self, alone: bool) -> None:
+        """What a step notes as it starts, for _finish_step and its log line, whichever all-reduce runs it."""
         self._step_started = (
             self.opt.opt.skipped_steps,
             self._partial.count.value,
@@ -780,12 +769,10 @@ class HivemindStageOptimizer:
         self.opt.used_local_gradients = False
         self._handed = self.local_samples
         self._handed_over = self.opt.grad_averager.carried
-        began = hp.begin_global_step(self.opt)
-        self._hold_s = time.perf_counter() - self._step_started[2]
-        self._pending = self.opt.scheduled_grads if began else None
-        if self._pending is None:
-            self._finish_step()
-        elif self.wake is not None:
+
+    def _wake_when_done(self) -> None:
+        """Have the step check run as soon as the all-reduce under way ends."""
+        if self.wake is not None:
             wake = self.wake
             self._pending.add_done_callback(lambda _: wake())
 
@@ -1068,6 +1055,14 @@ class HivemindStageOptimizer:
             control.cancel()
             self.opt.scheduled_grads = None
         self.opt.shutdown()
+
+
+def _drop_before(by_batch: dict, step: int) -> None:
+    """Drop the entries of batches before ``step``, in place, from a snapshot of the keys: close_batch adds entries
+    from another thread."""
+    for k in list(by_batch):
+        if k < step:
+            by_batch.pop(k, None)
 
 
 def _failed(pending) -> bool:

@@ -33,7 +33,9 @@ def test_a_close_that_waits_is_answered_with_the_step_it_waited_for(loop_thread,
                 [{}, {record.peer_id: record}], clients, RUN_ID, refresh=refresh, refresh_s=1.0
             )
             # Nothing to step on yet: the wait ends at its bound with the step as it is.
-            idle = await client.close_batch(RUN_ID, 1, 0, 0, timeout_s=30, wait_for_step_s=0.5)
+            idle = (
+                await client.close_batch(RUN_ID, 1, 0, 0, timeout_s=30, wait_for_step_s=0.5)
+            ).step
             # Bad waits are refused with what to send; the replica goes on serving.
             refusals = []
             for bad in (-1.0, math.nan, math.inf):

@@ -217,7 +217,7 @@ def test_a_group_naming_a_dead_replica_fails_and_the_next_close_averages_the_liv
             for r in living:
                 opt = r.executor.optimizer
                 await until_step_or_failed(opt)
-                failed.append((opt.step, opt._direct_failed is not None))
+                failed.append((opt.step, opt.retry_round(0) > 0))
             steps = StageSteps(
                 [{}, records], clients, RUN_ID + "-dead", refresh=refresh, refresh_s=1.0
             )
@@ -242,9 +242,7 @@ async def until_step_or_failed(opt, timeout_s: float = 30.0) -> None:
     """Wait until the replica's direct all-reduce of its step has failed (or it stepped)."""
     from livepeers import until
 
-    await until(
-        lambda: opt._direct_failed is not None or opt.step > 0, "the all-reduce ended", timeout_s
-    )
+    await until(lambda: opt.retry_round(0) > 0 or opt.step > 0, "the all-reduce ended", timeout_s)
 
 
 def test_a_newer_group_replaces_one_stuck_on_a_frozen_replica_without_waiting_out_its_timeout(
@@ -292,4 +290,58 @@ def test_a_newer_group_replaces_one_stuck_on_a_frozen_replica_without_waiting_ou
     held, averaged = loop_thread.run(body(), timeout_s=300)
     want = sum(s for s, _ in held) / (2 * B)
     for got in averaged:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_group_that_failed_on_a_moment_of_silence_runs_again_in_a_new_round(loop_thread, boot):
+    """Two replicas hold a microbatch each; one is frozen a moment (its compute thread held) when the close names
+    them both, longer than the part timeout, so the group's all-reduce fails at both, though both live and answer
+    the trainer. A member does not run a group that failed again; its close reply says which round to try next,
+    and the trainer's next close names the same two in that round: they run it at once and step together on both
+    samples, rather than each wait out averaging_timeout_s (60 s here) and step alone on its own."""
+
+    async def body():
+        run_id = RUN_ID + "-round"
+        replicas = await averaging_replicas(
+            2, run_id, boot, all_reduce="direct", chunk_timeout_s=1.0, averaging_timeout_s=60.0
+        )
+        silent = replicas[1]
+        gate = threading.Event()
+        clients = ClientPool()
+        try:
+            for seed, r in enumerate(replicas):
+                await one_microbatch(r, seed=seed)
+            held = [await _sums(r) for r in replicas]
+            silent._worker.submit(gate.wait)
+            group = sorted((r.address for r in replicas), key=lambda a: a.peer_id)
+            for r in replicas:
+                await clients.get(r.address).close_batch(run_id, 1, 0, 2, timeout_s=30, group=group)
+            await until_step_or_failed(replicas[0].executor.optimizer)
+            gate.set()  # thawed, it runs the group too: its groupmate is no longer in it
+            await until_step_or_failed(silent.executor.optimizer)
+            failed = [(r.executor.step, r.executor.optimizer.retry_round(0)) for r in replicas]
+
+            async def refresh() -> None:
+                pass
+
+            records = {r.peer_id: live_record(r) for r in replicas}
+            steps = StageSteps([{}, records], clients, run_id, refresh=refresh, refresh_s=1.0)
+            stepped = await steps.wait_for_stage_steps([0, 1], stall_s=30.0, every_replica=True)
+            await assert_one_state(replicas)
+            return held, failed, stepped, steps._round(1, 0), [await _averaged(r) for r in replicas]
+        finally:
+            gate.set()
+            await clients.close()
+            for r in replicas:
+                await r.shutdown()
+
+    held, failed, stepped, round, averaged = loop_thread.run(body(), timeout_s=300)
+    assert failed == [(0, 1), (0, 1)]  # round 0 failed at both, and neither stepped
+    assert (
+        stepped and round == 1
+    )  # within stall_s (30 s): before averaging_timeout_s would have them step alone
+    # the average of both replicas' samples: stepping alone, each would have loaded its own sums over B
+    want = sum(s for s, _ in held) / (2 * B)
+    for got in averaged:
+        assert torch.equal(got, averaged[0])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -50,6 +50,7 @@ class Group:
 
     step: int
     members: tuple[PeerAddress, ...]
+    round: int = 0  # the trainer's try at this step's group (CloseBatchRequest.group_round)
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -57,11 +58,12 @@ class Group:
 
     @property
     def key(self) -> str:
-        """Names the group: its step and members (the same members in another order are another group)."""
-        return group_key(self.step, self.ids)
+        """Names the group: its step, members and round (the same members in another order, or in another round,
+        are another group)."""
+        return group_key(self.step, self.ids, self.round)
 
     @classmethod
-    def from_request(cls, step: int, replicas: Sequence[pb.Replica]) -> Group:
+    def from_request(cls, step: int, replicas: Sequence[pb.Replica], round: int = 0) -> Group:
         """The group a CloseBatch names; raises InvalidRequest for one that cannot be averaged with."""
         ids = [r.peer_id for r in replicas]
         if len(set(ids)) != len(ids) or not all(ids):
@@ -70,11 +72,13 @@ class Group:
             )
         if not all(r.endpoint for r in replicas):
             raise InvalidRequest(f"the group of step {step} names a replica without an endpoint")
-        return cls(step, tuple(PeerAddress(r.endpoint, r.peer_id, r.tls_cert) for r in replicas))
+        return cls(
+            step, tuple(PeerAddress(r.endpoint, r.peer_id, r.tls_cert) for r in replicas), round
+        )
 
 
-def group_key(step: int, ids: Sequence[str]) -> str:
-    return hashlib.sha256(f"{step}\n{chr(10).join(ids)}".encode()).hexdigest()[:32]
+def group_key(step: int, ids: Sequence[str], round: int = 0) -> str:
+    return hashlib.sha256(f"{step}\n{round}\n{chr(10).join(ids)}".encode()).hexdigest()[:32]
 
 
 def part_spans(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -107,7 +111,7 @@ class _Part:
 
 
 class OwnedParts:
-    """The all-reduce parts this replica owns (event loop only): shares by (step, group, part), averaged once all
+    """The all-reduce parts this replica owns (event loop only): shares by (step, group key, part), averaged once all
     the group's members have sent theirs. ``current_step()``: the replica's optimizer step (shares for a step it
     has taken are refused)."""
 
@@ -153,12 +157,13 @@ class OwnedParts:
         sender: str,
         sums: torch.Tensor,
         samples: int,
+        round: int = 0,
     ) -> torch.Tensor:
         """Add ``sender``'s share (its gradient sums over the part, and its samples) and wait for the part's average
         over the group: the sum of all shares' sums over the sum of their samples (zeros if no member had samples).
         Raises AllReduceFailed if the group's shares are not all in within ``timeout_s`` of the first."""
         loop = asyncio.get_running_loop()
-        key = (step, group_key(step, members), part)
+        key = (step, group_key(step, members, round), part)
         entry = self._parts.get(key)
         if entry is None:
             entry = self._parts[key] = _Part(members, sums.numel(), loop)
@@ -190,11 +195,11 @@ class OwnedParts:
             f"the shares of {missing} did not come within {self.timeout_s:g}s (step {key[0]}, part {key[2]})"
         )
 
-    def abandon(self, step: int, members: tuple[str, ...], part: int) -> None:
+    def abandon(self, group: Group, part: int) -> None:
         """Fail this replica's part of a group it gave up on (the trainer named a newer one), unless complete."""
-        entry = self._parts.pop((step, group_key(step, members), part), None)
+        entry = self._parts.pop((group.step, group.key, part), None)
         if entry is not None:
-            entry.fail(f"this replica left the all-reduce of step {step} for a newer group")
+            entry.fail(f"this replica left the all-reduce of step {group.step} for a newer group")
 
 
 def _average(entry: _Part, members: tuple[str, ...]) -> torch.Tensor:
@@ -254,7 +259,7 @@ class DirectAllReduce:
             share = sums[start:end]
             if member.peer_id == self.peer_id:
                 average = await self.parts.contribute(
-                    group.step, ids, index, self.peer_id, share, samples
+                    group.step, ids, index, self.peer_id, share, samples, group.round
                 )
                 self._completed[group.key] = None
                 while len(self._completed) > MAX_OPEN_PARTS:
@@ -268,6 +273,7 @@ class DirectAllReduce:
                 members=list(ids),
                 part=index,
                 samples=samples,
+                round=group.round,
             )
             # the owner may wait timeout_s for the last share; the call allows for the transfer on top
             return await self.clients.get(member).reduce_part(
@@ -283,6 +289,6 @@ class DirectAllReduce:
             await asyncio.gather(*tasks, return_exceptions=True)
             # Its own part left open could still complete for the others, who would then step on the group while
             # this replica does not: close it (if it completed already, see own_part_completed).
-            self.parts.abandon(group.step, ids, ids.index(self.peer_id))
+            self.parts.abandon(group, ids.index(self.peer_id))
             raise
         return torch.cat(averages) if averages else sums.new_zeros(0)

@@ -143,7 +143,11 @@ class HivemindStageOptimizer:
         self.direct: DirectAllReduce | None = None
         self._groups: dict[int, Group] = {}
         self._direct_group: Group | None = None
-        self._direct_failed: str | None = None
+        # (step, round): this replica's direct all-reduce of that step failed in round - 1 (see retry_round)
+        self._retry = (-1, 0)
+        self._failed_groups: dict[
+            int, set[str]
+        ] = {}  # step -> keys of the groups whose all-reduce failed here
         # the last step whose all-reduce returned part of the average only (see _regroup)
         self._partial_step = -1
         self._regrouped_at = 0.0
@@ -348,8 +352,11 @@ class HivemindStageOptimizer:
         # The count first, then the close: maybe_step runs on the compute thread and steps once it sees the close,
         # reading the count then (read before it was set, a replica of several stepped alone: tests/test_regroup.py).
         if group is not None and self.direct is not None:
-            # averaging directly: the group names whom to step with (the latest close wins, as for the count)
-            self._groups[batch_step] = group
+            # averaging directly: the group names whom to step with (the latest close wins, as for the count,
+            # unless it is of an earlier round: a close sent before a member said the group failed, come late)
+            known = self._groups.get(batch_step)
+            if known is None or group.round >= known.round:
+                self._groups[batch_step] = group
             replicas = len(group.members)
         if replicas:  # the latest count wins: a trainer closes again while it waits
             self._replicas[batch_step] = replicas
@@ -360,6 +367,14 @@ class HivemindStageOptimizer:
         logger.debug(
             "stage %d: batch %d closed, %d replicas counted", self.stage_index, batch_step, replicas
         )
+
+    def retry_round(self, batch_step: int) -> int:
+        """The round a trainer should name the group of step ``batch_step`` in: past the last round whose direct
+        all-reduce failed here (a groupmate's share did not come: killed, frozen, its relay lost), so that the
+        members left run it again at once rather than each wait out ``averaging_timeout_s`` for another group
+        (none runs a group that failed there again); 0: none failed. Any thread."""
+        step, round = self._retry
+        return round if step == batch_step else 0
 
     def _catch_up(self) -> None:
         """After a step: count the microbatches kept aside for the step the stage has now reached."""
@@ -545,11 +560,13 @@ class HivemindStageOptimizer:
         own gradients and reloads."""
         tracker = self.opt.tracker
         _drop_before(self._groups, self.step)
+        _drop_before(self._failed_groups, self.step)
         group = self._groups.get(self.step)
         if group is not None and (
-            group.key == self._direct_failed or self.direct.peer_id not in group.ids
+            group.key in self._failed_groups.get(self.step, ())
+            or self.direct.peer_id not in group.ids
         ):
-            group = None
+            group = None  # a group that failed here already, or one without this replica
         if group is None and tracker.global_epoch > self.step:
             self._rejoin_peers()
             return True
@@ -788,7 +805,8 @@ class HivemindStageOptimizer:
             if not failed:
                 return False
             group, self._direct_group = self._direct_group, None
-            self._direct_failed = group.key
+            self._failed_groups.setdefault(group.step, set()).add(group.key)
+            self._retry = (group.step, max(group.round + 1, self.retry_round(group.step)))
             if self.direct.own_part_completed(group):
                 # Every member's share of its part came in, so a groupmate may have had every part and stepped on
                 # this group's average, its samples in it: should it end up loading the peers' state, it must not

@@ -380,11 +380,18 @@ class StageService(pb_grpc.StagePeerServicer):
                 f"wait_for_step_s must be between 0 and {MAX_CLOSE_WAIT_S:g} seconds, got {wait_s}; a trainer "
                 "waits less than its call's deadline"
             )
-        group = Group.from_request(request.batch_step, request.group) if request.group else None
+        group = (
+            Group.from_request(request.batch_step, request.group, request.group_round)
+            if request.group
+            else None
+        )
         self.executor.close_batch(request.batch_step, request.replicas, group)
         if wait_s > 0 and self.ctx.steps is not None:
             await self.ctx.steps.wait_past(request.batch_step, wait_s)
-        return pb.CloseBatchReply(step=self.executor.step)
+        return pb.CloseBatchReply(
+            step=self.executor.step,
+            retry_round=self.executor.optimizer.retry_round(request.batch_step),
+        )
 
     @stream_handler
     async def ReducePart(self, request_iterator, context) -> AsyncIterator[pb.Frame]:
@@ -417,7 +424,7 @@ class StageService(pb_grpc.StagePeerServicer):
             share = (await reader.tensors(1, check=check))["sums"]
             await reader.end()
             average = await direct.parts.contribute(
-                meta.step, tuple(meta.members), meta.part, sender, share, meta.samples
+                meta.step, tuple(meta.members), meta.part, sender, share, meta.samples, meta.round
             )
             reply = self._reply(num_tensors=1)
             async for frame in tensor_frames(

@@ -74,6 +74,9 @@ class StageSteps:
         self._last_records: dict[tuple[int, str], StageRecord] = {}
         # set when a reply tells of a step (see replied): wakes wait_for_stage_steps between its polls
         self._news = asyncio.Event()
+        # stage -> (batch step, round): the try at that step's group to name next, raised past a round whose direct
+        # all-reduce a member answered failed (CloseBatchReply.retry_round; see close_batch)
+        self._rounds: dict[int, tuple[int, int]] = {}
 
     def replied(self, stage: int, step: int, peer: str | None = None) -> None:
         """A reply of ``stage`` said its replica (``peer``, if known) is at optimizer step ``step``: the trainer
@@ -285,10 +288,14 @@ class StageSteps:
                 groups[stage].append(PeerAddress.of(record))
         for group in groups:
             group.sort(key=lambda address: address.peer_id)
+        # Its round: a member whose all-reduce with the group failed (a share that did not come, from a groupmate
+        # frozen a moment or whose relay was lost) does not run that group again; named in a new round, the same
+        # members run it afresh at once.
+        rounds = [self._round(stage, batch_steps[stage]) for stage in range(len(self.records))]
 
         async def close(stage: int, record: StageRecord) -> None:
             try:
-                step = await self.clients.get(PeerAddress.of(record)).close_batch(
+                reply = await self.clients.get(PeerAddress.of(record)).close_batch(
                     self.run_id,
                     stage,
                     batch_steps[stage],
@@ -296,15 +303,22 @@ class StageSteps:
                     CLOSE_BATCH_TIMEOUT_S + wait_for_step_s,
                     wait_for_step_s=wait_for_step_s,
                     group=groups[stage],
+                    group_round=rounds[stage],
                 )
             except SwarmError as e:
                 logger.debug("stage %d peer %s: closing batch failed: %s", stage, record.peer_id, e)
                 return
-            self.replied(stage, step, record.peer_id)
+            if reply.retry_round > self._round(stage, batch_steps[stage]):
+                self._rounds[stage] = (batch_steps[stage], reply.retry_round)
+            self.replied(stage, reply.step, record.peer_id)
 
         await asyncio.gather(
             *(close(*target) for target, ok in zip(targets, answered) if ok is True)
         )
+
+    def _round(self, stage: int, batch_step: int | None) -> int:
+        step, round = self._rounds.get(stage, (None, 0))
+        return round if step == batch_step else 0
 
     def _unlisted_holders(self, batch_steps: list[int | None]) -> list[tuple[int, StageRecord]]:
         """Replicas that counted microbatches of the batch being closed (the holdings say so) but whose records are

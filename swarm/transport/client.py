@@ -284,11 +284,13 @@ class PeerClient:
         *,
         wait_for_step_s: float = 0.0,
         group: Sequence[PeerAddress] = (),
-    ) -> int:
+        group_round: int = 0,
+    ) -> pb.CloseBatchReply:
         """Tell the peer this caller's part of global batch ``batch_step`` is all committed, and that ``replicas``
-        replicas of the stage answered just now; returns the peer's step: at once, or with ``wait_for_step_s`` once
-        the peer has stepped past ``batch_step`` (at most that long; a peer that does not average answers at
-        once). ``group``: those replicas, in the order of their all-reduce parts (swarm.averaging.direct)."""
+        replicas of the stage answered just now; returns its reply, with the peer's step: at once, or with
+        ``wait_for_step_s`` once the peer has stepped past ``batch_step`` (at most that long; a peer that does not
+        average answers at once). ``group``: those replicas, in the order of their all-reduce parts, ``group_round``
+        the trainer's try at that group (swarm.averaging.direct)."""
         request = pb.CloseBatchRequest(
             protocol_version=PROTOCOL_VERSION,
             run_id=run_id,
@@ -300,12 +302,13 @@ class PeerClient:
                 pb.Replica(peer_id=a.peer_id, endpoint=a.endpoint, tls_cert=a.tls_cert)
                 for a in group
             ],
+            group_round=group_round,
         )
         try:
             reply = await self._stub.CloseBatch(request, timeout=timeout_s, metadata=self._auth())
         except grpc.aio.AioRpcError as e:
             raise typed_error(e, peer=self.endpoint) from None
-        return reply.step
+        return reply
 
     async def _read(
         self,

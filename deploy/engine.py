@@ -12,12 +12,19 @@ on one: it would be cut off while the daemon runs, and after it. So forwarding i
 (dockerd then leaves the policy alone; its own rules name only its own bridges), and afterwards the iptables
 tables, the forwarding switch and the links dockerd made are restored to what they were before it started.
 
+A daemon killed without that cleanup (its machine's session ended, say) leaves its rules and bridges behind, and
+the next daemon does not take them over: it names a network's bridge anew, so a stale ``MASQUERADE`` of the
+network's subnet "not out of the old bridge" then rewrites the source of every packet between the new network's
+containers (the compose demo's peers each found their own address unreachable, and served through relays). So
+before starting a daemon, :func:`clear_leftovers` removes what a dead one left.
+
 Needs root. Used by ``python -m deploy.compose`` and tests/test_compose_live.py.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -45,6 +52,8 @@ BUILTIN_CHAINS = {
 }
 # links dockerd makes: its default bridge, a compose network's bridge, the host side of a container's veth
 DOCKER_LINK_PREFIXES = ("docker", "br-", "veth")
+# the bridges among them: the default one, and a user network's ("br-" and 12 hex digits of its id)
+DOCKER_BRIDGE = re.compile(r"^(docker0|br-[0-9a-f]{12})$")
 
 
 class EngineError(RuntimeError):
@@ -187,6 +196,58 @@ def _docker_links() -> frozenset[str]:
     )
 
 
+def clear_leftovers() -> list[str]:
+    """Remove what Docker daemons that no longer run left on the host (see the module docstring): their iptables
+    chains (``DOCKER...``), the rules that jump to them or name one of their bridges, and their bridges with the
+    veths on them. Call only when no daemon runs: a live one's rules look the same. Returns what it removed, the
+    rules as :attr:`HostNetwork.rules` writes them, the links as ``link <name>``."""
+    removed = []
+    for command in ("iptables", "ip6tables"):
+        if shutil.which(f"{command}-save") is None or shutil.which(f"{command}-restore") is None:
+            continue
+        saved = subprocess.run([f"{command}-save"], capture_output=True, text=True, check=True)
+        kept, table = [], ""
+        for line in saved.stdout.splitlines(keepends=True):
+            if line.startswith("*"):
+                table = line[1:].strip()
+            if _is_dockers(line):
+                if line.startswith(("-A ", ":")):
+                    removed.append(f"{command} {table} {line.rstrip()}")
+                continue
+            kept.append(line)
+        if len(kept) < len(saved.stdout.splitlines()):
+            subprocess.run([f"{command}-restore"], input="".join(kept), text=True, check=True)
+    links = os.listdir("/sys/class/net")
+    bridges = [name for name in links if DOCKER_BRIDGE.match(name)]
+    on_them = [
+        name
+        for name in links
+        if name.startswith("veth")
+        and os.path.basename(os.path.realpath(f"/sys/class/net/{name}/master")) in bridges
+    ]
+    for name in on_them + bridges:
+        done = subprocess.run(["ip", "link", "delete", name], capture_output=True)
+        if done.returncode == 0:
+            removed.append(f"link {name}")
+    return removed
+
+
+def _is_dockers(line: str) -> bool:
+    """Whether a line of ``iptables-save`` output is one of Docker's chains or rules."""
+    if line.startswith(":"):
+        return line[1:].startswith("DOCKER")
+    if not line.startswith("-A "):
+        return False
+    words = line.split()
+    if words[1].startswith("DOCKER"):
+        return True
+    return any(
+        (flag in ("-j", "-g") and value.startswith("DOCKER"))
+        or (flag in ("-i", "-o") and DOCKER_BRIDGE.match(value))
+        for flag, value in zip(words, words[1:])
+    )
+
+
 class DockerEngine:
     """A Docker daemon for the duration of a ``with`` block: the one that answers already, or one started here
     (``dockerd``, its log in ``workdir``), stopped on exit with the host's network put back (module docstring).
@@ -209,6 +270,7 @@ class DockerEngine:
         self._network: HostNetwork | None = None
         self.install_s = 0.0  # seconds spent installing packages
         self.start_s = 0.0  # seconds until the daemon answered
+        self.cleared: list[str] = []  # what dead daemons had left, removed before this one started
 
     def __enter__(self) -> DockerEngine:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +286,10 @@ class DockerEngine:
                 "no Docker daemon answers, and only root may start one: start Docker first"
             )
         t0 = time.monotonic()
+        if subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 1:
+            self.cleared = (
+                clear_leftovers()
+            )  # (a dockerd that runs but does not answer keeps its own)
         self._network = HostNetwork.capture()
         try:
             # Forwarding on before dockerd starts, so that it leaves the FORWARD policy alone.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 import time
 
 import pytest
@@ -105,7 +106,14 @@ def test_the_compose_demo_trains_survives_a_killed_peer_and_its_replicas_agree(t
         finally:
             for service in ("trainer", *peer_services()):  # what each said, for a failure's reader
                 with contextlib.suppress(subprocess.CalledProcessError, RuntimeError):
-                    (tmp_path / f"{service}.log").write_text(project.logs(service))
+                    lines = project.logs(service)
+                    (tmp_path / f"{service}.log").write_text(lines)
+                    # failing: the CI keeps only the report, so say it there too
+                    if sys.exc_info()[0] is not None:
+                        lines = lines.splitlines()
+                        said = [line for line in lines if " WARN" in line or " ERROR" in line]
+                        print(f"--- {service}: its last warnings and lines")
+                        print("\n".join([*said[-15:], "...", *lines[-10:]]))
             project.down(log=setup_log)
         assert project.resources() == {"containers": [], "networks": [], "volumes": []}
     timings["total"] = time.monotonic() - t0
@@ -114,7 +122,10 @@ def test_the_compose_demo_trains_survives_a_killed_peer_and_its_replicas_agree(t
     if engine.start_s:  # this test started the daemon (none was running)
         assert subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 1
         after = HostNetwork.capture()
-        assert (after.rules, after.ip_forward) == (network_before.rules, network_before.ip_forward)
+        # (less what a daemon killed earlier had left, which the engine removed before it started: see
+        # deploy/engine.py; tests/test_engine_leftovers.py)
+        kept = tuple(rule for rule in network_before.rules if rule not in engine.cleared)
+        assert (after.rules, after.ip_forward) == (kept, network_before.ip_forward)
         # No Docker link is left that was not there before. One that was may be gone: left by an earlier daemon
         # that was killed, it named a network this daemon found in its state and removed with the project (one CI
         # run began with a compose network's bridge and five veths of no running daemon).

@@ -145,13 +145,23 @@ def test_push_mode_trains_and_loss_falls(swarm, num_stages):
     )
     summary = finished(trainer, timeout_s=400)
     assert summary.microbatches == summary.microbatches_started == 60
+    # (one CI run of 2 stages validated at 5.19 after training to 3.29, where runs here give 3.3: the logs, if again)
     assert (
         summary.final_loss < 0.8 * summary.initial_loss
         and summary.val_loss < 0.85 * summary.initial_loss
-    )
+    ), _what_they_said(trainer, procs)
     infos = ask_peers(endpoints, lambda client: client.info(run_id, timeout_s=10))
     assert [info.microbatches_applied for info in infos] == [60] * num_stages
     swarm.group.stop_all([proc.name for proc in procs], timeout_s=40)
     for proc in procs:
         assert proc.popen.returncode == 0, proc.log_path.read_text()[-2000:]
     assert all(not re.search("Traceback", p.log_path.read_text()) for p in procs)
+
+
+def _what_they_said(trainer, procs) -> str:
+    """For a failure's reader: the trainer's last lines and each peer's warnings."""
+    said = [f"--- {trainer.name}", trainer.log_path.read_text()[-3000:]]
+    for proc in procs:
+        lines = proc.log_path.read_text().splitlines()
+        said += [f"--- {proc.name}", *[line for line in lines if " WARN" in line][-15:]]
+    return "\n".join(said)

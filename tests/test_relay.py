@@ -359,7 +359,9 @@ def test_a_relayed_replica_thawed_before_it_hears_of_its_relay_holds_its_step(
     lost channel's news still unread. Its step check must not step on (or hand over) what it holds before its
     relaying loop tells: it waits while the relay has not been heard for two keepalives. The freeze is the whole
     event loop's (relay and replica share it here), held past three keepalives with the batch closed; the compute
-    thread runs the step check before the loop resumes, as on a thaw."""
+    thread runs the step check before the loop resumes, as on a thaw. And once the loop finds the relay lost, a step
+    check that runs before the replica has seen to its samples (one CI run stepped on them there: the link was
+    dropped, so no longer in doubt, before the samples were left out) still waits."""
     import logging
 
     from livepeers import CLOSE_DRIVEN_RUN, B, one_microbatch, until
@@ -384,6 +386,17 @@ def test_a_relayed_replica_thawed_before_it_hears_of_its_relay_holds_its_step(
     )
     assert hidden.reachability == Reachability.RELAYED
     optimizer = hidden.executor.optimizer
+    told = hidden.relaying._on_change
+    checks_while_told = []
+
+    async def on_change(endpoint: str, relay_peer_id: str) -> None:
+        if not endpoint:  # lost: a step check lands before the replica has seen to its samples
+            checks_while_told.append(
+                await hidden._worker.compute_urgent(hidden.executor.maybe_step)
+            )
+        await told(endpoint, relay_peer_id)
+
+    hidden.relaying._on_change = on_change
 
     async def body():
         await until(lambda: hidden.relaying.link is not None, "it serves through the relay")
@@ -403,6 +416,7 @@ def test_a_relayed_replica_thawed_before_it_hears_of_its_relay_holds_its_step(
         # The loop resumes: the relay drops the silent tenant, the replica hears of it and leaves its samples out.
         await until(lambda: optimizer.samples_left_out == B, "it leaves its samples out")
         assert optimizer.local_samples == 0 and optimizer.step == 1
+        assert checks_while_told == [False]
 
     loop_thread.run(body(), timeout_s=120)
     assert any("step 1 waits for word" in m for m in caplog.messages), caplog.messages

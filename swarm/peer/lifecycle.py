@@ -602,10 +602,13 @@ class Peer:
                 await self.relaying.has_relay.wait()
 
     def _endpoint_in_doubt(self) -> bool:
-        """Whether the endpoint callers reach this peer at may be gone without its knowing yet: relayed, and its
-        relay not heard for a while (any thread)."""
-        link = self.relaying.link if self.relaying is not None else None
-        return link is not None and link.in_doubt()
+        """Whether the endpoint callers reach this peer at may be gone without its having seen to it yet: relayed,
+        and its relay not heard for a while, or the relay's loss not yet handled (``_relay_lost``: until then a
+        step check would step on samples a trainer may have computed again elsewhere). Any thread."""
+        if self.relaying is None:
+            return False
+        link = self.relaying.link
+        return self.relaying.lost_unsaid() or (link is not None and link.in_doubt())
 
     async def _relay_lost(self) -> None:
         """The relay closed the port this replica was reached at (it died, or this replica was silent past its

@@ -56,6 +56,8 @@ class Relaying:
             str, float
         ] = {}  # relay peer id -> until when (time.monotonic) it is left out
         self.link: RelayLink | None = None
+        # set from the moment a link is found lost until on_change has been told (see lost_unsaid)
+        self._losing = False
         self.relays_used = 0  # control channels opened in all
         self.has_relay = asyncio.Event()
 
@@ -70,15 +72,25 @@ class Relaying:
                 self.has_relay.set()
                 await self._on_change(self.link.endpoint, self.link.relay_peer_id)
                 why = await self.link.serve()
-                logger.warning("%s: looking for another relay", why)
-                self._avoid[self.link.relay_peer_id] = time.monotonic() + AVOID_S
-                self.has_relay.clear()
-                await self.link.close()
-                self.link = None
-                await self._on_change("", "")
+                self._losing = True
+                try:
+                    logger.warning("%s: looking for another relay", why)
+                    self._avoid[self.link.relay_peer_id] = time.monotonic() + AVOID_S
+                    self.has_relay.clear()
+                    await self.link.close()
+                    self.link = None
+                    await self._on_change("", "")
+                finally:
+                    self._losing = False
         finally:
             if self.link is not None:
                 await self.link.close()
+
+    def lost_unsaid(self) -> bool:
+        """Whether the link was found lost and ``on_change`` has not yet been told (it is being told): the port
+        callers reached this peer at is gone, and what that means for the samples it holds is still being seen to
+        (any thread)."""
+        return self._losing
 
     async def _candidates(self) -> list[tuple[str, str, int]]:
         """(peer id, host, relay port) of the run's serving, directly reachable peers that relay, in random order."""

@@ -206,6 +206,11 @@ def test_a_group_naming_a_dead_replica_fails_and_the_next_close_averages_the_liv
             await one_microbatch(living[0], seed=0)
             await one_microbatch(living[1], seed=1)
             held = [await _sums(r) for r in living]
+            # (a direct replica writes its progress record at most every 2 s: tests/test_progress_reports.py)
+            assert all(
+                r.executor.optimizer.opt.tracker.should_report_progress.interval_s == 2.0
+                for r in replicas
+            )
             records = {r.peer_id: live_record(r) for r in replicas}
             group = sorted((r.address for r in replicas), key=lambda a: a.peer_id)
             await dead.shutdown()

@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import AsyncIterator  # noqa: UP035 (hivemind reads handler hints by typing's names)
 
@@ -198,11 +199,53 @@ class SampleSumGradientAverager(WholeResults, GradientAverager):
                 averaged_grad.copy_(grad_acc).mul_(scale)
 
 
+class ThrottledEvent(threading.Event):
+    """A ``threading.Event`` whose ``set`` takes effect at most once per ``interval_s``: one set within the interval
+    of the last is put off to the interval's end, and any more meanwhile join it (0: at once, as an Event)."""
+
+    def __init__(self, interval_s: float):
+        super().__init__()
+        self.interval_s = interval_s
+        self._last = -float("inf")
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def set(self) -> None:
+        with self._lock:
+            wait_s = self._last + self.interval_s - time.monotonic()
+            if wait_s <= 0:
+                self._fire_locked()
+            elif self._timer is None:
+                self._timer = threading.Timer(wait_s, self._fire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def set_now(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._fire_locked()
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._fire_locked()
+
+    def _fire_locked(self) -> None:
+        self._timer, self._last = None, time.monotonic()
+        super().set()
+
+
 class BatchTracker(ProgressTracker):
     """Ready to step when the stage has its global batch (or a peer already stepped past it), or when
     the batch is closed (the trainer has moved on: it will not grow). hivemind's tracker also steps when
     its time estimate for the batch passes; the trainer's microbatches arrive in bursts, so that would
-    step on part of a batch and split the rest over the next step."""
+    step on part of a batch and split the rest over the next step.
+
+    ``report_every_s``: at most one store of this replica's progress record per that many seconds (0: one per
+    report, as hivemind's). Each store is a DHT write that the peer's DHT process and its libp2p daemon carry out;
+    a replica averaging directly reports at least once per step, and on two cores those two processes then took
+    about a fifth of the machine (bench/results/convergence.md). Its records only tell peers that it stepped past
+    them, or who is left to load state from, which a few seconds late still tells."""
 
     batch_closed = False
     # the stage's replicas (not clients) whose records stand at the stage's step, this replica's own included, and
@@ -230,6 +273,52 @@ class BatchTracker(ProgressTracker):
             or self.global_progress.samples_accumulated >= self.target_batch_size
             or self.batch_closed
         )
+
+    # Private override: with report_every_s, hivemind's reporting loop would stop writing this replica's record. It
+    # writes only while the peer has reported samples within an epoch of the stage's (a peer without is an auxiliary
+    # one), and it looks at the samples when it wakes: a replica whose writes are spaced out wakes between its steps
+    # often enough to look like one, and its peers then no longer see it (a newcomer could not find the stage's
+    # state: bench/soak.py). This loop writes on every wake, which the event spaces out.
+    async def _progress_reporter(self):
+        event = self.should_report_progress
+        if not isinstance(event, ThrottledEvent) or event.interval_s <= 0:
+            return await super()._progress_reporter()
+        loop = asyncio.get_running_loop()
+        writing = None
+        try:
+            while not self.shutdown_triggered.is_set():
+                # woken by a report (spaced out by the event), or in time to write again before the record expires
+                await loop.run_in_executor(None, event.wait, self.metadata_expiration / 3)
+                event.clear()
+                if self.shutdown_triggered.is_set():
+                    break
+                if writing is not None and not writing.done():
+                    continue  # the DHT is slow: the next wake writes the newest progress
+                written_at = get_dht_time()
+                writing = asyncio.ensure_future(
+                    asyncio.wait_for(
+                        self.dht.store(
+                            key=self.training_progress_key,
+                            subkey=self._local_public_key,
+                            value=self.local_progress.dict(),
+                            expiration_time=written_at + self.metadata_expiration,
+                            return_future=True,
+                        ),
+                        timeout=self.metadata_expiration,
+                    )
+                )
+                # a write that failed is followed by the next (the error is the DHT's to log)
+                writing.add_done_callback(lambda done: done.cancelled() or done.exception())
+        finally:
+            if writing is not None:
+                writing.cancel()
+
+    def shutdown(self, timeout: float | None = None):
+        if isinstance(self.should_report_progress, ThrottledEvent):
+            self.should_report_progress.interval_s = (
+                0.0  # its reporting thread ends at once, not put off
+            )
+        super().shutdown(timeout)
 
 
 class ConsistentStateAverager(TrainingStateAverager):
@@ -281,16 +370,20 @@ class GlobalBatchOptimizer(hivemind.Optimizer):
     used_local_gradients = False
 
     # Private override: the only way to give hivemind.Optimizer another progress tracker class.
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs):
-        return BatchTracker(
+    def _make_progress_tracker(self, target_batch_size: int, report_every_s: float = 0.0, **kwargs):
+        tracker = BatchTracker(
             dht=self.dht,
             prefix=self.run_id,
             target_batch_size=target_batch_size,
             client_mode=self.client_mode,
             status_loglevel=self.status_loglevel,
-            start=True,
+            start=False,
             **kwargs,
         )
+        # before its reporting thread starts waiting on the event
+        tracker.should_report_progress = ThrottledEvent(report_every_s)
+        tracker.start()
+        return tracker
 
     # Private override: the only way to give hivemind.Optimizer another state averager class (its arguments
     # copied from hivemind.Optimizer._make_state_averager).

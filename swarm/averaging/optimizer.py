@@ -73,8 +73,9 @@ CHECK_SOON_S = 0.02
 # replica frozen for a few steps comes back that far behind; staler gradients are left out.
 HAND_OVER_STEPS = 4
 
-# How often a replica that averages directly reads its stage's progress records (hivemind's tracker: a DHT read): they
-# only tell it that its peers stepped past it (it then loads their state), or who is left to load from.
+# How often a replica that averages directly reads its stage's progress records (hivemind's tracker: a DHT read), and
+# at most how often it writes its own: they only tell it that its peers stepped past it (it then loads their state), or
+# who is left to load from.
 DIRECT_PROGRESS_REFRESH_S = 2.0
 
 # A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
@@ -222,6 +223,7 @@ class HivemindStageOptimizer:
                     DIRECT_PROGRESS_REFRESH_S if config.all_reduce == "direct" else 0.5
                 ),
                 metadata_expiration=config.progress_ttl_s,
+                report_every_s=DIRECT_PROGRESS_REFRESH_S if config.all_reduce == "direct" else 0.0,
             ),
             averager_opts=dict(request_timeout=request_timeout),
             verbose=False,

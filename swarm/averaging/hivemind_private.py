@@ -315,9 +315,8 @@ class BatchTracker(ProgressTracker):
 
     def shutdown(self, timeout: float | None = None):
         if isinstance(self.should_report_progress, ThrottledEvent):
-            self.should_report_progress.interval_s = (
-                0.0  # its reporting thread ends at once, not put off
-            )
+            # its reporting thread ends at once, not put off
+            self.should_report_progress.interval_s = 0.0
         super().shutdown(timeout)
 
 

@@ -146,9 +146,8 @@ class HivemindStageOptimizer:
         self._direct_group: Group | None = None
         # (step, round): this replica's direct all-reduce of that step failed in round - 1 (see retry_round)
         self._retry = (-1, 0)
-        self._failed_groups: dict[
-            int, set[str]
-        ] = {}  # step -> keys of the groups whose all-reduce failed here
+        # step -> keys of the groups whose all-reduce failed here (none is run again)
+        self._failed_groups: dict[int, set[str]] = {}
         # the last step whose all-reduce returned part of the average only (see _regroup)
         self._partial_step = -1
         self._regrouped_at = 0.0

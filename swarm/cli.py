@@ -351,13 +351,19 @@ def _run(coro) -> int:
         return asyncio.run(coro)
 
 
-async def _until_signal(on_first=None) -> None:
-    """Wait for SIGINT or SIGTERM; run ``on_first`` once; a second signal interrupts it."""
+async def _until_signal(on_first=None, *, or_when: asyncio.Event | None = None) -> None:
+    """Wait for SIGINT or SIGTERM (or for ``or_when`` to be set); run ``on_first`` once; a signal then interrupts
+    it."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = {asyncio.ensure_future(stop.wait())}
+    if or_when is not None:
+        waits.add(asyncio.ensure_future(or_when.wait()))
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in pending:
+        wait.cancel()
     if on_first is not None:
         stop.clear()
         work = asyncio.ensure_future(on_first())
@@ -397,16 +403,21 @@ def _dht(args) -> int:
 
 
 def _peer(args) -> int:
+    from swarm.discovery.watch import EXIT_DHT_LOST
     from swarm.peer.config import PeerConfig
     from swarm.peer.heap import bound_heap, trim_heap_forever
-    from swarm.peer.lifecycle import Peer
+    from swarm.peer.lifecycle import DHTLost, Peer
 
     config = config_from_args(PeerConfig, args)
     run = run_config_from_args(args, config.pretrained)
     bound_heap()  # what callers make this process allocate goes back to the system when freed
 
     async def main() -> int:
-        peer = await Peer.create(config, run=run)
+        try:
+            peer = await Peer.create(config, run=run)
+        except DHTLost as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_DHT_LOST
         trimming = asyncio.create_task(trim_heap_forever())
         try:
             print(
@@ -417,16 +428,36 @@ def _peer(args) -> int:
                 print(f"  DHT address (usable as --initial-peers): {addr}", flush=True)
             # SIGUSR1: an operator moves this peer to the stage that needs it most (see Peer.request_move)
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, peer.request_move)
-            await _until_signal(on_first=peer.drain)
+            # a signal drains it; so does the loss of its DHT node, after which it exits for a supervisor to restart
+            await _until_signal(on_first=peer.drain, or_when=peer.dht_lost)
         finally:
             trimming.cancel()
             await peer.shutdown()
-        return 0
+        return EXIT_DHT_LOST if peer.dht_lost.is_set() else 0
 
-    return _run(main())
+    code = _run(main())
+    if code == EXIT_DHT_LOST:
+        _exit_now(
+            code
+        )  # threads that still wait on the lost node would hold the interpreter's exit
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process now, with ``code``, after its multiprocessing children (what a normal exit would stop)."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _train(args) -> int:
+    from swarm.discovery.watch import EXIT_DHT_LOST
     from swarm.trainer.trainer import Trainer, TrainerConfig
 
     config = config_from_args(TrainerConfig, args)
@@ -434,18 +465,25 @@ def _train(args) -> int:
     async def main() -> int:
         async with Trainer.open(config) as trainer:
             task = asyncio.ensure_future(trainer.train())
-            stopper = asyncio.ensure_future(_until_signal())
+            stopper = asyncio.ensure_future(_until_signal(or_when=trainer.dht_lost))
             await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
             if not task.done():
                 task.cancel()
+                if trainer.dht_lost.is_set():
+                    return EXIT_DHT_LOST
                 print("\ninterrupted", flush=True)
                 return 130
             summary = task.result()
             print(summary.describe(), flush=True)
         return 0
 
-    return _run(main())
+    code = _run(main())
+    if code == EXIT_DHT_LOST:
+        _exit_now(
+            code
+        )  # threads that still wait on the lost node would hold the interpreter's exit
+    return code
 
 
 def _status(args) -> int:

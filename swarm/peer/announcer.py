@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory
 from swarm.discovery.records import StageRecord
+from swarm.discovery.watch import DHTWatch
 from swarm.states import PeerState, Reachability
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 # records cost a DHT store each and do not change): readable while any peer serves the run.
 RUN_TTL_FACTOR = 12
 RUN_REFRESHES = 4
+# A beat waits at most this many lifetimes of a record for the DHT node (a store that takes longer keeps no one's
+# view of this peer alive anyway); the next beat asks again.
+BEAT_TIMEOUT_TTLS = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +64,7 @@ class Announcer:
         tls_cert: Callable[[], str] = str,
         reachability: Callable[[], Reachability] = lambda: Reachability.DIRECT,
         relaying: Callable[[], tuple[str, int]] = lambda: ("", 0),
+        watch: DHTWatch | None = None,
     ):
         self.directory, self.run, self.peer_id = directory, run, peer_id
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
@@ -71,6 +76,8 @@ class Announcer:
         # (the relay whose endpoint it announces, the port of its own relay service): see StageRecord
         self._relaying = relaying
         self._serving = serving  # None until the peer serves a stage
+        # sees each beat answered, or the DHT node lost (None: beats wait as long as the node takes)
+        self._watch = watch
         self._heading_to: tuple[int, float] | None = None  # (stage index, expected samples/s)
         self.last_moved_s = 0.0  # DHT time of the arrival or the last change of stage (0 = not yet)
 
@@ -142,6 +149,22 @@ class Announcer:
         for record in self.records():
             await self.directory.announce(record, ttl_s=self.ttl_s)
 
+    async def _beat(self, publish_run: bool) -> float | None:
+        """One beat: the records, and the run's config if ``publish_run``; returns when that was published (None:
+        not this beat). Under the watch, a beat the node leaves unanswered for BEAT_TIMEOUT_TTLS lifetimes of a
+        record times out (the next beat asks again)."""
+
+        async def beat() -> float | None:
+            await self.announce()
+            if not publish_run:
+                return None
+            await self.publish_run()
+            return get_dht_time()
+
+        if self._watch is None:
+            return await beat()
+        return await self._watch.ask(beat(), timeout_s=self.ttl_s * BEAT_TIMEOUT_TTLS)
+
     async def publish_run(self) -> None:
         """Publish the run's config (a new run), or keep it alive in the DHT."""
         await self.directory.publish_run(self.run, ttl_s=self.ttl_s * RUN_TTL_FACTOR)
@@ -153,10 +176,13 @@ class Announcer:
         run_published_s = -float("inf")
         while True:
             try:
-                await self.announce()
-                if get_dht_time() - run_published_s >= run_refresh_s:
-                    await self.publish_run()
-                    run_published_s = get_dht_time()
+                published = await self._beat(get_dht_time() - run_published_s >= run_refresh_s)
+                run_published_s = published or run_published_s
+            except asyncio.TimeoutError:
+                logger.warning(
+                    "announcement took over %.0fs: the DHT node did not answer (retrying)",
+                    self.ttl_s * BEAT_TIMEOUT_TTLS,
+                )
             except Exception as e:  # a DHT hiccup must not kill the peer; the next beat retries
                 logger.warning("announcement failed: %s", e)
             await asyncio.sleep(self.heartbeat_s)

@@ -23,6 +23,7 @@ from swarm.averaging.optimizer import CHECK_SOON_S
 from swarm.config import RunConfig
 from swarm.deadline import timeout
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
+from swarm.discovery.watch import EXIT_DHT_LOST, DHTWatch
 from swarm.identity import Identity
 from swarm.model import build_stage, state_digest
 from swarm.model.device import Compute
@@ -67,6 +68,16 @@ logger = logging.getLogger(__name__)
 
 # Seconds a peer moving in waits for a stage's parameters from one of its peers.
 FETCH_STATE_TIMEOUT_S = 60.0
+# A DHT node that answered none of a peer's heartbeats for this long is lost (see DHTWatch); so is one whose process
+# exited. The peer then cannot be found nor find its stage: it leaves (see Peer.dht_lost).
+DHT_SILENT_S = 60.0
+# What a peer that lost its DHT node allows its shutdown: parts of it may wait on the node (hivemind's optimizer
+# reports its progress on the way out) and would wait forever.
+SHUTDOWN_WITHOUT_DHT_S = 30.0
+
+
+class DHTLost(RuntimeError):
+    """The peer's DHT node died or stopped answering (the message says which); restart the peer to rejoin."""
 
 
 class Peer:
@@ -102,7 +113,14 @@ class Peer:
         self.memory_bytes = 0  # the estimate for the stage served (see swarm.peer.memory)
         self._device_memory_bytes = 0  # all the memory of its device (0 = not known)
         self.dht = None
+        self._dht_addresses: list[str] = []
         self.directory: RunDirectory | None = None
+        # set once its DHT node is lost (its process exited, or it stopped answering): see _on_dht_lost
+        self.dht_lost = asyncio.Event()
+        self._dht_watch: DHTWatch | None = None
+        self._creating: asyncio.Task | None = (
+            None  # create()'s task while it runs (a lost node cancels it)
+        )
         # calls the next stage of push calls (set once it serves)
         self.push_hops: PushHops | None = None
         self._reduce_clients: ClientPool | None = None  # see _direct_clients
@@ -147,6 +165,7 @@ class Peer:
         """Start a peer. ``run`` publishes a new run's config if the DHT has none for ``config.run_id``;
         without it the config is read from the DHT (waiting up to ``run_wait_s``)."""
         self = cls(config)
+        self._creating = asyncio.current_task()
         try:
             await self._start_dht()
             await self._resolve_run(run, run_wait_s)
@@ -160,9 +179,15 @@ class Peer:
             await self._start_relaying()
             await self._start_heartbeat()
             await self._start_rebalancer()
-        except BaseException:
-            await self._stack.aclose()
+        except BaseException as e:
+            await self.shutdown()
+            if isinstance(e, asyncio.CancelledError) and self._dht_watch.lost:
+                raise DHTLost(
+                    f"peer {self.peer_id} could not start: {self._dht_watch.lost}"
+                ) from None
             raise
+        finally:
+            self._creating = None
         # Arrival counts as a move for the rebalancing cooldown: until this peer and its neighbours have measured
         # real work, its speed is a calibration on a machine that may be busy starting other peers.
         self.state = PeerState.SERVING
@@ -189,7 +214,25 @@ class Peer:
             identity=self.identity,
         )
         self._stack.callback(self.dht.shutdown)
+        # asked once, now: the call blocks its caller until the node answers (forever if it died)
+        self._dht_addresses = await asyncio.to_thread(visible_addresses, self.dht)
+        self._dht_watch = DHTWatch(self.dht, silent_s=DHT_SILENT_S, on_lost=self._on_dht_lost)
+        self._dht_watch.start()
+        self._stack.callback(self._dht_watch.stop)  # before the node's shutdown ends its process
         self.directory = RunDirectory(self.dht, self.run_id, run_owner=self.config.dht.run_owner)
+
+    def _on_dht_lost(self, reason: str) -> None:
+        logger.error(
+            "peer %s lost its DHT node: %s. Trainers cannot find this peer any more, nor can it find its stage: "
+            "it stops (`swarm peer` drains what is in flight and exits with code %d; a supervisor restarts it, "
+            "as docker compose's restart: on-failure does)",
+            self.peer_id,
+            reason,
+            EXIT_DHT_LOST,
+        )
+        self.dht_lost.set()
+        if self._creating is not None:
+            self._creating.cancel()
 
     async def _resolve_run(self, run: RunConfig | None, wait_s: float) -> None:
         published = await self.directory.get_run()
@@ -225,6 +268,7 @@ class Peer:
             peer_id=self.peer_id,
             ttl_s=self.config.ttl_s,
             heartbeat_s=self.config.heartbeat_s,
+            watch=self._dht_watch,
             endpoint=lambda: self.endpoint,
             serving=self._serving,
             tls_cert=lambda: self.tls_cert,
@@ -814,10 +858,11 @@ class Peer:
         self.state = PeerState.DRAINING
         self.admission.begin_drain()
         logger.info("peer %s draining (at most %.0fs)", self.peer_id, self.config.drain_timeout_s)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self._announcer.announce(), timeout=max(0.1, self.admission.drain_left_s)
-            )
+        if not self.dht_lost.is_set():  # (a lost node would hold it to the drain's end)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self._announcer.announce(), timeout=max(0.1, self.admission.drain_left_s)
+                )
         # Trainers stop routing new forwards here once they see the draining state (in a reply or the
         # DHT); until the cached microbatches are claimed by their backward, keep serving, and until the
         # gradients held for a commit got it (a push call's comes after the call, through the Commit RPC).
@@ -853,7 +898,19 @@ class Peer:
             )
 
     async def shutdown(self) -> None:
-        await self._stack.aclose()
+        """Stop everything the peer started. Without its DHT node, within SHUTDOWN_WITHOUT_DHT_S: what still
+        waits on the node then is left to the process's exit."""
+        if self.dht_lost.is_set():
+            try:
+                await asyncio.wait_for(self._stack.aclose(), SHUTDOWN_WITHOUT_DHT_S)
+            except asyncio.TimeoutError:
+                logger.error(
+                    "peer %s: its shutdown waited %.0fs on its lost DHT node; leaving the rest to the process's exit",
+                    self.peer_id,
+                    SHUTDOWN_WITHOUT_DHT_S,
+                )
+        else:
+            await self._stack.aclose()
         self.stopped.set()
 
     async def __aenter__(self) -> Peer:
@@ -863,7 +920,8 @@ class Peer:
         await self.shutdown()
 
     def addresses(self) -> list[str]:
-        return visible_addresses(self.dht)
+        """Its DHT node's multiaddrs, as the node gave them at the start."""
+        return list(self._dht_addresses)
 
 
 def _joins_from_checkpoint(

@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory, start_dht
 from swarm.discovery.records import TrainerRecord
+from swarm.discovery.watch import EXIT_DHT_LOST, DHTWatch
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.data import TrainerData
 from swarm.trainer.metrics import TrainerMetrics
@@ -148,6 +149,8 @@ class Trainer:
         self._microbatch_prefix = f"{self.trainer_id[:8]}.{uuid.uuid4().hex[:6]}"
         self.metrics_port: int | None = None  # where its Prometheus metrics are served, if they are
         self.tensorboard: TensorBoardLog | None = None  # with --tensorboard-dir
+        # set when the DHT node it started is lost (its process exited): it can no longer find peers (see open)
+        self.dht_lost = asyncio.Event()
         self._next_microbatch = 0
         # microbatches per global batch
         self._per_step = math.ceil(run.target_batch_size / config.microbatch_size)
@@ -178,11 +181,16 @@ class Trainer:
         async with contextlib.AsyncExitStack() as stack:
             if config.tensorboard_dir is not None:
                 TensorBoardLog.require()
+            dht_lost = asyncio.Event()
             if dht is None:
                 dht = await asyncio.to_thread(
                     start_dht, config.dht, host=config.host, client_mode=True
                 )
                 stack.callback(dht.shutdown)
+                # its own node's process watched (a node given by the caller is the caller's to watch)
+                watch = DHTWatch(dht, silent_s=math.inf, on_lost=_say_dht_lost(dht_lost))
+                watch.start()
+                stack.callback(watch.stop)  # before the node's shutdown ends its process
             directory = RunDirectory(dht, config.run_id, run_owner=config.dht.run_owner)
             run = await directory.wait_for_run(timeout_s=config.peers_wait_s)
             identity = directory.identity
@@ -195,6 +203,7 @@ class Trainer:
             await pipeline.start()
             await pipeline.wait_for_peers(timeout_s=config.peers_wait_s)
             trainer = cls(config, pipeline, data, run, trainer_id=trainer_id)
+            trainer.dht_lost = dht_lost
             if config.tensorboard_dir is not None:
                 trainer.tensorboard = TensorBoardLog(
                     config.tensorboard_dir, run_id=config.run_id, trainer_id=trainer.trainer_id
@@ -223,7 +232,8 @@ class Trainer:
                 async def stop_heartbeat() -> None:
                     heartbeat.cancel()
                     await asyncio.gather(heartbeat, return_exceptions=True)
-                    await trainer._announce()  # the final numbers, until the record expires
+                    if not dht_lost.is_set():  # (a lost node would never answer)
+                        await trainer._announce()  # the final numbers, until the record expires
 
                 stack.push_async_callback(stop_heartbeat)
             yield trainer
@@ -558,3 +568,16 @@ async def _gather_or_cancel(coros):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _say_dht_lost(lost: asyncio.Event):
+    def on_lost(reason: str) -> None:
+        logger.error(
+            "the trainer lost its DHT node: %s. It can no longer find the stages' peers: it stops (`swarm train` "
+            "exits with code %d); start it again to continue from the stages' step",
+            reason,
+            EXIT_DHT_LOST,
+        )
+        lost.set()
+
+    return on_lost

@@ -350,3 +350,40 @@ def test_a_group_that_failed_on_a_moment_of_silence_runs_again_in_a_new_round(lo
     for got in averaged:
         assert torch.equal(got, averaged[0])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_replica_named_alone_with_nothing_while_its_peer_is_a_step_ahead_takes_its_peers_state(
+    loop_thread, boot
+):
+    """One replica stepped alone on the whole batch; the other, a step behind with none of it, is named alone for
+    that step by the trainer's next close (the only replica it found at it). With nothing to step on, it takes its
+    peer's state at once: the close says how far the stage is (stage_step). Before, it waited for nothing while the
+    trainer closed the step again every two seconds (a soak's replica sat there 30 s, and its peer's all-reduce of
+    the next step, which named it, failed)."""
+
+    async def body():
+        async def refresh() -> None:
+            pass
+
+        run_id = RUN_ID + "-behind"
+        ahead, behind = await averaging_replicas(2, run_id, boot, all_reduce="direct")
+        clients = ClientPool()
+        try:
+            await one_microbatch(ahead, seed=0)
+            ahead.executor.close_batch(0, replicas=1)  # the trainer found it alone: it steps alone
+            await until_step(ahead, 1, "the first replica stepped alone on the batch")
+            records = {r.peer_id: live_record(r) for r in (ahead, behind)}
+            steps = StageSteps([{}, records], clients, run_id, refresh=refresh, refresh_s=1.0)
+            await steps.close_batch(
+                [None, 0]
+            )  # names `behind` alone for step 0, the stage at step 1
+            told = behind.executor.optimizer._peers_step
+            await until_step(behind, 1, "the replica behind took its peer's state", timeout_s=30)
+            await assert_one_state([ahead, behind])
+            return told
+        finally:
+            await clients.close()
+            for r in (ahead, behind):
+                await r.shutdown()
+
+    assert loop_thread.run(body(), timeout_s=300) == 1

@@ -191,3 +191,39 @@ def test_a_replica_that_stepped_on_its_own_beside_its_peers_hands_its_samples_ov
         ("averaged", str(B), None),
         ("averaged", str(2 * B), str(B)),
     ], step1
+
+
+def test_a_replica_that_went_past_a_batch_it_kept_for_later_hands_those_samples_over(
+    loop_thread, boot, caplog
+):
+    """A replica behind its stage gets a microbatch of a batch ahead of its step (kept aside until it gets there);
+    its peer steps through that batch without it, and it loads its peer's state past it. Those samples are that
+    batch's, late: handed over into the step it reaches, never counted as that step's own batch (bench/soak.py saw
+    16 samples of batch 833 in step 834 as its own: 48 samples in that step, 16 in the one before)."""
+    caplog.set_level(logging.DEBUG, logger="swarm.averaging.optimizer")
+
+    async def body():
+        ahead, behind = await averaging_replicas(2, "handover3", boot, matchmaking_s=1.0)
+        try:
+            await one_microbatch(behind, 0, batch_step=1)  # kept aside: it is at step 0
+            assert behind.executor.optimizer._later.samples == B
+            for batch in (0, 1):
+                await one_microbatch(ahead, 10 + batch, batch_step=batch)
+                ahead.executor.close_batch(batch, replicas=1)
+                await until_step(ahead, batch + 1, "the peer steps without it")
+            behind.executor.close_batch(
+                1, replicas=1
+            )  # the trainer's close of batch 1 finds it behind
+            await until_step(behind, 2, "it loads its peer's state past batch 1")
+            assert behind.executor.optimizer.opt.grad_averager.carried == {1: B}
+            assert behind.executor.optimizer.opt.tracker.local_progress.samples_accumulated == 0
+            await average_one_batch([ahead, behind], 2, seeds=(20, 21))
+        finally:
+            for peer in (ahead, behind):
+                await peer.shutdown()
+
+    loop_thread.run(body(), timeout_s=300)
+    handed = [m for m in caplog.messages if f"{B} samples of step 1 handed over into step 2" in m]
+    assert len(handed) == 1, handed
+    step2 = sorted(m.groups() for m in map(STEP2_LINE.search, caplog.messages) if m)
+    assert step2 == [("averaged", str(B), None), ("averaged", str(2 * B), str(B))], step2

@@ -212,11 +212,11 @@ def test_later_batches_sum_per_step_and_pop_the_oldest_due_step_first():
     later.add(2, 0, [torch.tensor([0.5, 0.5]), torch.tensor([7.0])], 2)
     assert torch.equal(first, torch.tensor([1.0, 2.0]))  # the caller's tensor is not summed into
     assert later.pop_due(0) is None
-    sums, n = later.pop_due(2)
-    assert n == 1 and torch.equal(sums[0], torch.tensor([10.0, 0.0]))
+    step, sums, n = later.pop_due(2)
+    assert step == 1 and n == 1 and torch.equal(sums[0], torch.tensor([10.0, 0.0]))
     assert torch.equal(sums[1], torch.tensor([5.0]))
-    sums, n = later.pop_due(2)
-    assert n == 5 and torch.equal(sums[0], torch.tensor([1.5, 2.5]))
+    step, sums, n = later.pop_due(2)
+    assert step == 2 and n == 5 and torch.equal(sums[0], torch.tensor([1.5, 2.5]))
     assert torch.equal(sums[1], torch.tensor([7.0]))  # a None slot takes the first gradient it gets
     assert later.pop_due(2) is None
 
@@ -226,8 +226,8 @@ def test_later_batches_keep_a_step_beyond_max_ahead_with_the_furthest_step_allow
     later.add(9, 3, [torch.tensor([1.0])], 4)  # 6 ahead of step 3: kept with step 5
     later.add(5, 3, [torch.tensor([2.0])], 1)
     assert later.pop_due(4) is None
-    sums, n = later.pop_due(5)
-    assert n == 5 and torch.equal(sums[0], torch.tensor([3.0]))
+    step, sums, n = later.pop_due(5)
+    assert step == 5 and n == 5 and torch.equal(sums[0], torch.tensor([3.0]))
     assert later.pop_due(100) is None
 
 

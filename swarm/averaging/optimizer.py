@@ -154,6 +154,8 @@ class HivemindStageOptimizer:
         self._beside_others = False  # see _begin_step
         # (step, when this replica first saw its batch closed): for the step's log line
         self._closed_at = (-1, 0.0)
+        # the furthest step a trainer's close said a replica of the stage holds (see close_batch, _peers_ahead)
+        self._peers_step = -1
         # Whether this replica's endpoint may be gone without its knowing yet (a relayed replica whose relay was not
         # heard for a while: see swarm.peer.relaying); set by the peer, called on the compute thread.
         self.endpoint_in_doubt: Callable[[], bool] = lambda: False
@@ -342,7 +344,14 @@ class HivemindStageOptimizer:
             hp.schedule_gradient_averaging(opt)
         return False
 
-    def close_batch(self, batch_step: int, replicas: int = 0, group: Group | None = None) -> None:
+    def close_batch(
+        self,
+        batch_step: int,
+        replicas: int = 0,
+        group: Group | None = None,
+        *,
+        stage_step: int = 0,
+    ) -> None:
         """The trainer has every microbatch of global batch ``batch_step`` committed (the CloseBatch RPC): the stage
         steps on what it has once its batch is closed, without waiting for samples that will not come (a replica
         killed with its part). ``replicas``: how many of the stage's replicas answered the trainer just before (0 =
@@ -363,6 +372,8 @@ class HivemindStageOptimizer:
             self._replicas[batch_step] = replicas
             self._last_count, self._last_count_step = replicas, batch_step
         self._closed_through = max(self._closed_through, batch_step)
+        # the furthest step the trainer saw a replica of the stage at: its peers' step before their records say it
+        self._peers_step = max(self._peers_step, stage_step)
         if self.wake is not None:
             self.wake()
         logger.debug(
@@ -378,9 +389,16 @@ class HivemindStageOptimizer:
         return round if step == batch_step else 0
 
     def _catch_up(self) -> None:
-        """After a step: count the microbatches kept aside for the step the stage has now reached."""
+        """After a step: count the microbatches kept aside for the step the stage has now reached. Those kept for a
+        step it went past without them (it loaded its peers' state beyond it) are that batch's samples, late: handed
+        over (_hand_late), never counted as this batch's (the soak saw a replica put 16 samples of batch 833 into
+        step 834 as its own: 48 samples in that step, 16 in the step before)."""
         while (due := self._later.pop_due(self.step)) is not None:
-            self._add(*due)
+            batch, sums, samples = due
+            if batch == self.step:
+                self._add(sums, samples)
+            else:
+                self._hand_late(self._in_optimizer_order(sums), {batch: samples}, batch)
         if self._late is not None:
             late, self._late = self._late, None
             self.opt.grad_averager.carry_in(*late)
@@ -535,21 +553,28 @@ class HivemindStageOptimizer:
         self._catch_up()
         return True
 
-    def _rejoin_peers(self) -> None:
-        """A peer stepped past this replica's step without it: take their state now, in time for the next step's
-        group. Its samples of that step are not lost: handed over into the next step, late (see _hand_over)."""
-        tracker = self.opt.tracker
+    def _peers_ahead(self) -> int:
+        """The furthest step this replica knows a peer of its stage holds: their progress records' (the tracker reads
+        them every few seconds), or a trainer's close's, which is news of a moment ago."""
+        return max(self.opt.tracker.global_epoch, self._peers_step)
+
+    def _rejoin_peers(self, peers_at: int | None = None) -> None:
+        """A peer stepped past this replica's step (to ``peers_at``; default: as its progress records say) without
+        it: take their state now, in time for the next step's group. Its samples of that step are not lost: handed
+        over into the next step, late (see _hand_over)."""
+        if peers_at is None:
+            peers_at = self.opt.tracker.global_epoch
         missed, held = self.step, self._held_sums()
         logger.warning(
             "stage %d replica is behind its peers (step %d < %d): loading their state (%d samples of its "
             "own left out of step %d)",
             self.stage_index,
             missed,
-            tracker.global_epoch,
+            peers_at,
             sum(held[1].values()) if held else 0,
             missed,
         )
-        self._load_from_peers(tracker.global_epoch)
+        self._load_from_peers(peers_at)
         self._hand_over(held, missed)
         self._catch_up()
 
@@ -559,7 +584,6 @@ class HivemindStageOptimizer:
         (none sent, or the last one failed): its peers' step makes it load their state; the trainer's next close
         (it closes again while a stage is behind) names a new group; past ``averaging_timeout_s`` it steps on its
         own gradients and reloads."""
-        tracker = self.opt.tracker
         _drop_before(self._groups, self.step)
         _drop_before(self._failed_groups, self.step)
         group = self._groups.get(self.step)
@@ -568,19 +592,24 @@ class HivemindStageOptimizer:
             or self.direct.peer_id not in group.ids
         ):
             group = None  # a group that failed here already, or one without this replica
-        if group is None and tracker.global_epoch > self.step:
-            self._rejoin_peers()
-            return True
         # a group of one, or a close with a count of one and no group (a trainer of before): step alone
         alone = (
             len(group.members) == 1
             if group is not None
             else self._closed_through >= self.step and self._replicas.get(self.step) == 1
         )
+        peers_at = self._peers_ahead()
+        if peers_at > self.step and (group is None or (alone and self.local_samples == 0)):
+            # A peer stepped past this step, and this replica has no group of it to take part in, or nothing to
+            # step on alone: take their state. (Named alone with nothing, it waited for nothing: a trainer closing
+            # the step again while its peer waited in the next step's all-reduce named it alone each time; a soak's
+            # replica sat there 30 s and its peer stepped without its gradients.)
+            self._rejoin_peers(peers_at)
+            return True
         if alone:
             if self.local_samples == 0:
                 # nothing to step on (a step on a zero gradient still moves the parameters: momentum and decay); if
-                # another replica holds the batch after all, it steps, and this one then loads its state
+                # another replica holds the batch after all, it steps, and this one then loads its state (above)
                 return False
             self._begin_step(alone=True)
             self._catch_up()
@@ -692,6 +721,12 @@ class HivemindStageOptimizer:
             averager.local_samples_accumulated += own
             self.opt.tracker.report_local_progress(self.step, own)
             return
+        self._hand_late(sums, by_batch, missed)
+
+    def _hand_late(self, sums: list[torch.Tensor], by_batch: dict[int, int], missed: int) -> None:
+        """Add gradient sums of batches before the current step (``by_batch``: their samples) to this step, late, if
+        the oldest is at most ``hand_over_steps`` stale; leave them out (logged, counted) otherwise."""
+        averager, samples = self.opt.grad_averager, sum(by_batch.values())
         stale = self.step - min(by_batch, default=missed)
         if self.step <= missed or stale > self.hand_over_steps:
             self.samples_left_out += samples

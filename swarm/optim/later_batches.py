@@ -43,7 +43,11 @@ class LaterBatches:
         self._by_step.clear()
         return samples
 
-    def pop_due(self, current: int) -> tuple[list[torch.Tensor | None], int] | None:
-        """The oldest batch kept for a step the stage has reached, if any."""
+    def pop_due(self, current: int) -> tuple[int, list[torch.Tensor | None], int] | None:
+        """The oldest batch kept for a step the stage has reached, if any: (its step, its sums, its samples). Its step
+        is before ``current`` when the stage went past it without this replica (it loaded its peers' state)."""
         due = [step for step in self._by_step if step <= current]
-        return self._by_step.pop(min(due)) if due else None
+        if not due:
+            return None
+        step = min(due)
+        return (step, *self._by_step.pop(step))

@@ -418,11 +418,13 @@ class StageExecutor:
             self._after_step()
         return True
 
-    def close_batch(self, batch_step: int, replicas: int = 0, group=None) -> None:
+    def close_batch(
+        self, batch_step: int, replicas: int = 0, group=None, *, stage_step: int = 0
+    ) -> None:
         """A trainer has every microbatch of global batch ``batch_step`` committed; ``replicas`` of this stage
-        answered it just now, ``group`` (a swarm.averaging.direct.Group, or None) names them (see the
-        optimizers)."""
-        self.optimizer.close_batch(batch_step, replicas, group)
+        answered it just now, ``group`` (a swarm.averaging.direct.Group, or None) names them, ``stage_step`` is the
+        furthest step it found one at (see the optimizers)."""
+        self.optimizer.close_batch(batch_step, replicas, group, stage_step=stage_step)
 
     def abort(
         self, microbatch_id: str, reason: str = "the call ended before its reply was sent"

@@ -385,7 +385,13 @@ class StageService(pb_grpc.StagePeerServicer):
             if request.group
             else None
         )
-        self.executor.close_batch(request.batch_step, request.replicas, group)
+        self.executor.close_batch(
+            request.batch_step,
+            request.replicas,
+            group,
+            # (a trainer's word for a step past the batch after next says nothing it could know)
+            stage_step=min(request.stage_step, request.batch_step + 1),
+        )
         if wait_s > 0 and self.ctx.steps is not None:
             await self.ctx.steps.wait_past(request.batch_step, wait_s)
         return pb.CloseBatchReply(

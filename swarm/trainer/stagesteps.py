@@ -292,6 +292,13 @@ class StageSteps:
         # frozen a moment or whose relay was lost) does not run that group again; named in a new round, the same
         # members run it afresh at once.
         rounds = [self._round(stage, batch_steps[stage]) for stage in range(len(self.records))]
+        # The furthest step a replica of each stage answered at just now: a replica behind it with no group of its
+        # step loads its peers' state at once (CloseBatchRequest.stage_step).
+        furthest = [0] * len(self.records)
+        for (stage, record), ok in zip(targets, answered):
+            if ok is True:
+                step = self._polled_steps.get((stage, record.peer_id), 0)
+                furthest[stage] = max(furthest[stage], step)
 
         async def close(stage: int, record: StageRecord) -> None:
             try:
@@ -304,6 +311,7 @@ class StageSteps:
                     wait_for_step_s=wait_for_step_s,
                     group=groups[stage],
                     group_round=rounds[stage],
+                    stage_step=furthest[stage],
                 )
             except SwarmError as e:
                 logger.debug("stage %d peer %s: closing batch failed: %s", stage, record.peer_id, e)

@@ -285,12 +285,14 @@ class PeerClient:
         wait_for_step_s: float = 0.0,
         group: Sequence[PeerAddress] = (),
         group_round: int = 0,
+        stage_step: int = 0,
     ) -> pb.CloseBatchReply:
         """Tell the peer this caller's part of global batch ``batch_step`` is all committed, and that ``replicas``
         replicas of the stage answered just now; returns its reply, with the peer's step: at once, or with
         ``wait_for_step_s`` once the peer has stepped past ``batch_step`` (at most that long; a peer that does not
         average answers at once). ``group``: those replicas, in the order of their all-reduce parts, ``group_round``
-        the trainer's try at that group (swarm.averaging.direct)."""
+        the trainer's try at that group (swarm.averaging.direct), ``stage_step`` the furthest step a replica of the
+        stage answered at (0: not known)."""
         request = pb.CloseBatchRequest(
             protocol_version=PROTOCOL_VERSION,
             run_id=run_id,
@@ -303,6 +305,7 @@ class PeerClient:
                 for a in group
             ],
             group_round=group_round,
+            stage_step=stage_step,
         )
         try:
             reply = await self._stub.CloseBatch(request, timeout=timeout_s, metadata=self._auth())

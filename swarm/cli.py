@@ -435,11 +435,17 @@ def _peer(args) -> int:
             await peer.shutdown()
         return EXIT_DHT_LOST if peer.dht_lost.is_set() else 0
 
-    code = _run(main())
+    return _run_or_exit_now(main())
+
+
+def _run_or_exit_now(coro) -> int:
+    """:func:`_run`, but a command that stopped because its DHT node was lost ends the process at once: threads that
+    still wait on the node would hold the interpreter's exit."""
+    from swarm.discovery.watch import EXIT_DHT_LOST
+
+    code = _run(coro)
     if code == EXIT_DHT_LOST:
-        _exit_now(
-            code
-        )  # threads that still wait on the lost node would hold the interpreter's exit
+        _exit_now(code)
     return code
 
 
@@ -478,12 +484,7 @@ def _train(args) -> int:
             print(summary.describe(), flush=True)
         return 0
 
-    code = _run(main())
-    if code == EXIT_DHT_LOST:
-        _exit_now(
-            code
-        )  # threads that still wait on the lost node would hold the interpreter's exit
-    return code
+    return _run_or_exit_now(main())
 
 
 def _status(args) -> int:

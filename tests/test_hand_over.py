@@ -32,6 +32,14 @@ STEP2_LINE = re.compile(
 )
 
 
+def assert_carried(peer, by_batch: dict[int, int]) -> None:
+    """``peer`` holds samples of earlier batches (``by_batch``) for its next step as those batches', late: none of
+    them counts as its current batch's progress."""
+    optimizer = peer.executor.optimizer
+    assert optimizer.opt.grad_averager.carried == by_batch
+    assert optimizer.opt.tracker.local_progress.samples_accumulated == 0
+
+
 async def average_one_batch(replicas, batch: int, seeds) -> None:
     """One microbatch of ``batch`` at each replica, the batch closed with all of them counted; they step together
     into one state."""
@@ -81,8 +89,7 @@ def test_a_replica_that_missed_its_step_hands_its_samples_over_into_the_next(
             # A commit of batch 1 that lands after its step was taken (the trainer's commit came late) joins step 2
             # the same way: as batch 1's samples, not batch 2's progress.
             await one_microbatch(ahead, 4, batch_step=1)
-            assert ahead.executor.optimizer.opt.grad_averager.carried == {1: B}
-            assert ahead.executor.optimizer.opt.tracker.local_progress.samples_accumulated == 0
+            assert_carried(ahead, {1: B})
             await average_one_batch([ahead, late], 2, seeds=(5, 6))
         finally:
             for peer in (ahead, late):
@@ -211,12 +218,10 @@ def test_a_replica_that_went_past_a_batch_it_kept_for_later_hands_those_samples_
                 await one_microbatch(ahead, 10 + batch, batch_step=batch)
                 ahead.executor.close_batch(batch, replicas=1)
                 await until_step(ahead, batch + 1, "the peer steps without it")
-            behind.executor.close_batch(
-                1, replicas=1
-            )  # the trainer's close of batch 1 finds it behind
+            # the trainer's close of batch 1 finds it behind
+            behind.executor.close_batch(1, replicas=1)
             await until_step(behind, 2, "it loads its peer's state past batch 1")
-            assert behind.executor.optimizer.opt.grad_averager.carried == {1: B}
-            assert behind.executor.optimizer.opt.tracker.local_progress.samples_accumulated == 0
+            assert_carried(behind, {1: B})
             await average_one_batch([ahead, behind], 2, seeds=(20, 21))
         finally:
             for peer in (ahead, behind):

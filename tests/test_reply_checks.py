@@ -131,7 +131,9 @@ def test_closing_a_batch_counts_a_replica_that_is_gone_but_not_one_that_is_only_
 
     live, last = peers("close-count", 0), peers("close-count", 1)
     seen: list[int] = []
-    live.executor.close_batch = lambda batch_step, replicas=0, group=None: seen.append(replicas)
+    live.executor.close_batch = lambda batch_step, replicas=0, group=None, **_: seen.append(
+        replicas
+    )
     gone = socket.socket()  # bound, never listening: connections are refused
     gone.bind(("127.0.0.1", 0))
     silent = socket.socket()  # listening, never answering: calls run into their deadline

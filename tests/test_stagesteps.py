@@ -174,9 +174,9 @@ def test_a_replica_holding_samples_of_the_batch_is_counted_when_its_record_has_e
     a, b = peers(RUN_ID, 1), peers(RUN_ID, 1)
     closes: dict[str, list[tuple[int, int]]] = {a.peer_id: [], b.peer_id: []}
     for peer in (a, b):
-        peer.executor.close_batch = lambda step, replicas=0, group=None, _id=peer.peer_id: closes[
-            _id
-        ].append((step, replicas))
+        peer.executor.close_batch = lambda step, replicas=0, group=None, _id=peer.peer_id, **_: (
+            closes[_id].append((step, replicas))
+        )
     rec_a, rec_b = (
         dataclasses.replace(
             _record(p.peer_id, 1, step=0, averaging=True),

@@ -19,6 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from swarm.deadline import timeout
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -69,7 +71,10 @@ class DHTWatch:
         """Await a DHT call for at most ``timeout_s`` (asyncio.TimeoutError after it). An answer, whatever it says,
         shows the node works; a call that times out when nothing has been answered for ``silent_s`` loses it."""
         try:
-            result = await asyncio.wait_for(call, timeout_s)
+            # (not asyncio.wait_for: on 3.11 it loses a cancellation that comes as the call ends, and a heartbeat
+            # then beat on through its peer's shutdown)
+            async with timeout(timeout_s):
+                result = await call
         except asyncio.TimeoutError:
             silent = time.monotonic() - self._last_answer
             if silent >= self.silent_s:

@@ -181,7 +181,7 @@ class Peer:
             await self._start_rebalancer()
         except BaseException as e:
             await self.shutdown()
-            if isinstance(e, asyncio.CancelledError) and self._dht_watch.lost:
+            if isinstance(e, asyncio.CancelledError) and self.dht_lost.is_set():
                 raise DHTLost(
                     f"peer {self.peer_id} could not start: {self._dht_watch.lost}"
                 ) from None

@@ -56,9 +56,8 @@ class DHTWatch:
 
     def _exited(self) -> None:
         self.stop()  # the sentinel stays readable: one report
-        self._dht.join(
-            timeout=1.0
-        )  # reap it, which sets its exit code (its pipes close a moment before it ends)
+        # reap it, which sets its exit code (its pipes close a moment before it ends)
+        self._dht.join(timeout=1.0)
         code = self._dht.exitcode
         how = (
             f"was killed by signal {-code}"

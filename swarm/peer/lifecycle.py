@@ -183,7 +183,8 @@ class Peer:
             await self.shutdown()
             if isinstance(e, asyncio.CancelledError) and self.dht_lost.is_set():
                 raise DHTLost(
-                    f"peer {self.peer_id} could not start: {self._dht_watch.lost}"
+                    f"peer {self.peer_id} could not start: {self._dht_watch.lost}; start `swarm peer` "
+                    "again (check the log above for why the node ended)"
                 ) from None
             raise
         finally:

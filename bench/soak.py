@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
+from swarm.averaging.optimizer import HAND_OVER_STEPS  # noqa: E402
 from swarm.coordinator.agreement import settled_verdict  # noqa: E402
 from swarm.coordinator.localswarm import LocalSwarm, finished, read_metrics  # noqa: E402
 
@@ -83,7 +84,7 @@ COUNTED_LINES = (
 CAUSES = {
     "behind": "missed its group (its peers' group assembled without it; it loaded their state)",
     "handed": "handed over into the next step (a replica that missed its group, or stepped on its own and loaded "
-    "another state: applied late, up to 4 steps, not lost)",
+    f"another state: applied late, up to {HAND_OVER_STEPS} steps, not lost)",
     "partial": "of those, not handed over: its all-reduce with them returned part of the average only, so their "
     "step very likely holds them (counted lost below, never applied twice)",
     "stepped without its peers' gradients": "found no group within --averaging-timeout-s (stepped on its own, "

@@ -69,9 +69,13 @@ COUNT_MEMORY_STEPS = 2
 # Seconds between step checks while a closed batch's all-reduce group forms (see check_soon): the group is usually
 # in within a few tenths of a second, and each check is cheap.
 CHECK_SOON_S = 0.02
-# The stalest samples a replica that missed its stage's steps hands over into the current one (see _hand_over): a
-# replica frozen for a few steps comes back that far behind; staler gradients are left out.
-HAND_OVER_STEPS = 4
+# The stalest samples a replica that missed its stage's steps hands over into the current one (see _hand_over); staler
+# gradients are left out. A replica frozen for a few steps comes back that far behind, and one that loads its peers'
+# state is often behind again before its next step (they step every ~0.7 s on tiny: the soak lost 16 samples 7 steps
+# stale with a bound of 4). What the staleness costs, bench/results/stale_handover.md: a replica's half of every
+# fourth batch handed over 1, 4, 16 or 64 steps late ends within the seeds' spread of each other and of leaving
+# those samples out (+1.8% to +2.8% above training on whole batches, spread ~1 point).
+HAND_OVER_STEPS = 16
 
 # How often a replica that averages directly reads its stage's progress records (hivemind's tracker: a DHT read), and
 # at most how often it writes its own: they only tell it that its peers stepped past it (it then loads their state), or

@@ -1,10 +1,18 @@
 """How often a replica that averages directly writes its progress record (swarm.averaging.hivemind_private's
 ThrottledEvent, which wakes hivemind's reporting thread): at once when it has not written for the interval, else
-once at the interval's end for any number of reports meanwhile; at once again on shutdown."""
+once at the interval's end for any number of reports meanwhile; at once again on shutdown. And how often it declares
+a higher step as a state donor."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import pytest
+from livepeers import averaging_replicas, until
+
 from swarm.averaging.hivemind_private import ThrottledEvent
+from swarm.averaging.optimizer import DIRECT_PROGRESS_REFRESH_S
 
 
 def test_a_throttled_event_fires_at_once_then_once_per_interval_and_at_once_when_told():
@@ -31,3 +39,50 @@ def test_an_unthrottled_event_is_an_event():
         event.set()
         assert event.is_set()
         event.clear()
+
+
+@pytest.mark.integration
+def test_a_replica_averaging_directly_declares_a_higher_step_as_a_donor_at_most_once_per_interval(
+    loop_thread, boot
+):
+    """A replica's state-sharing priority (its step: whom a newcomer downloads from) is a DHT store; a replica
+    averaging directly raises it at every step, so a rise within DIRECT_PROGRESS_REFRESH_S of the last declaration
+    waits for the next one past it. A fall (a doubtful replica ranking itself below its peers) is declared at once.
+    Read back from the real DHT record newcomers read."""
+
+    async def body():
+        (replica,) = await averaging_replicas(1, "declare", boot, all_reduce="direct")
+        averager = replica.executor.optimizer.opt.state_averager
+        key = f"{averager.prefix}.all_averagers"
+
+        async def declared() -> float | None:
+            found, _ = await asyncio.to_thread(replica.dht.get, key, latest=True) or ({}, None)
+            values = [float(v.value) for v in found.values() if v.value is not None]
+            return values[0] if values else None
+
+        async def shows(value: float) -> bool:
+            return await declared() == value
+
+        try:
+            assert averager.declare_every_s == DIRECT_PROGRESS_REFRESH_S
+            # long enough that the DHT reads below fall within it on a loaded machine
+            averager.declare_every_s = 5.0
+            averager._declared_at = -float("inf")  # whatever was declared at start
+            declared_at = time.monotonic()
+            averager.state_sharing_priority = 5
+            await until(lambda: shows(5), "the first rise is declared at once", timeout_s=4)
+            # within the interval: kept for the next declaration
+            averager.state_sharing_priority = 6
+            assert averager.state_sharing_priority == 6
+            # a declaration takes ~10 ms on loopback: this one never went out
+            await asyncio.sleep(0.5)
+            assert await declared() == 5
+            await asyncio.sleep(max(0.0, declared_at + 5.1 - time.monotonic()))
+            averager.state_sharing_priority = 7  # past the interval: declared, the newest value
+            await until(lambda: shows(7), "a rise past the interval is declared", timeout_s=10)
+            averager.state_sharing_priority = 6.5  # a fall, within the interval: at once
+            await until(lambda: shows(6.5), "a fall is declared at once", timeout_s=10)
+        finally:
+            await replica.shutdown()
+
+    loop_thread.run(body(), timeout_s=120)

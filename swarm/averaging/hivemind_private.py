@@ -327,11 +327,34 @@ class ConsistentStateAverager(TrainingStateAverager):
 
     _loading = False  # inside load_state_from_peers
     _loaded_step: int | None = None
+    # At most one declaration of a higher state-sharing priority per this many seconds (0: one per change, as
+    # hivemind's). Each is a DHT store its DHT process and libp2p daemon carry out, and a replica raises its priority
+    # at every step (its step is its priority); see the setter.
+    declare_every_s = 0.0
+    _declared_at = -float("inf")
 
     def __init__(self, **kwargs):
         # before the base class starts the thread that serves the state
         self.state_lock = threading.Lock()
         super().__init__(**kwargs)
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return TrainingStateAverager.state_sharing_priority.fget(self)
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        """A higher priority within ``declare_every_s`` of the last declaration is declared with the next one (the
+        next step's past the interval, or hivemind's periodic one): a donor that ranks a step too low in the
+        meantime still serves its current state, labelled with its own step. A lower one (a doubtful replica) is
+        declared at once."""
+        now = time.monotonic()
+        if value > self.state_sharing_priority and now - self._declared_at < self.declare_every_s:
+            # Private: the value hivemind's averager process declares; set without waking it
+            self._state_sharing_priority.value = value
+            return
+        self._declared_at = now
+        TrainingStateAverager.state_sharing_priority.fset(self, value)
 
     def get_current_state(self):
         with self.state_lock:

@@ -79,7 +79,7 @@ HAND_OVER_STEPS = 16
 
 # How often a replica that averages directly reads its stage's progress records (hivemind's tracker: a DHT read), and
 # at most how often it writes its own: they only tell it that its peers stepped past it (it then loads their state), or
-# who is left to load from.
+# who is left to load from. Also at most how often it declares a higher step as a state donor.
 DIRECT_PROGRESS_REFRESH_S = 2.0
 
 # A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
@@ -177,6 +177,9 @@ class HivemindStageOptimizer:
         self.opt.grad_averager.step_key = lambda: step_group_bits(self.step)
         self.opt.grad_averager.group_size = self._expected_group
         self.opt.grad_averager.group_wait_s = config.group_wait_s
+        if config.all_reduce == "direct":
+            # Like its progress records: a donor's step a few seconds late still finds its state.
+            self.opt.state_averager.declare_every_s = DIRECT_PROGRESS_REFRESH_S
 
         # hivemind creates Adam's moments with one virtual step on zero gradients. At lr 0 it moved nothing
         # (no decay either); undo its step count, or every later step's bias correction would be off by one.

@@ -80,7 +80,7 @@ HAND_OVER_STEPS = 16
 # How often a replica that averages directly reads its stage's progress records (hivemind's tracker: a DHT read), and
 # at most how often it writes its own: they only tell it that its peers stepped past it (it then loads their state), or
 # who is left to load from. Also at most how often it declares a higher step as a state donor.
-DIRECT_PROGRESS_REFRESH_S = 2.0
+DIRECT_PROGRESS_REFRESH_S = 5.0
 
 # A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
 UNREACHABLE_DONOR_TRIES = 3

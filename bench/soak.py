@@ -15,7 +15,9 @@ What it reports, from the trainer's summary and each peer's per-step log line (p
   (and apart, as "one step late");
 - the share of the stage's steps that averaged the whole global batch (``target`` samples) in that step;
 - whether the replicas of each stage hold the same parameters at the end (``swarm status --json``);
-- tokens/s of the soak against the calm stretch, and the time-weighted share of replicas alive;
+- tokens/s of the soak against the calm stretch, and the time-weighted share of replicas alive; and apart from
+  the stalls (no step for over ``STALL_STEPS`` calm steps' time, each with the fault it followed): a fault's cost in
+  capacity (replicas missing) against its cost in time (timeouts: a frozen replica's calls and close waited out);
 - a loss-curve PNG (calm and soak) under ``docs/``.
 
     .venv/bin/python bench/soak.py [--duration-s 600] [--fault-every-s 20] [--peers-per-stage 3]
@@ -24,6 +26,7 @@ What it reports, from the trainer's summary and each peer's per-step log line (p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -50,6 +53,7 @@ from common import (  # noqa: E402
 from swarm.averaging.optimizer import HAND_OVER_STEPS  # noqa: E402
 from swarm.coordinator.agreement import settled_verdict  # noqa: E402
 from swarm.coordinator.localswarm import LocalSwarm, finished, read_metrics  # noqa: E402
+from swarm.model import MODEL_PRESETS  # noqa: E402
 
 TARGET, MICROBATCH = 32, 8
 PEER_FLAGS = [
@@ -108,7 +112,7 @@ class Soak:
         self.rng = random.Random(seed)
         self.live: dict[int, list[str]] = {0: [], 1: []}
         self.started = 0
-        self.faults: list[tuple[float, str, str]] = []  # (time, kind, peer name)
+        self.faults: list[tuple[float, str, str]] = []  # (wall time, kind, peer name)
         self.alive_samples: list[float] = []  # share of replicas alive, sampled every second
         self.peers_per_stage = peers_per_stage
         self.stop = threading.Event()
@@ -132,7 +136,7 @@ class Soak:
             return
         stage = self.rng.choice(stages)
         name = self.rng.choice(self.live[stage])
-        self.faults.append((time.monotonic(), kind, name))
+        self.faults.append((time.time(), kind, name))
         print(f"  fault: {kind} {name}", flush=True)
         if kind == "freeze":
             self.proc(name).signal(signal.SIGSTOP)
@@ -158,6 +162,52 @@ class Soak:
         while not self.stop.wait(1.0):
             alive = sum(len(v) for v in self.live.values())
             self.alive_samples.append(alive / (2 * self.peers_per_stage))
+
+
+# A gap between two steps of the soak longer than this many calm steps' time is a stall (a timeout waited out);
+# faults that cost capacity only slow the steps down
+STALL_STEPS = 4
+
+
+def stalls(
+    steps: list[dict], calm_step_s: float, faults: list[tuple[float, str, str]]
+) -> list[tuple[float, float, str]]:
+    """The soak's stalls: (start wall time, seconds beyond a calm step, the kind of the last fault before it, or
+    "none" if none came in the 30 s before)."""
+    out = []
+    for before, after in zip(steps, steps[1:]):
+        gap = after["wall_time"] - before["wall_time"]
+        if gap <= STALL_STEPS * calm_step_s:
+            continue
+        start = before["wall_time"]
+        kinds = [kind for at, kind, _ in faults if start - 30.0 <= at <= after["wall_time"]]
+        out.append((start, gap - calm_step_s, kinds[-1] if kinds else "none"))
+    return out
+
+
+def stall_lines(
+    steps: list[dict], calm_step_s: float, faults, tokens_per_step: int, calm_tokens_per_s: float
+) -> list[str]:
+    found = stalls(steps, calm_step_s, faults)
+    total_s = steps[-1]["wall_time"] - steps[0]["wall_time"]
+    stalled_s = sum(s for _, s, _ in found)
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for _, seconds, kind in found:
+        by_kind[kind].append(seconds)
+    outside = tokens_per_step * (len(steps) - 1) / max(total_s - stalled_s, 1e-9)
+    return [
+        f"- stalls (no step for over {STALL_STEPS} calm steps' time, {STALL_STEPS * calm_step_s:.1f} s): "
+        f"{len(found)}, {stalled_s:.0f} s of the soak's {total_s:.0f} s ("
+        + (
+            ", ".join(
+                f"after a {kind}: {len(v)}, {sum(v):.0f} s, longest {max(v):.1f} s"
+                for kind, v in sorted(by_kind.items())
+            )
+            or "none"
+        )
+        + ")",
+        f"- soak tokens/s outside the stalls / calm tokens/s: {outside / calm_tokens_per_s:.2f}",
+    ]
 
 
 HANDED_PART = re.compile(r"(\d+) of step (\d+)")
@@ -304,6 +354,7 @@ def main() -> int:
             for thread in threads:
                 thread.join(timeout=args.freeze_s + 180)
         print(f"soak: {result.describe()}", flush=True)
+        (workdir / "faults.json").write_text(json.dumps(soak.faults))
         verdict, agreement_line = None, ""
         deadline = time.monotonic() + 400  # a status process takes minutes at load 30+
         while verdict is None and time.monotonic() < deadline:
@@ -408,6 +459,13 @@ def main() -> int:
             "",
             f"- soak tokens/s / calm tokens/s: {result.tokens_per_s / calm.tokens_per_s:.2f}; time-weighted share "
             f"of replicas alive during the soak: {alive:.2f}",
+            *stall_lines(
+                read_metrics(soak_metrics).steps,
+                read_metrics(calm_metrics).steps[-1]["time_s"] / args.calm_steps,
+                soak.faults,
+                TARGET * MODEL_PRESETS["tiny"].seq_len,
+                calm.tokens_per_s,
+            ),
             f"- replicas at the end: {'agree' if verdict else 'DISAGREE' if verdict is False else 'unchecked'} "
             f"({agreement_line})",
         ]

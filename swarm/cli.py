@@ -403,10 +403,10 @@ def _dht(args) -> int:
 
 
 def _peer(args) -> int:
-    from swarm.discovery.watch import EXIT_DHT_LOST
+    from swarm.discovery.watch import EXIT_DHT_LOST, DHTLost
     from swarm.peer.config import PeerConfig
     from swarm.peer.heap import bound_heap, trim_heap_forever
-    from swarm.peer.lifecycle import DHTLost, Peer
+    from swarm.peer.lifecycle import Peer
 
     config = config_from_args(PeerConfig, args)
     run = run_config_from_args(args, config.pretrained)
@@ -463,12 +463,19 @@ def _exit_now(code: int) -> None:
 
 
 def _train(args) -> int:
-    from swarm.discovery.watch import EXIT_DHT_LOST
+    from swarm.discovery.watch import EXIT_DHT_LOST, DHTLost
     from swarm.trainer.trainer import Trainer, TrainerConfig
 
     config = config_from_args(TrainerConfig, args)
 
     async def main() -> int:
+        try:
+            return await train(config)
+        except DHTLost as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_DHT_LOST
+
+    async def train(config: TrainerConfig) -> int:
         async with Trainer.open(config) as trainer:
             task = asyncio.ensure_future(trainer.train())
             stopper = asyncio.ensure_future(_until_signal(or_when=trainer.dht_lost))

@@ -147,3 +147,31 @@ def test_a_peer_and_a_trainer_whose_dht_processes_die_say_so_and_exit_for_their_
     finally:
         for p2pd in daemons:
             kill_quietly(p2pd)
+
+
+@pytest.mark.swarm
+def test_a_trainer_whose_dht_process_dies_while_it_starts_says_so_and_exits_at_once(module_swarm):
+    """A trainer still starting (no peer has published its run yet, so it waits for the run's config) when its
+    node's process is killed: it says why and exits with EXIT_DHT_LOST at once, not after --peers-wait-s (before,
+    its DHT calls waited forever, bounded by nothing)."""
+    run = "dhtwatch-unpublished"
+    trainer = module_swarm.trainer(
+        "dhtwatch-opening", run_id=run, **TEST_TRAINER, steps=1, peers_wait_s=600
+    )
+    trainer.wait_for(rf"trainer joined the DHT; reading run '{run}'", timeout_s=120)
+    node, p2pd = dht_process_of(trainer.pid)
+    try:
+        t0 = time.monotonic()
+        os.kill(node, signal.SIGKILL)
+        trainer.wait_for(
+            rf"lost its DHT node: its DHT process \(pid {node}\) was killed by signal 9",
+            timeout_s=30,
+        )
+        code = trainer.popen.wait(timeout=120)
+        waited = time.monotonic() - t0
+        assert code == EXIT_DHT_LOST, (code, "".join(trainer.lines[-20:]))
+        assert waited < 120, waited  # well before its 600 s wait for the run would have ended
+        said = "".join(trainer.lines[-20:])
+        assert "the trainer could not start" in said, said
+    finally:
+        kill_quietly(p2pd)

@@ -30,6 +30,11 @@ T = TypeVar("T")
 EXIT_DHT_LOST = 3
 
 
+class DHTLost(RuntimeError):
+    """A peer's or trainer's DHT node died or stopped answering while it started (the message says which); start it
+    again to rejoin."""
+
+
 class DHTWatch:
     def __init__(self, dht, *, silent_s: float, on_lost: Callable[[str], None]):
         if silent_s <= 0:

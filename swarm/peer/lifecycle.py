@@ -23,7 +23,7 @@ from swarm.averaging.optimizer import CHECK_SOON_S
 from swarm.config import RunConfig
 from swarm.deadline import timeout
 from swarm.discovery.dht import RunDirectory, start_dht, visible_addresses
-from swarm.discovery.watch import EXIT_DHT_LOST, DHTWatch
+from swarm.discovery.watch import EXIT_DHT_LOST, DHTLost, DHTWatch
 from swarm.identity import Identity
 from swarm.model import build_stage, state_digest
 from swarm.model.device import Compute
@@ -74,10 +74,6 @@ DHT_SILENT_S = 60.0
 # What a peer that lost its DHT node allows its shutdown: parts of it may wait on the node (hivemind's optimizer
 # reports its progress on the way out) and would wait forever.
 SHUTDOWN_WITHOUT_DHT_S = 30.0
-
-
-class DHTLost(RuntimeError):
-    """The peer's DHT node died or stopped answering (the message says which); restart the peer to rejoin."""
 
 
 class Peer:

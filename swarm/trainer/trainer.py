@@ -22,7 +22,7 @@ from hivemind.utils import get_dht_time
 from swarm.config import RunConfig
 from swarm.discovery.dht import RunDirectory, start_dht
 from swarm.discovery.records import TrainerRecord
-from swarm.discovery.watch import EXIT_DHT_LOST, DHTWatch
+from swarm.discovery.watch import EXIT_DHT_LOST, DHTLost, DHTWatch
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.data import TrainerData
 from swarm.trainer.metrics import TrainerMetrics
@@ -182,48 +182,28 @@ class Trainer:
             if config.tensorboard_dir is not None:
                 TensorBoardLog.require()
             dht_lost = asyncio.Event()
+            # the task opening the trainer while it does: a lost node cancels it (every DHT call would wait forever)
+            opening = [asyncio.current_task()]
             if dht is None:
                 dht = await asyncio.to_thread(
                     start_dht, config.dht, host=config.host, client_mode=True
                 )
                 stack.callback(dht.shutdown)
                 # its own node's process watched (a node given by the caller is the caller's to watch)
-                watch = DHTWatch(dht, silent_s=math.inf, on_lost=_say_dht_lost(dht_lost))
+                watch = DHTWatch(dht, silent_s=math.inf, on_lost=_say_dht_lost(dht_lost, opening))
                 watch.start()
                 stack.callback(watch.stop)  # before the node's shutdown ends its process
-            directory = RunDirectory(dht, config.run_id, run_owner=config.dht.run_owner)
-            run = await directory.wait_for_run(timeout_s=config.peers_wait_s)
-            identity = directory.identity
-            trainer_id = identity.peer_id if identity is not None else uuid.uuid4().hex[:16]
-            data = await asyncio.to_thread(TrainerData.open, config, run, trainer_id)
-            pipeline = Pipeline(
-                directory, run, config=config.pipeline, routing=config.routing, seed=data.seed
-            )
-            stack.push_async_callback(pipeline.close)
-            await pipeline.start()
-            await pipeline.wait_for_peers(timeout_s=config.peers_wait_s)
-            trainer = cls(config, pipeline, data, run, trainer_id=trainer_id)
+            try:
+                trainer = await cls._join(config, dht, stack)
+            except asyncio.CancelledError:
+                if dht_lost.is_set():
+                    raise DHTLost(
+                        f"the trainer could not start: {watch.lost}; start `swarm train` again (check the log "
+                        "above for why the node ended)"
+                    ) from None
+                raise
+            opening.clear()
             trainer.dht_lost = dht_lost
-            if config.tensorboard_dir is not None:
-                trainer.tensorboard = TensorBoardLog(
-                    config.tensorboard_dir, run_id=config.run_id, trainer_id=trainer.trainer_id
-                )
-                stack.callback(trainer.tensorboard.close)
-                logger.info(
-                    "trainer %s writes TensorBoard scalars to %s",
-                    trainer.trainer_id,
-                    trainer.tensorboard.path,
-                )
-            if config.metrics_port is not None:
-                metrics = TrainerMetrics(trainer)
-                trainer.metrics_port = metrics.serve(config.host, config.metrics_port)
-                stack.callback(metrics.close)
-                logger.info(
-                    "trainer %s serves Prometheus metrics at http://%s:%d/metrics",
-                    trainer.trainer_id,
-                    config.host,
-                    trainer.metrics_port,
-                )
             if config.heartbeat_s > 0:
                 heartbeat = asyncio.create_task(
                     trainer._announce_forever(), name="trainer-heartbeat"
@@ -237,6 +217,49 @@ class Trainer:
 
                 stack.push_async_callback(stop_heartbeat)
             yield trainer
+
+    @classmethod
+    async def _join(cls, config: TrainerConfig, dht, stack: contextlib.AsyncExitStack) -> Trainer:
+        """The part of ``open`` that reads the DHT: the run config, the data, the stages' peers; its metrics and
+        logs."""
+        logger.info(
+            "trainer joined the DHT; reading run '%s' (up to %.0f s for it and its stages' peers)",
+            config.run_id,
+            config.peers_wait_s,
+        )
+        directory = RunDirectory(dht, config.run_id, run_owner=config.dht.run_owner)
+        run = await directory.wait_for_run(timeout_s=config.peers_wait_s)
+        identity = directory.identity
+        trainer_id = identity.peer_id if identity is not None else uuid.uuid4().hex[:16]
+        data = await asyncio.to_thread(TrainerData.open, config, run, trainer_id)
+        pipeline = Pipeline(
+            directory, run, config=config.pipeline, routing=config.routing, seed=data.seed
+        )
+        stack.push_async_callback(pipeline.close)
+        await pipeline.start()
+        await pipeline.wait_for_peers(timeout_s=config.peers_wait_s)
+        trainer = cls(config, pipeline, data, run, trainer_id=trainer_id)
+        if config.tensorboard_dir is not None:
+            trainer.tensorboard = TensorBoardLog(
+                config.tensorboard_dir, run_id=config.run_id, trainer_id=trainer.trainer_id
+            )
+            stack.callback(trainer.tensorboard.close)
+            logger.info(
+                "trainer %s writes TensorBoard scalars to %s",
+                trainer.trainer_id,
+                trainer.tensorboard.path,
+            )
+        if config.metrics_port is not None:
+            metrics = TrainerMetrics(trainer)
+            trainer.metrics_port = metrics.serve(config.host, config.metrics_port)
+            stack.callback(metrics.close)
+            logger.info(
+                "trainer %s serves Prometheus metrics at http://%s:%d/metrics",
+                trainer.trainer_id,
+                config.host,
+                trainer.metrics_port,
+            )
+        return trainer
 
     # ------------------------------------------------------------------ training
 
@@ -570,7 +593,7 @@ async def _gather_or_cancel(coros):
         raise
 
 
-def _say_dht_lost(lost: asyncio.Event):
+def _say_dht_lost(lost: asyncio.Event, opening: list[asyncio.Task]):
     def on_lost(reason: str) -> None:
         logger.error(
             "the trainer lost its DHT node: %s. It can no longer find the stages' peers: it stops (`swarm train` "
@@ -579,5 +602,7 @@ def _say_dht_lost(lost: asyncio.Event):
             EXIT_DHT_LOST,
         )
         lost.set()
+        for task in opening:  # still starting
+            task.cancel()
 
     return on_lost

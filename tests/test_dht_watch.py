@@ -57,6 +57,17 @@ def kill_quietly(pid: int) -> None:
         pass
 
 
+def kill_node(proc, node: int) -> tuple[int, float]:
+    """SIGKILL ``proc``'s DHT process ``node``; once ``proc`` said why, wait for its exit: (its code, seconds after
+    the kill)."""
+    t0 = time.monotonic()
+    os.kill(node, signal.SIGKILL)
+    proc.wait_for(
+        rf"lost its DHT node: its DHT process \(pid {node}\) was killed by signal 9", timeout_s=30
+    )
+    return proc.popen.wait(timeout=120), time.monotonic() - t0
+
+
 def test_the_watch_reports_a_node_whose_process_died(loop_thread):
     dht = start_dht(DHTConfig())
     _, p2pd = dht_process_of(os.getpid())
@@ -129,16 +140,8 @@ def test_a_peer_and_a_trainer_whose_dht_processes_die_say_so_and_exit_for_their_
             node, p2pd = dht_process_of(proc.pid)
             daemons.append(p2pd)
             others = [c for c in children(proc.pid) if c != node]
-            t0 = time.monotonic()
-            os.kill(node, signal.SIGKILL)
-            proc.wait_for(
-                rf"lost its DHT node: its DHT process \(pid {node}\) was killed by signal 9",
-                timeout_s=30,
-            )
-            code = proc.popen.wait(timeout=120)
-            print(
-                f"{proc.name} exited {time.monotonic() - t0:.1f}s after its DHT process was killed"
-            )
+            code, waited = kill_node(proc, node)
+            print(f"{proc.name} exited {waited:.1f}s after its DHT process was killed")
             assert code == EXIT_DHT_LOST, (proc.name, code, "".join(proc.lines[-20:]))
             # its averaging processes went with it; torch's shared-memory manager goes when its last client has
             left = [pid for pid in others if not gone_within(pid, 10.0)]
@@ -161,14 +164,7 @@ def test_a_trainer_whose_dht_process_dies_while_it_starts_says_so_and_exits_at_o
     trainer.wait_for(rf"trainer joined the DHT; reading run '{run}'", timeout_s=120)
     node, p2pd = dht_process_of(trainer.pid)
     try:
-        t0 = time.monotonic()
-        os.kill(node, signal.SIGKILL)
-        trainer.wait_for(
-            rf"lost its DHT node: its DHT process \(pid {node}\) was killed by signal 9",
-            timeout_s=30,
-        )
-        code = trainer.popen.wait(timeout=120)
-        waited = time.monotonic() - t0
+        code, waited = kill_node(trainer, node)
         assert code == EXIT_DHT_LOST, (code, "".join(trainer.lines[-20:]))
         assert waited < 120, waited  # well before its 600 s wait for the run would have ended
         said = "".join(trainer.lines[-20:])

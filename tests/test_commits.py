@@ -7,13 +7,15 @@ import asyncio
 import functools
 import time
 
+import grpc
 import pytest
+from livepeers import closed_port
 
 import swarm.trainer.commits as commits
 from swarm.errors import GradientsDropped, TransportError
 from swarm.proto import swarm_pb2 as pb
 from swarm.trainer.commits import COMMIT_TIMEOUT_S, Outcome, asked_where_it_is, commit_outcome
-from swarm.transport.client import Reply
+from swarm.transport.client import PeerClient, Reply
 
 
 def reply_with(confirmation, answers: list, *, hold_s: float = 5.0) -> tuple[Reply, list]:
@@ -154,3 +156,70 @@ def test_a_reply_without_a_commit_is_left_as_it_is():
     reply = Reply(pb.ReplyMeta(), {})
     assert asked_where_it_is(reply, lambda: pytest.fail("asked for a client")) is reply
     assert reply.commit_again is None
+
+
+def unavailable(text: str) -> TransportError:
+    """The error a Commit RPC ends with when the peer's connection is refused or its channel broke."""
+    error = TransportError(text)
+    error.status = grpc.StatusCode.UNAVAILABLE
+    return error
+
+
+def test_a_peer_whose_address_refuses_connections_is_not_asked_through_its_hold():
+    """Killed between its reply and the commit: nothing listens at its address, so it can count nothing more and the
+    rest of its hold would tell nothing. The outcome is unknown at once (the soak's kill mid-commit held its batch
+    ~13 s waiting out the hold)."""
+    probes: list[bool] = []
+
+    async def go():
+        reply, calls = reply_with(TransportError("reset"), [unavailable("refused")], hold_s=30.0)
+
+        async def gone() -> bool:
+            probes.append(True)
+            return True
+
+        reply.gone = gone
+        got = await commit_outcome(reply)
+        return got, calls, time.monotonic() < reply.hold_until
+
+    got, calls, within_hold = asyncio.run(go())
+    assert (got, len(calls), probes, within_hold) == (Outcome.UNKNOWN, 1, [True], True)
+
+
+def test_a_peer_whose_port_still_accepts_connections_is_asked_until_it_answers(quick):
+    """Frozen (its port open: the kernel accepts for it), or busy: asked on, its address probed after each
+    UNAVAILABLE, until it answers."""
+    probes: list[bool] = []
+
+    async def go():
+        answers = [unavailable("keepalive"), unavailable("keepalive"), True]
+        reply, calls = reply_with(TransportError("reset"), answers, hold_s=30.0)
+
+        async def gone() -> bool:
+            probes.append(False)
+            return False
+
+        reply.gone = gone
+        return await commit_outcome(reply), calls
+
+    got, calls = asyncio.run(go())
+    assert (got, len(calls), len(probes)) == (Outcome.APPLIED, 3, 2)
+
+
+def test_a_commit_to_a_real_closed_port_ends_unknown_at_once():
+    """Through a real client and a real port nothing listens at (where a killed peer served): the Commit RPC fails
+    UNAVAILABLE, the probe finds the port refusing, and the outcome is unknown long before the hold's end."""
+
+    async def go():
+        client = PeerClient(f"127.0.0.1:{closed_port()}")
+        try:
+            reply, _ = reply_with(TransportError("reset"), [], hold_s=30.0)
+            reply.commit_key = ("run", 1, "mb-9", 2)
+            reply.commit_again = functools.partial(client.commit, *reply.commit_key)
+            reply.endpoint = client.endpoint
+            got = await commit_outcome(asked_where_it_is(reply, lambda: None))
+            return got, time.monotonic() < reply.hold_until
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) == (Outcome.UNKNOWN, True)

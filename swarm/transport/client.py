@@ -50,6 +50,9 @@ class Reply:
     # What the commit names, PeerClient.commit's arguments before the timeout (run id, stage, microbatch id,
     # batch step): to ask the same peer at another address (swarm.trainer.commits.asked_where_it_is).
     commit_key: tuple = ()
+    endpoint: str = ""  # where the call went
+    # Whether the peer is gone: its address refuses connections (set by asked_where_it_is; None: not asked).
+    gone: Callable[[], Awaitable[bool]] | None = None
 
 
 class PeerClient:
@@ -248,6 +251,7 @@ class PeerClient:
             meta.batch_step if meta.HasField("batch_step") else None,
         )
         reply.commit_again = functools.partial(self.commit, *reply.commit_key)
+        reply.endpoint = self.endpoint
         return reply
 
     async def commit(

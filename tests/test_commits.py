@@ -223,3 +223,24 @@ def test_a_commit_to_a_real_closed_port_ends_unknown_at_once():
             await client.close()
 
     assert asyncio.run(go()) == (Outcome.UNKNOWN, True)
+
+
+def test_a_relayed_peer_whose_relay_refuses_is_asked_on_until_its_new_address_answers(quick):
+    """Its relay died (the address refuses) but the peer lives on behind another relay, holding the gradient: its
+    record names a relay's address, so the refusal is not taken for its end; asked on, it answers there."""
+
+    async def go():
+        reply, calls = reply_with(
+            TransportError("relay gone"),
+            [unavailable("refused"), unavailable("refused"), True],
+            hold_s=30.0,
+        )
+        reply.commit_key = ("run", 1, "mb-3", 2)
+        reply.endpoint = (
+            f"127.0.0.1:{closed_port()}"  # the dead relay's port: a probe would find it refusing
+        )
+        asked = asked_where_it_is(reply, lambda: None, own_address=lambda: False)
+        return await commit_outcome(asked), calls
+
+    got, calls = asyncio.run(go())
+    assert (got, len(calls)) == (Outcome.APPLIED, 3)

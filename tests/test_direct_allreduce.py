@@ -19,6 +19,7 @@ from livepeers import (
 )
 
 from swarm.averaging.direct import OwnedParts, part_spans
+from swarm.averaging.optimizer import DIRECT_PROGRESS_REFRESH_S
 from swarm.errors import AllReduceFailed, InvalidRequest, SwarmError
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
@@ -206,9 +207,11 @@ def test_a_group_naming_a_dead_replica_fails_and_the_next_close_averages_the_liv
             await one_microbatch(living[0], seed=0)
             await one_microbatch(living[1], seed=1)
             held = [await _sums(r) for r in living]
-            # (a direct replica writes its progress record at most every 2 s: tests/test_progress_reports.py)
+            # (a direct replica writes its progress record at most every DIRECT_PROGRESS_REFRESH_S:
+            # tests/test_progress_reports.py)
             assert all(
-                r.executor.optimizer.opt.tracker.should_report_progress.interval_s == 2.0
+                r.executor.optimizer.opt.tracker.should_report_progress.interval_s
+                == DIRECT_PROGRESS_REFRESH_S
                 for r in replicas
             )
             records = {r.peer_id: live_record(r) for r in replicas}

@@ -47,10 +47,16 @@ AFTER_HOLD_S = 3.0
 GONE_PROBE_TIMEOUT_S = 2.0
 
 
-def asked_where_it_is(reply: Reply, client_now: Callable[[], PeerClient | None]) -> Reply:
+def asked_where_it_is(
+    reply: Reply,
+    client_now: Callable[[], PeerClient | None],
+    *,
+    own_address: Callable[[], bool] = lambda: True,
+) -> Reply:
     """``reply`` with its Commit RPC asked at the peer's current address each time: ``client_now()`` is the client
     of the address its newest record announces (None: no record, ask where the call went). A peer behind NAT
-    serves at another relay's endpoint once its relay dies, and still holds the gradients there."""
+    serves at another relay's endpoint once its relay dies, and still holds the gradients there: its address
+    refusing connections says nothing of it (``own_address()`` False: it is not probed, see ``Reply.gone``)."""
     first = reply.commit_again
     if first is None or not reply.commit_key:
         return reply
@@ -62,6 +68,8 @@ def asked_where_it_is(reply: Reply, client_now: Callable[[], PeerClient | None])
         return await client.commit(*reply.commit_key, timeout_s)
 
     async def gone() -> bool:
+        if not own_address():
+            return False
         client = client_now()
         endpoint = reply.endpoint if client is None else client.endpoint
         return bool(endpoint) and await refuses(endpoint, timeout_s=GONE_PROBE_TIMEOUT_S)

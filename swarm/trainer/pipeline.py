@@ -351,7 +351,12 @@ class Pipeline(PeerLists):
             record = self.records[stage].get(peer)
             return None if record is None else self.clients.get(PeerAddress.of(record))
 
-        return asked_where_it_is(reply, client_now)
+        def own_address() -> bool:
+            """Whether its newest record names its own address, not a relay's (nor none: its record expired)."""
+            record = self.records[stage].get(peer)
+            return record is not None and not record.relay_peer_id
+
+        return asked_where_it_is(reply, client_now, own_address=own_address)
 
     async def _gradient_refused(
         self,

@@ -403,7 +403,7 @@ def _dht(args) -> int:
 
 
 def _peer(args) -> int:
-    from swarm.discovery.watch import EXIT_DHT_LOST, DHTLost
+    from swarm.discovery.watch import EXIT_DHT_LOST
     from swarm.peer.config import PeerConfig
     from swarm.peer.heap import bound_heap, trim_heap_forever
     from swarm.peer.lifecycle import Peer
@@ -413,11 +413,7 @@ def _peer(args) -> int:
     bound_heap()  # what callers make this process allocate goes back to the system when freed
 
     async def main() -> int:
-        try:
-            peer = await Peer.create(config, run=run)
-        except DHTLost as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            return EXIT_DHT_LOST
+        peer = await Peer.create(config, run=run)
         trimming = asyncio.create_task(trim_heap_forever())
         try:
             print(
@@ -439,11 +435,19 @@ def _peer(args) -> int:
 
 
 def _run_or_exit_now(coro) -> int:
-    """:func:`_run`, but a command that stopped because its DHT node was lost ends the process at once: threads that
-    still wait on the node would hold the interpreter's exit."""
-    from swarm.discovery.watch import EXIT_DHT_LOST
+    """:func:`_run`, but a command that stopped because its DHT node was lost (or could not start for that reason:
+    DHTLost, said in one line) ends the process at once: threads that still wait on the node would hold the
+    interpreter's exit."""
+    from swarm.discovery.watch import EXIT_DHT_LOST, DHTLost
 
-    code = _run(coro)
+    async def run() -> int:
+        try:
+            return await coro
+        except DHTLost as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_DHT_LOST
+
+    code = _run(run())
     if code == EXIT_DHT_LOST:
         _exit_now(code)
     return code
@@ -463,19 +467,12 @@ def _exit_now(code: int) -> None:
 
 
 def _train(args) -> int:
-    from swarm.discovery.watch import EXIT_DHT_LOST, DHTLost
+    from swarm.discovery.watch import EXIT_DHT_LOST
     from swarm.trainer.trainer import Trainer, TrainerConfig
 
     config = config_from_args(TrainerConfig, args)
 
     async def main() -> int:
-        try:
-            return await train(config)
-        except DHTLost as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            return EXIT_DHT_LOST
-
-    async def train(config: TrainerConfig) -> int:
         async with Trainer.open(config) as trainer:
             task = asyncio.ensure_future(trainer.train())
             stopper = asyncio.ensure_future(_until_signal(or_when=trainer.dht_lost))

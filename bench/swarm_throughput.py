@@ -39,6 +39,7 @@ from swarm.coordinator.launcher import ProcessGroup  # noqa: E402
 from swarm.coordinator.localswarm import LocalSwarm, wait_ready  # noqa: E402
 from swarm.data import ByteCorpus, DataConfig  # noqa: E402
 from swarm.model import MODEL_PRESETS  # noqa: E402
+from swarm.peer.heap import bound_heap  # noqa: E402
 from swarm.trainer.reference import train_reference  # noqa: E402
 
 MICROBATCH = 8  # sequences per microbatch (BENCHMARKS.md)
@@ -398,6 +399,7 @@ def main() -> None:
     )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-bench-"))
     all_threads = torch.get_num_threads()
+    bound_heap()  # the one process allocates as the peers do (swarm.peer.heap)
     corpus = ByteCorpus.load(DataConfig())
     print(f"logs in {workdir}; corpus: {corpus.describe()}", flush=True)
 
@@ -440,6 +442,12 @@ def main() -> None:
         f"one process: `train_reference` (the swarm's twin: microbatch {MICROBATCH}, target batch {TARGET_BATCH}, "
         f"per-stage AdamW, lr {LR} with the swarm's schedule), at 1 and {all_threads} torch threads, about "
         f"{args.local_seconds:g}s each after 1 warmup batch",
+        "heap: the peers and the one process use swarm.peer.heap's malloc settings"
+        + "".join(
+            f", {name}={os.environ[name]} from the environment (peers and one process)"
+            for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+            if name in os.environ
+        ),
     ]
     notes = [
         f"All processes share this machine's {os.cpu_count()} cores: a swarm of 2 stages x 2 peers runs 4 peer "

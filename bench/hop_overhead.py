@@ -42,6 +42,7 @@ from swarm.compression import CODEC_NAMES, get_codec  # noqa: E402
 from swarm.config import RunConfig  # noqa: E402
 from swarm.model import ModelConfig  # noqa: E402
 from swarm.peer.config import PeerConfig  # noqa: E402
+from swarm.peer.heap import bound_heap  # noqa: E402
 from swarm.peer.lifecycle import Peer  # noqa: E402
 from swarm.proto import PROTOCOL_VERSION  # noqa: E402
 from swarm.proto import swarm_pb2 as pb  # noqa: E402
@@ -276,6 +277,7 @@ def serve_peer_process(conn, peer_config: PeerConfig, run: RunConfig, raws: list
     logging.basicConfig(level=logging.WARNING)
     # a spawned child inherits "spawn" as its start method; the peer's DHT process forks, as in `swarm peer`
     multiprocessing.set_start_method("fork", force=True)
+    bound_heap()
     loop = LoopThread("peer-loop")
     servers = []
     peer = loop.run(Peer.create(peer_config, run=run))
@@ -357,6 +359,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "hop_overhead.md")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    bound_heap()  # the heap settings of a peer process (`swarm peer` sets them)
     command = ".venv/bin/python bench/hop_overhead.py" + "".join(
         f" {shlex.quote(a)}" for a in sys.argv[1:]
     )

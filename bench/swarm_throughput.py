@@ -444,7 +444,7 @@ def main() -> None:
         f"{args.local_seconds:g}s each after 1 warmup batch",
         "heap: the peers and the one process use swarm.peer.heap's malloc settings"
         + "".join(
-            f", {name}={os.environ[name]} from the environment (peers and one process)"
+            f", {name}={os.environ[name]} from the environment"
             for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
             if name in os.environ
         ),

@@ -410,7 +410,7 @@ def _peer(args) -> int:
 
     config = config_from_args(PeerConfig, args)
     run = run_config_from_args(args, config.pretrained)
-    bound_heap()  # what callers make this process allocate goes back to the system when freed
+    bound_heap()  # freed memory is reused while computing, and trimmed back every few seconds
 
     async def main() -> int:
         peer = await Peer.create(config, run=run)

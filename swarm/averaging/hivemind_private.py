@@ -357,8 +357,25 @@ class ConsistentStateAverager(TrainingStateAverager):
         TrainingStateAverager.state_sharing_priority.fset(self, value)
 
     def get_current_state(self):
+        """The state as it is now, copied under the lock. hivemind's ``param.cpu()`` is the live tensor itself for a
+        stage on the CPU (and so is every optimizer statistic there): the averager process that streams the state to
+        the downloading replica reads it seconds later, through shared memory, while this replica's next optimizer
+        steps write it, and the replica that loads it ends up with parameters of two steps. A stage on a GPU gets
+        fresh copies from ``.cpu()`` and copies nothing more."""
         with self.state_lock:
-            return super().get_current_state()
+            metadata, tensors, infos = super().get_current_state()
+            live = {t.untyped_storage().data_ptr() for t in self._live_tensors()}
+            tensors = [t.clone() if t.untyped_storage().data_ptr() in live else t for t in tensors]
+            return metadata, tensors, infos
+
+    def _live_tensors(self):
+        """Every tensor the state is read from: the optimized parameters, the extra tensors and the optimizer's
+        statistics."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+        yield from self.extra_tensors
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def load_state_from_peers(self, **kwargs) -> int | None:
         """hivemind's download from the most advanced peer (it refuses a state older than this replica's step),

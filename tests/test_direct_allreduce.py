@@ -390,3 +390,40 @@ def test_a_replica_named_alone_with_nothing_while_its_peer_is_a_step_ahead_takes
                 await r.shutdown()
 
     assert loop_thread.run(body(), timeout_s=300) == 1
+
+
+def test_a_replica_named_alone_with_samples_while_its_peer_is_a_step_ahead_takes_its_state_and_hands_them_over(
+    loop_thread, boot
+):
+    """As above, but the replica behind holds samples of the step its peer took without it (a frozen replica thawed
+    one step behind, say). Stepping alone on them, it took a second step 0 of its own, and the stage ran on with two
+    models: the later all-reduces give both the same average, but never the same parameters (CI: two replicas ended
+    a run at the same step with different digests). It takes its peer's state, and its samples join step 1."""
+
+    async def body():
+        async def refresh() -> None:
+            pass
+
+        run_id = RUN_ID + "-overtaken"
+        ahead, behind = await averaging_replicas(2, run_id, boot, all_reduce="direct")
+        clients = ClientPool()
+        try:
+            await one_microbatch(ahead, seed=0)
+            ahead.executor.close_batch(0, replicas=1)
+            await until_step(ahead, 1, "the first replica stepped alone on its part of the batch")
+            await one_microbatch(behind, seed=1)  # the other part, at the replica still at step 0
+            records = {r.peer_id: live_record(r) for r in (ahead, behind)}
+            steps = StageSteps([{}, records], clients, run_id, refresh=refresh, refresh_s=1.0)
+            await steps.close_batch(
+                [None, 0]
+            )  # names `behind` alone for step 0, the stage at step 1
+            await until_step(behind, 1, "the replica behind took its peer's state", timeout_s=30)
+            await assert_one_state([ahead, behind])
+            return behind.executor.optimizer.opt.grad_averager.carried
+        finally:
+            await clients.close()
+            for r in (ahead, behind):
+                await r.shutdown()
+
+    # its samples of batch 0 wait for step 1, late, as batch 0's
+    assert loop_thread.run(body(), timeout_s=300) == {0: B}

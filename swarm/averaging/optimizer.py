@@ -160,6 +160,9 @@ class HivemindStageOptimizer:
         self._closed_at = (-1, 0.0)
         # the furthest step a trainer's close said a replica of the stage holds (see close_batch, _peers_ahead)
         self._peers_step = -1
+        self._rejoined = (
+            -1
+        )  # the last step this replica left to take its peers' state (see _maybe_step_direct)
         # Whether this replica's endpoint may be gone without its knowing yet (a relayed replica whose relay was not
         # heard for a while: see swarm.peer.relaying); set by the peer, called on the compute thread.
         self.endpoint_in_doubt: Callable[[], bool] = lambda: False
@@ -606,11 +609,21 @@ class HivemindStageOptimizer:
             else self._closed_through >= self.step and self._replicas.get(self.step) == 1
         )
         peers_at = self._peers_ahead()
-        if peers_at > self.step and (group is None or (alone and self.local_samples == 0)):
+        # Named alone although the same close found a replica of the stage past this step (its step is taken,
+        # without this replica): stepping alone would give this replica a second, different step of the same number,
+        # and the stage two models for the rest of the run (averaging later steps never brings them together; a
+        # frozen replica thawed, took its peer's state one step behind, and its trainer, finding it alone at that
+        # step, named it alone). It takes their state and hands its samples over instead, once per step: if no
+        # donor is left to load from, it steps alone after all (its peers are gone, its state is the stage's).
+        overtaken = alone and self._peers_step > self.step and self._rejoined != self.step
+        if peers_at > self.step and (
+            group is None or (alone and self.local_samples == 0) or overtaken
+        ):
             # A peer stepped past this step, and this replica has no group of it to take part in, or nothing to
             # step on alone: take their state. (Named alone with nothing, it waited for nothing: a trainer closing
             # the step again while its peer waited in the next step's all-reduce named it alone each time; a soak's
             # replica sat there 30 s and its peer stepped without its gradients.)
+            self._rejoined = self.step
             self._rejoin_peers(peers_at)
             return True
         if alone:

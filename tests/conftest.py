@@ -277,13 +277,37 @@ def measuring_swarm(module_swarm) -> Iterator[LocalSwarm]:
     module_swarm.stop_peers()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the test item (``item.report_call``...): fixtures read whether the test failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+# What a failed swarm test prints of each process's log: CI keeps only pytest's output, not the logs.
+LOG_TAIL_LINES, LOG_LINE_CHARS = 40, 400
+
+
+def print_log_tails(directory) -> None:
+    """The last lines of every log under ``directory`` (captured: pytest shows them with the failure)."""
+    for log in sorted(directory.rglob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        print(f"----- {log.relative_to(directory)} (last {len(lines)} lines)")
+        for line in lines:
+            print(line[:LOG_LINE_CHARS])
+
+
 @pytest.fixture
-def local_swarm(tmp_path) -> Iterator[LocalSwarm]:
+def local_swarm(tmp_path, request) -> Iterator[LocalSwarm]:
     swarm = LocalSwarm(tmp_path)
     try:
         yield swarm
     finally:
         swarm.close()
+        report = getattr(request.node, "report_call", None)
+        if report is not None and report.failed:
+            print_log_tails(tmp_path)
 
 
 STAGE = 3  # the stage index the routing tests use

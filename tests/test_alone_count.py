@@ -28,15 +28,12 @@ def test_a_replica_is_told_it_is_alone_only_when_another_left(loop_thread, boot)
     config = averaging_replica("count0", boot, matchmaking_s=1.0)
 
     async def body() -> tuple[dict[int, int], dict[int, int]]:
-        async def refresh() -> None:
-            pass
-
         peer = await Peer.create(config, run=RUN)
         clients = ClientPool()
         try:
             live = live_record(peer)
             records = [{}, {live.peer_id: live}]
-            steps = StageSteps(records, clients, "count0", refresh=refresh, refresh_s=1.0)
+            steps = StageSteps(records, clients, "count0")
             counted = peer.executor.optimizer._replicas
             # The other replicas' records are missing: no count
             await steps.close_batch([None, 0])
@@ -70,9 +67,6 @@ def test_a_replica_is_told_it_is_alone_when_another_moved_to_another_stage_or_dr
     config = averaging_replica("count1", boot, matchmaking_s=1.0)
 
     async def body() -> list[dict[int, int]]:
-        async def refresh() -> None:
-            pass
-
         peer = await Peer.create(config, run=RUN)
         clients = ClientPool()
         counts = []
@@ -85,7 +79,7 @@ def test_a_replica_is_told_it_is_alone_when_another_moved_to_another_stage_or_dr
                     record_wire(peer_id=left, stage=1, step=0, averaging=True)
                 )
                 records = [{}, {live.peer_id: live}]
-                steps = StageSteps(records, clients, "count1", refresh=refresh, refresh_s=1.0)
+                steps = StageSteps(records, clients, "count1")
                 steps.replied(1, 0, left)  # it served stage 1 with the live replica
                 if left == "moved":
                     records[0][left] = dataclasses.replace(other, stage=0)

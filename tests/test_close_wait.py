@@ -21,17 +21,12 @@ RUN_ID = "closewait"
 
 def test_a_close_that_waits_is_answered_with_the_step_it_waited_for(loop_thread, boot):
     async def body():
-        async def refresh() -> None:
-            pass
-
         (peer,) = await averaging_replicas(1, RUN_ID, boot, matchmaking_s=1.0)
         clients = ClientPool()
         client = PeerClient(peer.address)
         try:
             record = live_record(peer)
-            steps = StageSteps(
-                [{}, {record.peer_id: record}], clients, RUN_ID, refresh=refresh, refresh_s=1.0
-            )
+            steps = StageSteps([{}, {record.peer_id: record}], clients, RUN_ID)
             # Nothing to step on yet: the wait ends at its bound with the step as it is.
             idle = (
                 await client.close_batch(RUN_ID, 1, 0, 0, timeout_s=30, wait_for_step_s=0.5)

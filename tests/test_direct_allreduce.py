@@ -123,9 +123,6 @@ def test_replicas_average_with_the_group_the_close_names_and_refuse_strangers(lo
     are refused with what is wrong, and the replicas go on serving."""
 
     async def body():
-        async def refresh() -> None:
-            pass
-
         replicas = await averaging_replicas(3, RUN_ID, boot, all_reduce="direct")
         clients = ClientPool()
         try:
@@ -165,7 +162,7 @@ def test_replicas_average_with_the_group_the_close_names_and_refuse_strangers(lo
                 await as_member.close()
 
             records = {r.peer_id: live_record(r) for r in replicas}
-            steps = StageSteps([{}, records], clients, RUN_ID, refresh=refresh, refresh_s=1.0)
+            steps = StageSteps([{}, records], clients, RUN_ID)
             await steps.close_batch([None, 0], wait_for_step_s=20.0)
             for r in replicas:
                 await until_step(r, 1, "the replica stepped on the group's average")
@@ -195,9 +192,6 @@ def test_a_group_naming_a_dead_replica_fails_and_the_next_close_averages_the_liv
     StageSteps finds the dead one refusing) names the two, and they step together on their samples."""
 
     async def body():
-        async def refresh() -> None:
-            pass
-
         replicas = await averaging_replicas(
             3, RUN_ID + "-dead", boot, all_reduce="direct", chunk_timeout_s=1.0
         )
@@ -226,9 +220,7 @@ def test_a_group_naming_a_dead_replica_fails_and_the_next_close_averages_the_liv
                 opt = r.executor.optimizer
                 await until_step_or_failed(opt)
                 failed.append((opt.step, opt.retry_round(0) > 0))
-            steps = StageSteps(
-                [{}, records], clients, RUN_ID + "-dead", refresh=refresh, refresh_s=1.0
-            )
+            steps = StageSteps([{}, records], clients, RUN_ID + "-dead")
             await steps.close_batch([None, 0], wait_for_step_s=20.0)
             for r in living:
                 await until_step(r, 1, "the living replicas stepped on the second group")
@@ -329,11 +321,8 @@ def test_a_group_that_failed_on_a_moment_of_silence_runs_again_in_a_new_round(lo
             await until_step_or_failed(silent.executor.optimizer)
             failed = [(r.executor.step, r.executor.optimizer.retry_round(0)) for r in replicas]
 
-            async def refresh() -> None:
-                pass
-
             records = {r.peer_id: live_record(r) for r in replicas}
-            steps = StageSteps([{}, records], clients, run_id, refresh=refresh, refresh_s=1.0)
+            steps = StageSteps([{}, records], clients, run_id)
             stepped = await steps.wait_for_stage_steps([0, 1], stall_s=30.0, every_replica=True)
             await assert_one_state(replicas)
             return held, failed, stepped, steps._round(1, 0), [await _averaged(r) for r in replicas]
@@ -365,9 +354,6 @@ def test_a_replica_named_alone_with_nothing_while_its_peer_is_a_step_ahead_takes
     the next step, which named it, failed)."""
 
     async def body():
-        async def refresh() -> None:
-            pass
-
         run_id = RUN_ID + "-behind"
         ahead, behind = await averaging_replicas(2, run_id, boot, all_reduce="direct")
         clients = ClientPool()
@@ -376,7 +362,7 @@ def test_a_replica_named_alone_with_nothing_while_its_peer_is_a_step_ahead_takes
             ahead.executor.close_batch(0, replicas=1)  # the trainer found it alone: it steps alone
             await until_step(ahead, 1, "the first replica stepped alone on the batch")
             records = {r.peer_id: live_record(r) for r in (ahead, behind)}
-            steps = StageSteps([{}, records], clients, run_id, refresh=refresh, refresh_s=1.0)
+            steps = StageSteps([{}, records], clients, run_id)
             await steps.close_batch(
                 [None, 0]
             )  # names `behind` alone for step 0, the stage at step 1
@@ -401,9 +387,6 @@ def test_a_replica_named_alone_with_samples_while_its_peer_is_a_step_ahead_takes
     a run at the same step with different digests). It takes its peer's state, and its samples join step 1."""
 
     async def body():
-        async def refresh() -> None:
-            pass
-
         run_id = RUN_ID + "-overtaken"
         ahead, behind = await averaging_replicas(2, run_id, boot, all_reduce="direct")
         clients = ClientPool()
@@ -413,7 +396,7 @@ def test_a_replica_named_alone_with_samples_while_its_peer_is_a_step_ahead_takes
             await until_step(ahead, 1, "the first replica stepped alone on its part of the batch")
             await one_microbatch(behind, seed=1)  # the other part, at the replica still at step 0
             records = {r.peer_id: live_record(r) for r in (ahead, behind)}
-            steps = StageSteps([{}, records], clients, run_id, refresh=refresh, refresh_s=1.0)
+            steps = StageSteps([{}, records], clients, run_id)
             await steps.close_batch(
                 [None, 0]
             )  # names `behind` alone for step 0, the stage at step 1

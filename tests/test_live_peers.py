@@ -32,6 +32,7 @@ from livepeers import (
     params,
     step_last,
     tokens,
+    until,
     wait_for_records,
 )
 
@@ -48,6 +49,7 @@ from swarm.errors import PeerDraining, StageUnavailable
 from swarm.model import build_stage
 from swarm.peer.lifecycle import Peer
 from swarm.states import PeerState
+from swarm.trainer.peerlists import ANSWERED_KEEPS_S
 from swarm.trainer.pipeline import Pipeline
 from swarm.transport.client import PeerClient
 
@@ -85,6 +87,47 @@ def test_a_killed_peers_record_expires_within_its_ttl_and_is_no_longer_routed(pe
 
     listed, routed, known = loop_thread.run(body())
     assert listed == routed == known == {keeper.peer_id}
+
+
+def test_a_peer_that_answers_stays_routed_while_the_dht_has_lost_its_record(peers, loop_thread):
+    """A DHT slow to store or read (one frozen node among its neighbours makes each request to it wait out its
+    timeout) loses records of peers that serve. The trainer keeps routing to a peer it knew that answers it (a
+    reply or Info of the last ANSWERED_KEEPS_S, or its Info at the refresh), and drops it once it stops answering.
+    Here the peer's heartbeat is stopped, so its record really expires in the real DHT while the peer serves."""
+    keeper, quiet = peers("sticky", 0), peers("sticky", 0)
+
+    async def body():
+        directory = RunDirectory(keeper.dht, "sticky")
+        pipeline = Pipeline(directory, RUN)
+        try:
+            await pipeline.refresh()
+            assert set(pipeline.records[0]) == {keeper.peer_id, quiet.peer_id}
+            (heartbeat,) = [
+                t for t in asyncio.all_tasks() if t.get_name() == f"announce-{quiet.peer_id}"
+            ]
+            heartbeat.cancel()
+
+            async def unlisted() -> bool:
+                await pipeline.refresh()
+                return quiet.peer_id not in await directory.stage_records(0)
+
+            await until(unlisted, "its record expires in the DHT", timeout_s=TTL_S * 4)
+            # silent past ANSWERED_KEEPS_S: the refresh asks its Info, and it answers
+            await asyncio.sleep(ANSWERED_KEEPS_S)
+            await pipeline.refresh()
+            kept = set(pipeline.records[0]), set(pipeline.router.peers(0))
+            await (
+                quiet.shutdown()
+            )  # now it refuses: dropped once its last answer is ANSWERED_KEEPS_S old
+            await asyncio.sleep(ANSWERED_KEEPS_S)
+            await pipeline.refresh()
+            return kept, set(pipeline.records[0]), set(pipeline.router.peers(0))
+        finally:
+            await pipeline.close()
+
+    (kept_records, kept_routed), records, routed = loop_thread.run(body())
+    assert kept_records == kept_routed == {keeper.peer_id, quiet.peer_id}
+    assert records == routed == {keeper.peer_id}
 
 
 # ---------------------------------------------------------------------------------------------- status

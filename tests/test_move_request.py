@@ -60,13 +60,8 @@ def test_a_replica_that_moved_is_not_counted_in_its_old_stage(peers, loop_thread
     )
 
     async def body():
-        async def refresh() -> None:
-            pass
-
         clients = ClientPool()
-        steps = StageSteps(
-            [{peer.peer_id: stale}, {}], clients, "moved", refresh=refresh, refresh_s=1
-        )
+        steps = StageSteps([{peer.peer_id: stale}, {}], clients, "moved")
         try:
             await steps.poll()
             return steps.stage_steps(), steps.stage_steps(every_replica=True)

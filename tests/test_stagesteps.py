@@ -25,11 +25,8 @@ def _record(peer_id: str, stage: int, *, step: int, averaging: bool, state=PeerS
 
 
 def _steps(*stages: list[StageRecord]) -> StageSteps:
-    async def refresh() -> None:
-        pass
-
     records = [{r.peer_id: r for r in stage} for stage in stages]
-    return StageSteps(records, clients=None, run_id="r", refresh=refresh, refresh_s=1.0)
+    return StageSteps(records, clients=None, run_id="r")
 
 
 @pytest.mark.unit
@@ -116,14 +113,9 @@ def test_a_replica_gone_before_its_stage_stepped_has_its_gradients_computed_agai
     holdings.add(1, 2, "drained", "mb-d", redo("mb-d"))
 
     async def close() -> None:
-        async def refresh() -> None:
-            pass
-
         clients = ClientPool()
         records = [{}, {r.peer_id: r for r in (live, gone, drained)}]
-        steps = StageSteps(
-            records, clients, RUN_ID, refresh=refresh, refresh_s=1.0, holdings=holdings
-        )
+        steps = StageSteps(records, clients, RUN_ID, holdings=holdings)
         try:
             await steps.close_batch([None, 2])
             await steps.close_batch([None, 2])  # a second close finds nothing more to do
@@ -195,14 +187,9 @@ def test_a_replica_holding_samples_of_the_batch_is_counted_when_its_record_has_e
     holdings.add(1, 1, b.peer_id, "mb-b", never)
 
     async def close() -> None:
-        async def refresh() -> None:
-            pass
-
         clients = ClientPool()
         records = [{}, {rec_a.peer_id: rec_a, rec_b.peer_id: rec_b}]
-        steps = StageSteps(
-            records, clients, RUN_ID, refresh=refresh, refresh_s=1.0, holdings=holdings
-        )
+        steps = StageSteps(records, clients, RUN_ID, holdings=holdings)
         try:
             await steps.close_batch([None, 0])  # both listed
             del records[1][

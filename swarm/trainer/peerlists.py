@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 # How long a "draining" seen in a reply outweighs a DHT record that still says "serving".
 DRAINING_MEMORY_S = 30.0
+# How long after a peer last answered this trainer its record is kept without asking it, once the DHT no longer
+# lists it (a peer's default record lifetime, swarm.peer.config): see PeerLists.refresh.
+ANSWERED_KEEPS_S = 5.0
 
 
 class PeerLists:
@@ -27,6 +30,7 @@ class PeerLists:
 
     async def refresh(self) -> None:
         fingerprint = self.run.fingerprint()
+        started = time.monotonic()
         stages, listed = await asyncio.gather(
             self.directory.all_stages(self.num_stages), read_caller_list(self.directory)
         )
@@ -40,6 +44,27 @@ class PeerLists:
         except Exception as e:  # route on the last verdicts
             logger.warning("reading the run's ban reports failed: %s", e)
         now = time.monotonic()
+        if now - started > self.config.refresh_s:
+            logger.debug("reading the peer lists from the DHT took %.1fs", now - started)
+        # A peer this trainer knew that this read does not list, but that answers it, serves: a DHT slow to read or
+        # to store (one frozen node among the neighbours makes every request to it wait out its timeout) leaves out
+        # records that expire meanwhile. Dropped, every peer of a stage could vanish at once, and the trainer stopped
+        # sending work and closing batches where it was answered (test_averaging's kill/freeze test: a lockstep
+        # trainer found no peer listed, seconds at a time, while one replica was frozen). Its last record is kept
+        # while it answers: a call or Info of the last ANSWERED_KEEPS_S, or else its Info now (a frozen peer does
+        # not answer, a killed one refuses: both are dropped).
+        listed_anywhere = {pid for found in stages for pid in found}
+        unlisted = [
+            (stage, record)
+            for stage in range(self.num_stages)
+            for pid, record in self.records[stage].items()
+            if pid not in listed_anywhere and (listed_ids is None or pid in listed_ids)
+        ]
+        answering = await asyncio.gather(
+            *(self._answers_still(stage, record, now) for stage, record in unlisted)
+        )
+        kept = [unlisted[i] for i, ok in enumerate(answering) if ok]
+        now = time.monotonic()
         for stage, found in enumerate(stages):
             compatible = {
                 pid: r
@@ -48,9 +73,26 @@ class PeerLists:
                 and (listed_ids is None or pid in listed_ids)
                 and self._dialable(r)
             }
+            compatible.update({r.peer_id: r for k, r in kept if k == stage})
+            if logger.isEnabledFor(logging.DEBUG) and set(compatible) != set(self.records[stage]):
+                logger.debug(
+                    "stage %d: peers %s (were %s; kept unlisted, answering: %s)",
+                    stage,
+                    sorted(compatible),
+                    sorted(self.records[stage]),
+                    sorted(r.peer_id for k, r in kept if k == stage),
+                )
             self.records[stage] = compatible
             self._update_router(stage, now)
+        self.steps.forget_answers(older_than_s=ANSWERED_KEEPS_S, now=now)
         self._refreshed.set()
+
+    async def _answers_still(self, stage: int, record: StageRecord, now: float) -> bool:
+        """Whether the peer of ``record`` answered this trainer as a replica of ``stage`` in the last
+        ANSWERED_KEEPS_S, or answers its Info now."""
+        if self.steps.silent_for(stage, record.peer_id, now) < ANSWERED_KEEPS_S:
+            return True
+        return await self.steps.answers(stage, record)
 
     def _dialable(self, record: StageRecord) -> bool:
         """Whether this trainer can call the peer: directly, or through the relay it announces. A relayed one

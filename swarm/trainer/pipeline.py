@@ -93,8 +93,6 @@ class Pipeline(PeerLists):
             self.records,
             self.clients,
             directory.run_id,
-            refresh=self.refresh,
-            refresh_s=config.refresh_s,
             holdings=self.holdings,
         )
         # (stage, peer) -> when a reply said "draining"; trusted until the DHT catches up

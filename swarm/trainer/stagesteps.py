@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -51,13 +51,10 @@ class StageSteps:
         clients: ClientPool,
         run_id: str,
         *,
-        refresh: Callable[[], Awaitable[None]],
-        refresh_s: float,
         holdings: Holdings | None = None,
     ):
         self.records, self.clients, self.run_id = records, clients, run_id
         self.holdings = holdings
-        self._refresh, self.refresh_s = refresh, refresh_s
         # the highest optimizer step any reply of each stage carried
         self._replied_steps = [0] * len(records)
         # (stage, peer id) -> the optimizer step its Info answered while the trainer waited for its stage to step, or
@@ -77,6 +74,9 @@ class StageSteps:
         # stage -> (batch step, round): the try at that step's group to name next, raised past a round whose direct
         # all-reduce a member answered failed (CloseBatchReply.retry_round; see close_batch)
         self._rounds: dict[int, tuple[int, int]] = {}
+        # (stage, peer id) -> when it last answered this trainer as a replica of that stage (a call's reply, a
+        # close's, its Info): the peer lists keep a record the DHT lost while its peer answers (see PeerLists.refresh)
+        self.answered: dict[tuple[int, str], float] = {}
 
     def replied(self, stage: int, step: int, peer: str | None = None) -> None:
         """A reply of ``stage`` said its replica (``peer``, if known) is at optimizer step ``step``: the trainer
@@ -85,7 +85,16 @@ class StageSteps:
         if peer is not None:
             key = (stage, peer)
             self._polled_steps[key] = max(self._polled_steps.get(key, 0), step)
+            self.answered[key] = time.monotonic()
         self._news.set()
+
+    def silent_for(self, stage: int, peer: str, now: float) -> float:
+        """Seconds since ``peer`` last answered this trainer as a replica of ``stage`` (inf: never)."""
+        return now - self.answered.get((stage, peer), -math.inf)
+
+    def forget_answers(self, *, older_than_s: float, now: float) -> None:
+        """Forget who answered longer ago than ``older_than_s``: in a long run, peers come and go by the hundred."""
+        self.answered = {k: t for k, t in self.answered.items() if now - t < older_than_s}
 
     def stages_average(self) -> bool:
         """Whether every serving replica of every stage averages with its stage (``swarm peer``'s default):
@@ -130,7 +139,7 @@ class StageSteps:
         targets is complete: a stage that is behind is closed again every ``RECLOSE_EVERY_S`` with a fresh count of
         its replicas (one that died since the batch was closed would otherwise be waited for)."""
         deadline, last = time.monotonic() + stall_s, None
-        reclosed = refreshed = time.monotonic()
+        reclosed = time.monotonic()
         while True:
             self._news.clear()
             steps = self.stage_steps(every_replica=every_replica)
@@ -156,12 +165,10 @@ class StageSteps:
             # DHT records to say it: in lockstep training every batch waits here. A close still waiting for a
             # replica's step (CLOSE_WAIT_FOR_STEP_S) ends this wait as soon as it is answered.
             await asyncio.gather(*(self._poll_steps(k) for k in behind))
-            if time.monotonic() - refreshed >= self.refresh_s:
-                await self._refresh()
-                refreshed = time.monotonic()
-            else:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._news.wait(), STEP_POLL_S)
+            # (the pipeline refreshes the records meanwhile: a DHT read here would hold this wait as long as the DHT
+            # takes, seconds when one of its nodes is frozen)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._news.wait(), STEP_POLL_S)
 
     async def poll(self) -> None:
         """Read every serving replica's step from its Info now: the steps the DHT records say may be a heartbeat
@@ -172,21 +179,23 @@ class StageSteps:
         """Read the optimizer step of each serving replica of ``stage`` from its Info (best effort: one that does
         not answer keeps the step its record says)."""
 
-        async def poll(record: StageRecord) -> None:
-            try:
-                info = await self.clients.get(PeerAddress.of(record)).info(
-                    self.run_id, timeout_s=STEP_POLL_TIMEOUT_S
-                )
-            except SwarmError as e:
-                # refused or reset (not a deadline: a frozen or busy peer may come back): the process is gone
-                if getattr(e, "status", None) == grpc.StatusCode.UNAVAILABLE:
-                    self._gone.add(record.peer_id)
-                return
-            self._gone.discard(record.peer_id)
-            self._saw_step(stage, record, info)
-
         serving = [r for r in self.records[stage].values() if r.state == PeerState.SERVING]
-        await asyncio.gather(*(poll(r) for r in serving))
+        await asyncio.gather(*(self.answers(stage, r) for r in serving))
+
+    async def answers(self, stage: int, record: StageRecord) -> bool:
+        """Whether the peer of ``record`` answers its Info now, as a replica of ``stage`` (its step noted). Best
+        effort, within STEP_POLL_TIMEOUT_S."""
+        try:
+            info = await self.clients.get(PeerAddress.of(record)).info(
+                self.run_id, timeout_s=STEP_POLL_TIMEOUT_S
+            )
+        except SwarmError as e:
+            # refused or reset (not a deadline: a frozen or busy peer may come back): the process is gone
+            if getattr(e, "status", None) == grpc.StatusCode.UNAVAILABLE:
+                self._gone.add(record.peer_id)
+            return False
+        self._gone.discard(record.peer_id)
+        return self._saw_step(stage, record, info)
 
     async def close_batch(
         self, batch_steps: list[int | None], *, wait_for_step_s: float = 0.0
@@ -386,6 +395,7 @@ class StageSteps:
             return False
         key = (stage, record.peer_id)
         self._polled_steps[key] = max(self._polled_steps.get(key, 0), info.step)
+        self.answered[key] = time.monotonic()
         if info.state == PeerState.SERVING:
             self._draining.discard(key)  # back (a restarted replica keeps its id)
         return True

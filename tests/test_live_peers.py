@@ -60,15 +60,25 @@ pytestmark = pytest.mark.integration
 # ---------------------------------------------------------------------------------------------- TTL
 
 
+@contextlib.asynccontextmanager
+async def routed_pair(keeper, other, run_id: str):
+    """A trainer's pipeline over ``run_id`` and the run's directory, once the pipeline routes to both peers of
+    stage 0."""
+    directory = RunDirectory(keeper.dht, run_id)
+    pipeline = Pipeline(directory, RUN)
+    try:
+        await pipeline.refresh()
+        assert set(pipeline.router.peers(0)) == {keeper.peer_id, other.peer_id}
+        yield directory, pipeline
+    finally:
+        await pipeline.close()
+
+
 def test_a_killed_peers_record_expires_within_its_ttl_and_is_no_longer_routed(peers, loop_thread):
     keeper, victim = peers("ttl", 0), peers("ttl", 0)
 
     async def body():
-        directory = RunDirectory(keeper.dht, "ttl")
-        pipeline = Pipeline(directory, RUN)
-        try:
-            await pipeline.refresh()
-            assert set(pipeline.router.peers(0)) == {keeper.peer_id, victim.peer_id}
+        async with routed_pair(keeper, victim, "ttl") as (directory, pipeline):
             killed_at = time.monotonic()
             # killed, not drained: no goodbye, its last heartbeat stays in the DHT
             await victim.shutdown()
@@ -82,8 +92,6 @@ def test_a_killed_peers_record_expires_within_its_ttl_and_is_no_longer_routed(pe
             after = await directory.stage_records(0)
             await pipeline.refresh()
             return set(after), set(pipeline.router.peers(0)), set(pipeline.records[0])
-        finally:
-            await pipeline.close()
 
     listed, routed, known = loop_thread.run(body())
     assert listed == routed == known == {keeper.peer_id}
@@ -97,11 +105,7 @@ def test_a_peer_that_answers_stays_routed_while_the_dht_has_lost_its_record(peer
     keeper, quiet = peers("sticky", 0), peers("sticky", 0)
 
     async def body():
-        directory = RunDirectory(keeper.dht, "sticky")
-        pipeline = Pipeline(directory, RUN)
-        try:
-            await pipeline.refresh()
-            assert set(pipeline.records[0]) == {keeper.peer_id, quiet.peer_id}
+        async with routed_pair(keeper, quiet, "sticky") as (directory, pipeline):
             (heartbeat,) = [
                 t for t in asyncio.all_tasks() if t.get_name() == f"announce-{quiet.peer_id}"
             ]
@@ -116,14 +120,11 @@ def test_a_peer_that_answers_stays_routed_while_the_dht_has_lost_its_record(peer
             await asyncio.sleep(ANSWERED_KEEPS_S)
             await pipeline.refresh()
             kept = set(pipeline.records[0]), set(pipeline.router.peers(0))
-            await (
-                quiet.shutdown()
-            )  # now it refuses: dropped once its last answer is ANSWERED_KEEPS_S old
+            # now it refuses: dropped once its last answer is ANSWERED_KEEPS_S old
+            await quiet.shutdown()
             await asyncio.sleep(ANSWERED_KEEPS_S)
             await pipeline.refresh()
             return kept, set(pipeline.records[0]), set(pipeline.router.peers(0))
-        finally:
-            await pipeline.close()
 
     (kept_records, kept_routed), records, routed = loop_thread.run(body())
     assert kept_records == kept_routed == {keeper.peer_id, quiet.peer_id}

@@ -368,9 +368,8 @@ def test_a_replica_named_alone_while_its_peer_is_a_step_ahead_takes_its_peers_st
             ahead.executor.close_batch(0, replicas=1)  # the trainer found it alone: it steps alone
             await until_step(ahead, 1, "the first replica stepped alone on its part of the batch")
             if holds_samples:
-                await one_microbatch(
-                    behind, seed=1
-                )  # the other part, at the replica still at step 0
+                # the other part, at the replica still at step 0
+                await one_microbatch(behind, seed=1)
             records = {r.peer_id: live_record(r) for r in (ahead, behind)}
             steps = StageSteps([{}, records], clients, run_id)
             await steps.close_batch(

@@ -160,9 +160,8 @@ class HivemindStageOptimizer:
         self._closed_at = (-1, 0.0)
         # the furthest step a trainer's close said a replica of the stage holds (see close_batch, _peers_ahead)
         self._peers_step = -1
-        self._rejoined = (
-            -1
-        )  # the last step this replica left to take its peers' state (see _maybe_step_direct)
+        # the last step this replica left to take its peers' state (see _maybe_step_direct)
+        self._rejoined = -1
         # Whether this replica's endpoint may be gone without its knowing yet (a relayed replica whose relay was not
         # heard for a while: see swarm.peer.relaying); set by the peer, called on the compute thread.
         self.endpoint_in_doubt: Callable[[], bool] = lambda: False

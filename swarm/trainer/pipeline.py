@@ -166,10 +166,13 @@ class Pipeline(PeerLists):
         tokens: torch.Tensor,
         batch_steps: list[int] | None = None,
         params_steps: list[int] | None = None,
+        on_settled: Callable[[int], None] | None = None,
     ) -> MicrobatchResult:
         """Forward and backward of one microbatch of int64 (B, T+1) windows; returns its mean loss.
         ``batch_steps[k]``: the optimizer step of stage k whose global batch this microbatch belongs to;
         ``params_steps[k]``: the step whose parameters stage k computes it with (None: each replica's current).
+        ``on_settled(k)``: called as soon as stage k's gradient of it is counted (a later stage's comes first, while
+        the earlier stages still compute theirs), so the trainer can close a stage's batch before the others'.
         In push mode a microbatch sampled for spot-checks (or with peers others reported in the run) goes relayed,
         every stage of it checked: only the relayed path sees the activations."""
         check_all = False
@@ -180,8 +183,6 @@ class Pipeline(PeerLists):
         x, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
         samples = x.shape[0]
         failures_before = self.failed_calls
-        # (stage, reply of its gradient call, how to compute that gradient again) for each stage
-        held: list[tuple[int, Reply, str, Callable[[], Awaitable[tuple[Reply, str]]]]] = []
         stage_inputs: list[torch.Tensor] = []
         forward_peers: list[str] = []
         last = self.num_stages - 1
@@ -240,50 +241,14 @@ class Pipeline(PeerLists):
                 break
             h = _tensor(reply, "output", peer)
             stage += 1
-        held.append((last, reply, peer, functools.partial(self._call, last, cost, attempt)))
-        loss = reply.meta.loss
-        grad = reply.tensors.get("grad_input")
-        for stage in reversed(range(self.num_stages - 1)):
-            if grad is None:
-                raise SwarmError(
-                    f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}"
-                )
-            attempt = self.calls.backward(
-                stage,
-                microbatch_id,
-                grad,
-                stage_inputs[stage],
-                x,
-                forward_peers[stage],
-                tags[stage],
-                pins[stage],
-            )
-            cost = samples * BACKWARD_COST
-            # Computed again, it is a backward with the inputs (no peer keeps them after a backward): the peer
-            # recomputes the forward too.
-            with_inputs = self.calls.backward_with_inputs(
-                stage, microbatch_id, grad, stage_inputs[stage], x, tags[stage], pins[stage]
-            )
-            recompute = functools.partial(
-                self._call, stage, samples * (FORWARD_COST + BACKWARD_COST), with_inputs
-            )
-            try:
-                reply, peer = await self._call(stage, cost, attempt, preferred=forward_peers[stage])
-            except GradientOutlier as e:
-                second = await self._gradient_refused(
-                    stage, microbatch_id, e, held[-1][2], samples, with_inputs
-                )
-                if second is None:
-                    break  # this microbatch counts at the stages after this one only
-                reply, peer = second
-            held.append((stage, reply, peer, recompute))
-            grad = reply.tensors.get("grad_input")
-        settled = await asyncio.gather(
-            *(self._settle(microbatch_id, *entry) for entry in held), return_exceptions=True
-        )
-        if errors := [e for e in settled if isinstance(e, BaseException)]:
-            raise errors[0]
-        for (stage, _, _, recompute), counted_at in zip(held, settled):
+        # Each stage's commit settles in the background as soon as its gradient call answers (one round trip,
+        # overlapped with the rest of the backward pass); once counted, the trainer holds what it takes to compute
+        # it again (swarm.trainer.holdings) and ``on_settled`` hears that the stage is done with this microbatch.
+        settling: list[asyncio.Future] = []
+        held_by = []  # the peer whose gradient call answered, for each stage from the last one down
+
+        async def settle(stage: int, reply: Reply, peer: str, recompute) -> None:
+            counted_at = await self._settle(microbatch_id, stage, reply, peer, recompute)
             self.holdings.add(
                 stage,
                 tags[stage],
@@ -291,6 +256,62 @@ class Pipeline(PeerLists):
                 microbatch_id,
                 functools.partial(self._redo, microbatch_id, stage, recompute),
             )
+            if on_settled is not None:
+                on_settled(stage)
+
+        def hold(stage: int, reply: Reply, peer: str, recompute) -> None:
+            settling.append(asyncio.ensure_future(settle(stage, reply, peer, recompute)))
+            held_by.append(peer)
+
+        try:
+            hold(last, reply, peer, functools.partial(self._call, last, cost, attempt))
+            loss = reply.meta.loss
+            grad = reply.tensors.get("grad_input")
+            for stage in reversed(range(self.num_stages - 1)):
+                if grad is None:
+                    raise SwarmError(
+                        f"stage {stage + 1} returned no input gradient for microbatch {microbatch_id}"
+                    )
+                attempt = self.calls.backward(
+                    stage,
+                    microbatch_id,
+                    grad,
+                    stage_inputs[stage],
+                    x,
+                    forward_peers[stage],
+                    tags[stage],
+                    pins[stage],
+                )
+                cost = samples * BACKWARD_COST
+                # Computed again, it is a backward with the inputs (no peer keeps them after a backward): the peer
+                # recomputes the forward too.
+                with_inputs = self.calls.backward_with_inputs(
+                    stage, microbatch_id, grad, stage_inputs[stage], x, tags[stage], pins[stage]
+                )
+                recompute = functools.partial(
+                    self._call, stage, samples * (FORWARD_COST + BACKWARD_COST), with_inputs
+                )
+                try:
+                    reply, peer = await self._call(
+                        stage, cost, attempt, preferred=forward_peers[stage]
+                    )
+                except GradientOutlier as e:
+                    second = await self._gradient_refused(
+                        stage, microbatch_id, e, held_by[-1], samples, with_inputs
+                    )
+                    if second is None:
+                        break  # this microbatch counts at the stages after this one only
+                    reply, peer = second
+                hold(stage, reply, peer, recompute)
+                grad = reply.tensors.get("grad_input")
+        except BaseException:
+            for future in settling:
+                future.cancel()
+            await asyncio.gather(*settling, return_exceptions=True)
+            raise
+        settled = await asyncio.gather(*settling, return_exceptions=True)
+        if errors := [e for e in settled if isinstance(e, BaseException)]:
+            raise errors[0]
         return MicrobatchResult(
             loss=loss,
             samples=samples,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -298,7 +299,9 @@ class Trainer:
                         launched, first_steps, waiting_on_replies=bool(pending)
                     ):
                         break
-                    task = asyncio.create_task(self._train_microbatch(launched, first_steps))
+                    task = asyncio.create_task(
+                        self._train_microbatch(launched, first_steps, batches)
+                    )
                     pending[task] = launched
                     launched += 1
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -346,14 +349,19 @@ class Trainer:
         )
         return True
 
-    def _train_microbatch(self, index: int, first_steps: list[int]):
-        """The coroutine of microbatch ``index``: fresh training samples, tagged with each stage's step."""
+    def _train_microbatch(self, index: int, first_steps: list[int], batches: _BatchCloser):
+        """The coroutine of microbatch ``index``: fresh training samples, tagged with each stage's step; each
+        stage's part of it counts toward closing that stage's batch as soon as it is committed."""
         cfg = self.config
         tokens = self.data.feed.next_batch(cfg.microbatch_size, self.run.model.seq_len)
         batch = index // self._per_step
         batch_steps = [first + batch for first in first_steps]
         return self.pipeline.train_microbatch(
-            self._microbatch_id(), tokens, batch_steps, self._param_steps(batch, first_steps)
+            self._microbatch_id(),
+            tokens,
+            batch_steps,
+            self._param_steps(batch, first_steps),
+            on_settled=functools.partial(batches.settled, index),
         )
 
     def _param_steps(self, batch: int, first_steps: list[int]) -> list[int] | None:
@@ -555,26 +563,48 @@ def _duration(seconds: float) -> str:
 
 
 class _BatchCloser:
-    """Closes each global batch at the stages once all its microbatches are in (their gradients committed at every
-    stage): see :meth:`StageSteps.close_batch`. Batches close in the background, in any order."""
+    """Closes each global batch at each stage once all its microbatches are in at that stage (their gradients
+    committed there): see :meth:`StageSteps.close_batch`. A later stage closes first, while the earlier ones still
+    compute their part of the batch's last microbatches: its all-reduce and step are then off the path to the next
+    batch, which waits for every stage. Batches close in the background, in any order."""
 
     def __init__(self, pipeline: Pipeline, per_step: int, first_steps: list[int]):
         self.pipeline, self.per_step, self.first_steps = pipeline, per_step, first_steps
-        self._done: dict[int, int] = {}  # global batch -> microbatches of it completed
+        # microbatch in flight -> the stages it was counted at so far
+        self._early: dict[int, set[int]] = {}
+        # (global batch, stage) -> microbatches of it in there
+        self._done: dict[tuple[int, int], int] = {}
         self._tasks: set[asyncio.Task] = set()
 
+    def settled(self, index: int, stage: int) -> None:
+        """Microbatch ``index``'s gradient is committed at ``stage`` (it is still in flight)."""
+        stages = self._early.setdefault(index, set())
+        if stage not in stages:
+            stages.add(stage)
+            self._count(index, stage)
+
     def completed(self, index: int) -> None:
+        """Microbatch ``index`` is done at every stage (a stage it skipped, its gradient refused there, counts as
+        done: the batch is closed without it)."""
+        early = self._early.pop(index, set())
+        for stage in range(len(self.first_steps)):
+            if stage not in early:
+                self._count(index, stage)
+
+    def _count(self, index: int, stage: int) -> None:
         batch = index // self.per_step
-        self._done[batch] = self._done.get(batch, 0) + 1
-        if self._done[batch] == self.per_step:
-            del self._done[batch]
-            steps = [first + batch for first in self.first_steps]
-            task = asyncio.create_task(
-                self.pipeline.steps.close_batch(steps, wait_for_step_s=CLOSE_WAIT_FOR_STEP_S),
-                name=f"close-{batch}",
-            )
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        done = self._done[batch, stage] = self._done.get((batch, stage), 0) + 1
+        if done < self.per_step:
+            return
+        del self._done[batch, stage]
+        steps: list[int | None] = [None] * len(self.first_steps)
+        steps[stage] = self.first_steps[stage] + batch
+        task = asyncio.create_task(
+            self.pipeline.steps.close_batch(steps, wait_for_step_s=CLOSE_WAIT_FOR_STEP_S),
+            name=f"close-{batch}-stage-{stage}",
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         """Let the closes sent finish (each is bounded by its deadline)."""

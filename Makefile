@@ -30,7 +30,7 @@ compose: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The unit and integration tiers (no multi-process swarm, no namespaces; see tests/conftest.py): under 2 minutes.
+# The unit and integration tiers (no multi-process swarm, no namespaces; see tests/conftest.py): 7-10 minutes on 2 cores.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "unit or integration"
 

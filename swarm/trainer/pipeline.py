@@ -245,7 +245,6 @@ class Pipeline(PeerLists):
         # overlapped with the rest of the backward pass); once counted, the trainer holds what it takes to compute
         # it again (swarm.trainer.holdings) and ``on_settled`` hears that the stage is done with this microbatch.
         settling: list[asyncio.Future] = []
-        held_by = []  # the peer whose gradient call answered, for each stage from the last one down
 
         async def settle(stage: int, reply: Reply, peer: str, recompute) -> None:
             counted_at = await self._settle(microbatch_id, stage, reply, peer, recompute)
@@ -259,12 +258,12 @@ class Pipeline(PeerLists):
             if on_settled is not None:
                 on_settled(stage)
 
-        def hold(stage: int, reply: Reply, peer: str, recompute) -> None:
-            settling.append(asyncio.ensure_future(settle(stage, reply, peer, recompute)))
-            held_by.append(peer)
-
         try:
-            hold(last, reply, peer, functools.partial(self._call, last, cost, attempt))
+            settling.append(
+                asyncio.ensure_future(
+                    settle(last, reply, peer, functools.partial(self._call, last, cost, attempt))
+                )
+            )
             loss = reply.meta.loss
             grad = reply.tensors.get("grad_input")
             for stage in reversed(range(self.num_stages - 1)):
@@ -296,13 +295,14 @@ class Pipeline(PeerLists):
                         stage, cost, attempt, preferred=forward_peers[stage]
                     )
                 except GradientOutlier as e:
+                    # (``peer``: the one of the stage after, whose gradient this stage refused)
                     second = await self._gradient_refused(
-                        stage, microbatch_id, e, held_by[-1], samples, with_inputs
+                        stage, microbatch_id, e, peer, samples, with_inputs
                     )
                     if second is None:
                         break  # this microbatch counts at the stages after this one only
                     reply, peer = second
-                hold(stage, reply, peer, recompute)
+                settling.append(asyncio.ensure_future(settle(stage, reply, peer, recompute)))
                 grad = reply.tensors.get("grad_input")
         except BaseException:
             for future in settling:

@@ -1,7 +1,7 @@
 """How often a replica that averages directly writes its progress record (swarm.averaging.hivemind_private's
 ThrottledEvent, which wakes hivemind's reporting thread): at once when it has not written for the interval, else
 once at the interval's end for any number of reports meanwhile; at once again on shutdown. And how often it declares
-a higher step as a state donor."""
+a higher step as a state donor, and how often it reads its stage's records."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import pytest
+from hivemind.utils import get_dht_time
 from livepeers import averaging_replicas, until
 
 from swarm.averaging.hivemind_private import ThrottledEvent
@@ -84,5 +85,55 @@ def test_a_replica_averaging_directly_declares_a_higher_step_as_a_donor_at_most_
             await until(lambda: shows(6.5), "a fall is declared at once", timeout_s=10)
         finally:
             await replica.shutdown()
+
+    loop_thread.run(body(), timeout_s=120)
+
+
+class _CountedReads:
+    """A DHT whose ``get`` calls are counted (the tracker's thread reads the stage's records through it)."""
+
+    def __init__(self, dht, key: str):
+        self._dht, self._key, self.reads = dht, key, 0
+
+    def get(self, key, *args, **kwargs):
+        self.reads += key == self._key
+        return self._dht.get(key, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._dht, name)
+
+
+@pytest.mark.integration
+def test_a_replica_averaging_directly_reads_its_stages_records_once_per_interval_unless_asked_sooner(
+    loop_thread, boot
+):
+    """hivemind's tracker reads the stage's progress records as often as every ``min_refresh_period`` when it
+    expects the batch to fill soon (five DHT reads a second per replica at tiny's pace). A replica averaging directly
+    reads them every DIRECT_PROGRESS_REFRESH_S, peers or none, and at once when asked (a newcomer waiting to see its
+    peers' step, a replica looking for a donor)."""
+
+    async def body():
+        replicas = await averaging_replicas(2, "reads", boot, all_reduce="direct")
+        tracker = replicas[0].executor.optimizer.opt.tracker
+        counted = tracker.dht = _CountedReads(tracker.dht, tracker.training_progress_key)
+        try:
+            assert tracker.read_every_s == DIRECT_PROGRESS_REFRESH_S
+            tracker.read_soon()
+            await until(lambda: counted.reads >= 1, "a read when asked", timeout_s=10)
+            await until(
+                lambda: tracker.global_progress.num_peers == 2, "both records read", timeout_s=30
+            )
+            # the read that saw both records scheduled the next one an interval later
+            read_at = time.monotonic()
+            reads = counted.reads
+            ahead = tracker.global_progress.next_fetch_time - get_dht_time()
+            assert DIRECT_PROGRESS_REFRESH_S - 1.0 < ahead <= DIRECT_PROGRESS_REFRESH_S
+            await asyncio.sleep(max(0.0, read_at + ahead - 1.0 - time.monotonic()))
+            assert counted.reads == reads, "read before its interval was over"
+            tracker.read_soon()
+            await until(lambda: counted.reads > reads, "a read when asked again", timeout_s=10)
+        finally:
+            for replica in replicas:
+                await replica.shutdown()
 
     loop_thread.run(body(), timeout_s=120)

@@ -248,6 +248,10 @@ class BatchTracker(ProgressTracker):
     them, or who is left to load state from, which a few seconds late still tells."""
 
     batch_closed = False
+    # Seconds between reads of the stage's progress records (a DHT read each, carried out by the peer's DHT process and
+    # its libp2p daemon); 0: hivemind's schedule, which reads as often as every ``min_refresh_period`` while it
+    # expects the batch to fill soon, five times a second per replica at tiny's pace (bench/results/convergence.md).
+    read_every_s = 0.0
     # the stage's replicas (not clients) whose records stand at the stage's step, this replica's own included, and
     # those one step behind it (still finishing the step before, or their record a heartbeat late)
     peers_at_epoch = 0
@@ -264,7 +268,27 @@ class BatchTracker(ProgressTracker):
         ]
         self.peers_at_epoch = sum(1 for epoch in epochs if epoch == progress.epoch)
         self.peers_one_behind = sum(1 for epoch in epochs if epoch == progress.epoch - 1)
+        if self.read_every_s > 0:
+            progress.next_fetch_time = get_dht_time() + self.read_every_s
         return progress
+
+    def read_soon(self) -> None:
+        """Read the stage's progress records now, not at the next scheduled read (any thread)."""
+        # Private: the reading loop waits on this event up to next_fetch_time, then reads once that has passed.
+        self.global_progress.next_fetch_time = get_dht_time()
+        self.global_state_updated.set()
+
+    def read_fresh(self, timeout_s: float) -> bool:
+        """Read the stage's progress records now and wait for the reading (False: none came within ``timeout_s``;
+        ``global_progress`` is then the last one read). Blocks: not on an event loop."""
+        before = self.global_progress  # each reading replaces it
+        self.read_soon()
+        deadline = time.monotonic() + timeout_s
+        while self.global_progress is before:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     @property
     def ready_to_update_epoch(self) -> bool:
@@ -409,7 +433,13 @@ class GlobalBatchOptimizer(hivemind.Optimizer):
     used_local_gradients = False
 
     # Private override: the only way to give hivemind.Optimizer another progress tracker class.
-    def _make_progress_tracker(self, target_batch_size: int, report_every_s: float = 0.0, **kwargs):
+    def _make_progress_tracker(
+        self,
+        target_batch_size: int,
+        report_every_s: float = 0.0,
+        read_every_s: float = 0.0,
+        **kwargs,
+    ):
         tracker = BatchTracker(
             dht=self.dht,
             prefix=self.run_id,
@@ -419,8 +449,9 @@ class GlobalBatchOptimizer(hivemind.Optimizer):
             start=False,
             **kwargs,
         )
-        # before its reporting thread starts waiting on the event
+        # before its reporting thread starts waiting on the event, and its reading thread on its schedule
         tracker.should_report_progress = ThrottledEvent(report_every_s)
+        tracker.read_every_s = read_every_s
         tracker.start()
         return tracker
 

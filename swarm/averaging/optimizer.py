@@ -82,6 +82,10 @@ HAND_OVER_STEPS = 16
 # who is left to load from. Also at most how often it declares a higher step as a state donor.
 DIRECT_PROGRESS_REFRESH_S = 5.0
 
+# How long a replica about to load its peers' state waits for a fresh reading of its stage's progress records (the
+# DHT answers in ~10 ms; a DHT node that froze costs seconds on first contact): past it, it judges on the last one.
+FRESH_READ_TIMEOUT_S = 2.0
+
 # A doubtful replica whose every donor refuses the connection this many times in a row keeps its own state.
 UNREACHABLE_DONOR_TRIES = 3
 
@@ -229,11 +233,10 @@ class HivemindStageOptimizer:
             tracker_opts=dict(
                 private_key=private_key,
                 min_refresh_period=0.2,
-                default_refresh_period=(
-                    DIRECT_PROGRESS_REFRESH_S if config.all_reduce == "direct" else 0.5
-                ),
+                default_refresh_period=0.5,
                 metadata_expiration=config.progress_ttl_s,
                 report_every_s=DIRECT_PROGRESS_REFRESH_S if config.all_reduce == "direct" else 0.0,
+                read_every_s=DIRECT_PROGRESS_REFRESH_S if config.all_reduce == "direct" else 0.0,
             ),
             averager_opts=dict(request_timeout=request_timeout),
             verbose=False,
@@ -1001,7 +1004,8 @@ class HivemindStageOptimizer:
         # The tracker reads the stage's progress from the DHT in the background: wait for its first reading.
         tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.load_state_timeout_s)
         while tracker.global_epoch < peers_step and time.monotonic() < deadline:
-            # the tracker refreshes every default_refresh_period; there is no event per refresh
+            # (there is no event per read: ask for one and look again shortly)
+            tracker.read_soon()
             time.sleep(0.2)
         if tracker.global_progress.num_peers == 0 or tracker.global_epoch <= self.step:
             if peers_step > self.step:
@@ -1036,6 +1040,9 @@ class HivemindStageOptimizer:
             averager.state_sharing_priority = self.step - 0.5
         deadline, alone, unreachable = time.monotonic() + self.config.load_state_timeout_s, False, 0
         while True:
+            # Whether anyone is left to load from is the records' to say: read them now, not at their next reading
+            # (a replica averaging directly reads them every DIRECT_PROGRESS_REFRESH_S).
+            opt.tracker.read_fresh(timeout_s=FRESH_READ_TIMEOUT_S)
             # Every donor refused the connection at once, several times over: they are gone (a busy donor makes the
             # download wait, it does not fail it), though their records have not expired yet. A doubtful replica
             # holds a whole state of its own: it keeps it rather than hold its compute thread until they expire.

@@ -72,6 +72,38 @@ def test_work_whose_deadline_passed_while_queued_is_not_started():
     assert ran == ["no deadline: always runs"]
 
 
+def test_a_correction_raised_by_a_stall_relaxes_while_nothing_is_measured():
+    """A replica frozen mid-job measures its jobs up to the correction's cap; every prediction then ends past its
+    callers' deadlines, it admits nothing and would measure nothing that lowers it (the soak's thawed replica
+    refused 895 calls in 10 minutes). Without measurements the correction relaxes toward 1, and the jobs it then
+    admits measure it afresh."""
+    clock = Clock()
+    queue = WorkQueue(max_queue_wait_s=0.0, clock=clock)
+
+    def stretched(seconds):
+        def job():
+            clock.now += seconds
+
+        return job
+
+    for _ in range(10):  # jobs predicted at 0.5 s, each stretched to 5 s by a freeze
+        with queue.admit(deadline_s=None, cost_s=0.5) as guard:
+            guard(stretched(5.0))()
+    assert queue.correction > 9.0
+    with pytest.raises(DeadlineUnmet, match="end after the caller's deadline"):
+        with queue.admit(deadline_s=clock.now + 2.0, cost_s=0.5):
+            pass
+    clock.now += 20.0  # four half-lives without a measured job
+    assert 1.0 < queue.correction < 1.6
+    with queue.admit(deadline_s=clock.now + 2.0, cost_s=0.5) as guard:
+        guard(stretched(0.5))()  # as predicted: the correction falls further
+    assert queue.correction < 1.45
+    # a peer that really is slow measures it again at once
+    with queue.admit(deadline_s=None, cost_s=0.5) as guard:
+        guard(stretched(2.0))()
+    assert queue.correction > 1.9
+
+
 def test_opting_out_admits_everything():
     clock = Clock()
     queue = WorkQueue(max_queue_wait_s=1.0, enabled=False, clock=clock)

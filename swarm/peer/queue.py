@@ -13,7 +13,12 @@ Predictions come from the executor's per-sample times, which its calibration see
 runs and which leave out what a busy machine adds around the compute. So the queue also times each job it
 guards on the compute thread and scales every prediction by an EMA of (measured / predicted), never below 1:
 a peer that under-predicts would admit calls that then miss their deadlines, the waste shedding exists to
-avoid. Bookkeeping runs on the event loop; the guard runs on the compute thread and writes only that ratio.
+avoid. A job stretched by a stall (a replica frozen mid-job, a swapped-out process) raises that ratio up to its cap,
+and a peer whose every prediction then ends past its callers' deadlines admits nothing, so measures nothing that
+would lower it: the ratio relaxes toward 1 while nothing is measured (half of the excess every
+``_CORRECTION_HALF_LIFE_S``), and the next jobs admitted measure it again. (The soak's thawed replica refused every
+call for 10 minutes, 895 of them, on a correction of 10.) Bookkeeping runs on the event loop; the guard
+runs on the compute thread and writes only that ratio and when it measured it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ __all__ = ["WorkQueue"]
 # must not make the peer refuse everything for long).
 _ALPHA = 0.3
 _MAX_CORRECTION = 10.0
+# Seconds without a measured job in which the correction's excess over 1 halves.
+_CORRECTION_HALF_LIFE_S = 5.0
 
 
 class WorkQueue:
@@ -51,8 +58,18 @@ class WorkQueue:
         self._clock = clock
         self.queued_s = 0.0  # predicted compute seconds of the calls admitted and not finished
         self.shed = {reason: 0 for reason in ShedReason}  # calls refused, by reason
-        # EMA of a job's measured compute-thread seconds over its prediction (>= 1): scales predictions
-        self.correction = 1.0
+        # EMA of a job's measured compute-thread seconds over its prediction (>= 1) as of ``_measured_at``: scales
+        # predictions (see ``correction``); it does not relax while a job runs (``_running``)
+        self._correction, self._measured_at, self._running = 1.0, clock(), False
+
+    @property
+    def correction(self) -> float:
+        """What predictions are scaled by now: the measured ratio, relaxed toward 1 for the time since it was
+        last measured."""
+        if self._running:
+            return self._correction
+        idle_s = max(0.0, self._clock() - self._measured_at)
+        return 1.0 + (self._correction - 1.0) * 0.5 ** (idle_s / _CORRECTION_HALF_LIFE_S)
 
     @property
     def shed_total(self) -> int:
@@ -95,10 +112,14 @@ class WorkQueue:
                         f"the caller's deadline passed {started - deadline_s:.2f}s before this call's turn on "
                         "the compute thread; the work was not started: retry at another peer of the stage"
                     )
-                result = fn(*args, **kwargs)
+                self._correction, self._running = self.correction, True
+                try:
+                    result = fn(*args, **kwargs)
+                finally:
+                    self._running, self._measured_at = False, clock()
                 if predicted_s > 0:
-                    ratio = max(1.0, (clock() - started) / predicted_s)
-                    self.correction = min(_MAX_CORRECTION, ema(self.correction, ratio, _ALPHA))
+                    ratio = max(1.0, (self._measured_at - started) / predicted_s)
+                    self._correction = min(_MAX_CORRECTION, ema(self._correction, ratio, _ALPHA))
                 return result
 
             return run

@@ -23,6 +23,7 @@ from swarm.averaging.optimizer import DIRECT_PROGRESS_REFRESH_S
 from swarm.errors import AllReduceFailed, InvalidRequest, SwarmError
 from swarm.proto import PROTOCOL_VERSION
 from swarm.proto import swarm_pb2 as pb
+from swarm.trainer.holdings import Holdings
 from swarm.trainer.stagesteps import StageSteps
 from swarm.transport.callers import caller_token
 from swarm.transport.client import ClientPool, PeerClient
@@ -387,3 +388,92 @@ def test_a_replica_named_alone_while_its_peer_is_a_step_ahead_takes_its_peers_st
     told, carried = loop_thread.run(body(), timeout_s=300)
     assert told == 1
     assert carried == ({0: B} if holds_samples else {})
+
+
+def test_a_replica_gone_after_a_step_taken_without_it_has_its_part_computed_again_and_applied_late(
+    loop_thread, boot
+):
+    """Three replicas average batch 0 together. The trainer's close of batch 1 names two of them (the third did not
+    answer in time: in bench/soak.py, killed while the close asked its step), and they step on it without the
+    third's microbatch; then the third is gone. At the trainer's next close, the live replicas' Info says whose
+    gradients their steps averaged: what the gone replica held of batch 1, left out of that step, is computed
+    again at a live replica and goes into the stage's next step, late, as a sample of batch 1; what it held of
+    batch 0, whose step it took part in, is not computed again (it would count twice)."""
+
+    async def body():
+        run_id = RUN_ID + "-left-out"
+        replicas = await averaging_replicas(3, run_id, boot, all_reduce="direct")
+        a, b, c = replicas
+        clients = ClientPool()
+        try:
+            for seed, r in enumerate(replicas):
+                await one_microbatch(r, seed=seed, batch_step=0)
+            records = {r.peer_id: live_record(r) for r in replicas}
+            await StageSteps([{}, records], clients, run_id).close_batch(
+                [None, 0], wait_for_step_s=20.0
+            )
+            for r in replicas:
+                await until_step(r, 1, "the three stepped on batch 0 together")
+            for seed, r in enumerate(replicas, start=3):
+                await one_microbatch(r, seed=seed, batch_step=1)
+            two = {r.peer_id: live_record(r) for r in (a, b)}
+            await StageSteps([{}, two], clients, run_id).close_batch(
+                [None, 1], wait_for_step_s=20.0
+            )
+            for r in (a, b):
+                await until_step(r, 2, "the two stepped on batch 1 without the third")
+            await c.shutdown()
+
+            # A trainer holding what c counted of batches 0 and 1; its redo computes again at a.
+            holdings = Holdings(num_stages=2)
+            holdings.enabled = True
+            redone: list[str] = []
+
+            def redo(microbatch_id: str, seed: int):
+                async def run() -> str:
+                    redone.append(microbatch_id)
+                    await one_microbatch(a, seed=seed, batch_step=1)
+                    return a.peer_id
+
+                return run
+
+            holdings.add(1, 0, c.peer_id, "c-batch-0", redo("c-batch-0", 2))
+            holdings.add(1, 1, c.peer_id, "c-batch-1", redo("c-batch-1", 5))
+            await StageSteps([{}, records], clients, run_id, holdings=holdings).close_batch(
+                [None, 2]
+            )
+            told = (await clients.get(a.address).info(run_id, timeout_s=10)).averaged_steps
+            late = await a._worker.compute_urgent(
+                lambda: dict(a.executor.optimizer.opt.grad_averager.carried)
+            )
+            held_a = await _sums(a)
+            # the stage's next step (a and b) takes it in
+            await StageSteps([{}, two], clients, run_id).close_batch(
+                [None, 2], wait_for_step_s=20.0
+            )
+            for r in (a, b):
+                await until_step(r, 3, "the two stepped on batch 2 with the late microbatch")
+            await assert_one_state([a, b])
+            return (
+                [(s.step, sorted(s.members)) for s in told],
+                redone,
+                holdings.redone,
+                late,
+                held_a,
+                [await _averaged(r) for r in (a, b)],
+                sorted(r.peer_id for r in replicas),
+                sorted(r.peer_id for r in (a, b)),
+            )
+        finally:
+            await clients.close()
+            for r in replicas:
+                await r.shutdown()
+
+    told, redone, count, late, held_a, averaged, three, two = loop_thread.run(body(), timeout_s=300)
+    assert told == [(0, three), (1, two)]
+    assert redone == ["c-batch-1"] and count == 1
+    assert late == {1: B}
+    sums, samples = held_a
+    assert samples == B  # (the late one: a holds nothing else of batch 2)
+    for got in averaged:  # b put in nothing: the step averaged the late microbatch alone
+        torch.testing.assert_close(got, sums / B, rtol=1e-5, atol=1e-7)

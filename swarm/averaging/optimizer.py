@@ -76,6 +76,9 @@ CHECK_SOON_S = 0.02
 # fourth batch handed over 1, 4, 16 or 64 steps late ends within the seeds' spread of each other and of leaving
 # those samples out (+1.8% to +2.8% above training on whole batches, spread ~1 point).
 HAND_OVER_STEPS = 16
+# how many of its last steps a replica averaging directly says the makers of (InfoResponse.averaged_steps): a trainer
+# asks about the few batches it still holds (swarm.trainer.holdings keeps them up to STALE_STEPS behind)
+AVERAGED_STEPS_KEPT = 8
 
 # How often a replica that averages directly reads its stage's progress records (hivemind's tracker: a DHT read), and
 # at most how often it writes its own: they only tell it that its peers stepped past it (it then loads their state), or
@@ -140,6 +143,9 @@ class HivemindStageOptimizer:
         # samples this replica counted that reached no step of its stage (see _hand_over): lost to the model unless
         # their trainer computed them again elsewhere
         self.samples_left_out = 0
+        # (step, the replicas whose gradients its update averaged) for its last steps whose makers it knows (see
+        # _note_makers); replaced whole on the compute thread, so any thread reads a consistent tuple
+        self.averaged_steps: tuple[tuple[int, tuple[str, ...]], ...] = ()
         # how many steps past the one they were computed for a replica that missed its group hands its samples over
         # (see _hand_over)
         self.hand_over_steps = HAND_OVER_STEPS
@@ -912,8 +918,8 @@ class HivemindStageOptimizer:
         # (Not on an all-reduce that came back in part: its own values there hold some of its peers' gradients.)
         on_its_own = (not alone and (not began or _failed(self._pending))) or self._beside_others
         held = self._held_sums() if on_its_own else None
-        averaged = None
-        if self._direct_group is not None:  # (a failed one went to _regroup)
+        averaged, group = None, self._direct_group
+        if group is not None:  # (a failed one went to _regroup)
             averaged, self._direct_group = self._pending.result(), None
         self._pending = None
         hp.finish_global_step(self.opt, began and averaged is None, averaged)
@@ -953,6 +959,8 @@ class HivemindStageOptimizer:
             started - closed,
             now - started,
         )
+        if why is None:
+            self._note_makers(before, group if averaged is not None else None, alone)
         # (Not gated on the progress records showing peers: they lag, and a replica that took part in a group had
         # peers whatever they show. One truly alone finds no donor and keeps its state, saying so.)
         if why:
@@ -974,6 +982,18 @@ class HivemindStageOptimizer:
             if own is not None:
                 self._after_own_step(held, before, own)
         set_learning_rate(opt_inner, self.run, self.step)
+
+    def _note_makers(self, step: int, group: Group | None, alone: bool) -> None:
+        """Step ``step`` went as it should: note whose gradients it averaged (``group``'s members, or this replica's
+        alone). Only a replica averaging directly knows them (hivemind's matchmaking does not say). A trainer that
+        finds a replica of the stage gone reads these to learn whether that replica's gradients reached the stage's
+        steps since, or left with it (swarm.trainer.stagesteps)."""
+        if self.direct is None:
+            return
+        if group is None and not alone:
+            return
+        makers = group.ids if group is not None else (self.direct.peer_id,)
+        self.averaged_steps = (*self.averaged_steps[1 - AVERAGED_STEPS_KEPT :], (step, makers))
 
     def _after_own_step(
         self, held: tuple[list[torch.Tensor], dict[int, int]], stepped: int, own: list[torch.Tensor]

@@ -11,6 +11,7 @@ which it has:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -33,6 +34,8 @@ class StageOptimizer(Protocol):
     local_samples: int
     # samples counted here that reached no optimizer step of the stage (a replica that missed its all-reduce)
     samples_left_out: int
+    # its last steps, each with the replicas whose gradients it averaged, where it knows them (InfoResponse)
+    averaged_steps: Sequence[tuple[int, tuple[str, ...]]]
     # seconds a step typically holds the compute thread beyond the update itself
     step_pause_s: float
     # whether the step check should look again soon rather than at its period (a closed batch's group forming)
@@ -64,6 +67,7 @@ class LocalStageOptimizer:
         self.step = 0
         self.local_samples = 0
         self.samples_left_out = 0  # every sample counted goes into its own next step
+        self.averaged_steps = ()  # no peers: nobody asks whose gradients its steps hold
         self.step_pause_s = 0.0  # no all-reduce
         self.check_soon = False  # it steps inside accumulate
         self._sums = [torch.zeros_like(p) for p in self.params]

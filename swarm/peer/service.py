@@ -504,6 +504,9 @@ class StageService(pb_grpc.StagePeerServicer):
             gradients_dropped=ex.gradients_dropped,
             samples_left_out=ex.samples_left_out,
             codecs=list(CODEC_NAMES),
+            averaged_steps=[
+                pb.AveragedStep(step=s, members=members) for s, members in ex.averaged_steps()
+            ],
         )
 
     @unary_handler

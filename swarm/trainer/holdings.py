@@ -79,23 +79,37 @@ class Holdings:
     def count(self) -> int:
         return sum(len(held) for held in self._held)
 
-    async def redo(self, stage: int, gone: set[str], *, from_step: int) -> None:
+    async def redo(
+        self,
+        stage: int,
+        gone: set[str],
+        *,
+        from_step: int,
+        left_out: Callable[[int, str], bool] = lambda batch_step, peer: False,
+    ) -> None:
         """Compute again, at live replicas, what the replicas ``gone`` of ``stage`` held of batches ``from_step`` and
-        later: batches no live replica of the stage has stepped on (once one has, the gone replica may have taken
-        part in that step, and computing its part again could count it twice). One at a time (a handful per
-        batch; each is one backward call)."""
+        later (batches no live replica of the stage has stepped on), and of earlier batches whose steps were taken
+        without them (``left_out(batch_step, peer)``: the live replicas' Info says whose gradients those steps
+        averaged). A replica gone before its stage stepped, or left out of the step (killed while the trainer's
+        close asked its step: named in no group), took its part along; computed again, a batch already stepped on
+        gets it late, in the stage's next step (as a replica that missed its group hands its own over). Once a
+        live replica has stepped on a batch and may have done so with the gone replica's part, it is left alone:
+        computed again, it could count twice. One at a time (a handful per batch; each is one backward call)."""
         for held in self.held_by(stage, gone):
-            if held.batch_step < from_step:
+            if held.batch_step < from_step and not left_out(held.batch_step, held.peer):
                 continue
             # taken: a close running at the same time leaves it alone
             left, held.peer = held.peer, ""
             logger.warning(
-                "stage %d replica %s left before its stage stepped on batch %d: computing the gradient of "
-                "microbatch %s again",
+                "stage %d replica %s left %s batch %d: computing the gradient of microbatch %s again%s",
                 stage,
                 left,
+                "before its stage stepped on"
+                if held.batch_step >= from_step
+                else "out of the step on",
                 held.batch_step,
                 held.microbatch_id,
+                "" if held.batch_step >= from_step else " (applied late, in the stage's next step)",
             )
             held.peer = await held.redo()
             self.redone += 1

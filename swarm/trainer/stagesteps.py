@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -77,6 +78,9 @@ class StageSteps:
         # (stage, peer id) -> when it last answered this trainer as a replica of that stage (a call's reply, a
         # close's, its Info): the peer lists keep a record the DHT lost while its peer answers (see PeerLists.refresh)
         self.answered: dict[tuple[int, str], float] = {}
+        # (stage, peer id) -> (the step its last Info answered at, {step: the replicas whose gradients that step
+        # averaged} for its last steps whose makers it knows: InfoResponse.averaged_steps)
+        self._makers: dict[tuple[int, str], tuple[int, dict[int, frozenset[str]]]] = {}
 
     def replied(self, stage: int, step: int, peer: str | None = None) -> None:
         """A reply of ``stage`` said its replica (``peer``, if known) is at optimizer step ``step``: the trainer
@@ -395,6 +399,10 @@ class StageSteps:
             return False
         key = (stage, record.peer_id)
         self._polled_steps[key] = max(self._polled_steps.get(key, 0), info.step)
+        self._makers[key] = (
+            info.step,
+            {s.step: frozenset(s.members) for s in info.averaged_steps},
+        )
         self.answered[key] = time.monotonic()
         if info.state == PeerState.SERVING:
             self._draining.discard(key)  # back (a restarted replica keeps its id)
@@ -405,6 +413,25 @@ class StageSteps:
         record = self.records[stage].get(peer)
         return max(
             record.step if record is not None else 0, self._polled_steps.get((stage, peer), 0)
+        )
+
+    def _left_out(
+        self, stage: int, live: list[str], stage_step: int, batch_step: int, peer: str
+    ) -> bool:
+        """Whether the steps ``stage`` has taken since batch ``batch_step`` (it stands at ``stage_step``) are known,
+        from the Info its ``live`` replicas just gave, to have been taken without ``peer``'s gradients: a live
+        replica at ``stage_step`` says whose gradients each of those steps averaged, and no live replica names
+        ``peer`` among them (nor in a later step: a replica that missed a step hands its samples over into its next
+        one). Then what ``peer`` held of that batch left with it, unapplied. Not known (a step taken some other
+        way, taken on part of an all-reduce, or not listed), it may have taken part: False."""
+        told = [self._makers.get((stage, p), (0, {})) for p in live]
+        if any(
+            peer in members for _, steps in told for s, members in steps.items() if s >= batch_step
+        ):
+            return False
+        return any(
+            at >= stage_step and all(s in steps for s in range(batch_step, at))
+            for at, steps in told
         )
 
     async def _redo_for_gone(
@@ -426,8 +453,14 @@ class StageSteps:
             if batch_steps[stage] is None or not live_steps:
                 continue
             left = {r.peer_id for s, r in gone if s == stage and r.state != PeerState.DRAINING}
+            live_peers = [r.peer_id for s, r in live if s == stage]
             try:
-                await holdings.redo(stage, left, from_step=max(live_steps))
+                await holdings.redo(
+                    stage,
+                    left,
+                    from_step=max(live_steps),
+                    left_out=functools.partial(self._left_out, stage, live_peers, max(live_steps)),
+                )
             except SwarmError as e:
                 logger.warning(
                     "stage %d: computing again the gradients of a replica that left failed (%s); its stage "

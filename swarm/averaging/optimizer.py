@@ -960,7 +960,7 @@ class HivemindStageOptimizer:
             now - started,
         )
         if why is None:
-            self._note_makers(before, group if averaged is not None else None, alone)
+            self._note_makers(before, group, alone)
         # (Not gated on the progress records showing peers: they lag, and a replica that took part in a group had
         # peers whatever they show. One truly alone finds no donor and keeps its state, saying so.)
         if why:
@@ -988,9 +988,7 @@ class HivemindStageOptimizer:
         alone). Only a replica averaging directly knows them (hivemind's matchmaking does not say). A trainer that
         finds a replica of the stage gone reads these to learn whether that replica's gradients reached the stage's
         steps since, or left with it (swarm.trainer.stagesteps)."""
-        if self.direct is None:
-            return
-        if group is None and not alone:
+        if self.direct is None or (group is None and not alone):
             return
         makers = group.ids if group is not None else (self.direct.peer_id,)
         self.averaged_steps = (*self.averaged_steps[1 - AVERAGED_STEPS_KEPT :], (step, makers))

@@ -500,6 +500,7 @@ class StageExecutor:
         their step's all-reduce and could not hand them over; see swarm.averaging.optimizer)."""
         return self.optimizer.samples_left_out
 
+    @property
     def averaged_steps(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """This replica's last steps whose makers it knows, each with the replicas whose gradients it averaged (see
         swarm.averaging.optimizer). Any thread."""

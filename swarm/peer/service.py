@@ -505,7 +505,7 @@ class StageService(pb_grpc.StagePeerServicer):
             samples_left_out=ex.samples_left_out,
             codecs=list(CODEC_NAMES),
             averaged_steps=[
-                pb.AveragedStep(step=s, members=members) for s, members in ex.averaged_steps()
+                pb.AveragedStep(step=s, members=members) for s, members in ex.averaged_steps
             ],
         )
 

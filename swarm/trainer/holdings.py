@@ -96,7 +96,8 @@ class Holdings:
         live replica has stepped on a batch and may have done so with the gone replica's part, it is left alone:
         computed again, it could count twice. One at a time (a handful per batch; each is one backward call)."""
         for held in self.held_by(stage, gone):
-            if held.batch_step < from_step and not left_out(held.batch_step, held.peer):
+            late = held.batch_step < from_step
+            if late and not left_out(held.batch_step, held.peer):
                 continue
             # taken: a close running at the same time leaves it alone
             left, held.peer = held.peer, ""
@@ -104,12 +105,10 @@ class Holdings:
                 "stage %d replica %s left %s batch %d: computing the gradient of microbatch %s again%s",
                 stage,
                 left,
-                "before its stage stepped on"
-                if held.batch_step >= from_step
-                else "out of the step on",
+                "out of the step on" if late else "before its stage stepped on",
                 held.batch_step,
                 held.microbatch_id,
-                "" if held.batch_step >= from_step else " (applied late, in the stage's next step)",
+                " (applied late, in the stage's next step)" if late else "",
             )
             held.peer = await held.redo()
             self.redone += 1

@@ -454,12 +454,13 @@ class StageSteps:
                 continue
             left = {r.peer_id for s, r in gone if s == stage and r.state != PeerState.DRAINING}
             live_peers = [r.peer_id for s, r in live if s == stage]
+            stage_step = max(live_steps)
             try:
                 await holdings.redo(
                     stage,
                     left,
-                    from_step=max(live_steps),
-                    left_out=functools.partial(self._left_out, stage, live_peers, max(live_steps)),
+                    from_step=stage_step,
+                    left_out=functools.partial(self._left_out, stage, live_peers, stage_step),
                 )
             except SwarmError as e:
                 logger.warning(

@@ -94,6 +94,13 @@ class DeadlineUnmet(PeerOverloaded):
     peer of the stage at once, without a ban."""
 
 
+class StepPending(DeadlineUnmet):
+    """A call pinned to an optimizer step this replica has not taken yet (its stage is averaging the batch before)
+    waited for it as long as the caller's deadline allowed, and nothing was computed. No fault of the peer's: the
+    caller waits for the stage's step and sends it again, at no cost to the call's retry budget (a trainer in
+    lockstep sends a batch's first microbatches before it hears of the step; see Trainer._stages_caught_up)."""
+
+
 class Unauthenticated(SwarmError):
     """The call carried no valid caller token (none, forged, expired, or made for another peer): the peer does
     not know who is calling. A caller with a valid identity may get in at another peer (or after fixing its
@@ -152,6 +159,7 @@ WIRE_ERRORS: tuple[type[SwarmError], ...] = (
     PeerDraining,
     PeerOverloaded,
     DeadlineUnmet,
+    StepPending,
     Unauthenticated,
     NotAdmitted,
     StreamTimeout,

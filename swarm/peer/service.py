@@ -30,7 +30,14 @@ from swarm.averaging.direct import Group
 from swarm.compression import CODEC_NAMES
 from swarm.compression.base import all_finite
 from swarm.deadline import timeout
-from swarm.errors import InvalidRequest, StreamTimeout, SwarmError, TransportError, WrongPeer
+from swarm.errors import (
+    InvalidRequest,
+    StepPending,
+    StreamTimeout,
+    SwarmError,
+    TransportError,
+    WrongPeer,
+)
 from swarm.model.subspace import token_wire_dtype
 from swarm.peer.admission import Admission
 from swarm.peer.config import LimitsConfig
@@ -53,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 # The longest a CloseBatch may wait for this replica's step before it answers (a trainer asks for less).
 MAX_CLOSE_WAIT_S = 30.0
+# How long a call pinned to the step this replica is about to take waits for it (see _at_pinned_step)
+PINNED_STEP_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +133,7 @@ class StageService(pb_grpc.StagePeerServicer):
                 x = _joined_input(stage, tensors)
                 work = dict(deadline_s=deadline_s, samples=x.shape[0])
                 params_step = _params_step(meta)
+                await self._at_pinned_step(params_step, deadline_s)
                 if meta.eval_only and stage.is_last:
                     work.update(forward=True, backward=False)
                     loss, version = await self._compute(
@@ -205,6 +215,8 @@ class StageService(pb_grpc.StagePeerServicer):
                 tensors = await self._read_tensors(reader, meta, allowed, reservation)
                 grad_output = _require(tensors, "grad_output")
                 inputs = _joined_input(stage, tensors) if meta.include_inputs else None
+                if inputs is not None:  # (its forward runs here again, on the step it is pinned to)
+                    await self._at_pinned_step(_params_step(meta), deadline_s)
                 work = dict(
                     deadline_s=deadline_s,
                     samples=grad_output.shape[0],
@@ -230,6 +242,26 @@ class StageService(pb_grpc.StagePeerServicer):
         return DeadlineFrames(
             request_iterator, idle_s=limits.read_idle_s, total_s=limits.read_total_s
         )
+
+    async def _at_pinned_step(self, params_step: int | None, deadline_s: float | None) -> None:
+        """A call pinned to a step this replica has not taken yet waits for it, up to ``PINNED_STEP_WAIT_S`` (and the
+        caller's deadline): a trainer in lockstep sends a batch's first microbatches as soon as it has closed the
+        batch before, without waiting to hear that every replica stepped on it, and the replica computes them
+        the moment its step is done. A step that does not come in time (its all-reduce failed and runs again, its
+        trainer closes the batch again): StepPending, and the trainer sends it again once the stage has stepped."""
+        if params_step is None or self.executor.step >= params_step:
+            return
+        wait_s = PINNED_STEP_WAIT_S
+        if deadline_s is not None:
+            # answered before the caller gives up on it, with time left for the reply to travel
+            wait_s = min(wait_s, 0.8 * (deadline_s - time.monotonic()))
+        if self.ctx.steps is not None:
+            await self.ctx.steps.wait_past(params_step - 1, max(wait_s, 0.0))
+        if self.executor.step < params_step:
+            raise StepPending(
+                f"this replica is at step {self.executor.step}; the call is pinned to step {params_step}, which "
+                f"did not come within {max(wait_s, 0.0):.2f}s: send it again once the stage has taken it"
+            )
 
     async def _compute(self, fn, *args, work: dict, **kwargs):
         """Run ``fn`` on the compute thread, counted in flight (the load announced); PeerOverloaded when

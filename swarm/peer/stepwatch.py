@@ -1,6 +1,7 @@
 """Calls that wait for this replica's optimizer step: a trainer closing a global batch in lockstep asks to be
 answered once the replica has stepped on it (``CloseBatch``'s ``wait_for_step_s``), so it learns of the step in
-that one round trip instead of asking every replica again every few tens of milliseconds while the stage steps."""
+that one round trip instead of asking every replica again every few tens of milliseconds while the stage steps; and
+the next batch's first calls, sent pinned to that step before the trainer hears of it, wait here for it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class StepWatch:
         # read on the event loop each time (a move swaps the executor that counts the steps)
         self._step = step
         self._changed = asyncio.Event()
+        self.waiting = 0  # calls waiting in wait_past now
 
     def changed(self) -> None:
         """The step may have moved (the peer's step check ran): the waiting calls look again. Event loop only."""
@@ -26,8 +28,12 @@ class StepWatch:
         """Wait until the replica's step is past ``step``, at most ``timeout_s``; the step then."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self._step() <= step and (left := deadline - loop.time()) > 0:
-            changed = self._changed
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), left)
+        self.waiting += 1
+        try:
+            while self._step() <= step and (left := deadline - loop.time()) > 0:
+                changed = self._changed
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), left)
+        finally:
+            self.waiting -= 1
         return self._step()

@@ -29,6 +29,7 @@ from swarm.errors import (
     GradientOutlier,
     InvalidRequest,
     StageUnavailable,
+    StepPending,
     SwarmError,
     UsageError,
 )
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 # How many times the trainer computes one stage's gradient of a microbatch before it gives up on it.
 MAX_RECOMPUTES = 8
+# A call refused as pinned to a step its replica has not taken yet (StepPending) is sent again once news of the
+# stage's steps comes, or after the first of these seconds; uncharged to its retry budget for the second
+STEP_PENDING_RECHECK_S, STEP_PENDING_LIMIT_S = 0.5, 120.0
 
 
 class Pipeline(PeerLists):
@@ -516,6 +520,7 @@ class Pipeline(PeerLists):
         transport failures at other peers within the routing policy's finite budget. ``work`` is the call's
         size in forward-sample units, so the routing estimates and deadlines fit every kind of call."""
         request = StageRequest(self.router, stage, preferred=preferred)
+        pending_since: float | None = None
         while True:
             peer = await self._choose(request)
             record = self.records[stage][peer]
@@ -524,6 +529,18 @@ class Pipeline(PeerLists):
             self.router.on_start(stage, peer, started)
             try:
                 reply = await attempt(PeerAddress.of(record), timeout_s)
+            except StepPending as e:
+                # The replica has not taken the step the call is pinned to yet (sent before this trainer heard of
+                # it): no fault, nothing computed. Wait for news of the stage's steps and send it again, uncharged,
+                # for up to STEP_PENDING_LIMIT_S; past that it counts as a failure like any other.
+                now = time.monotonic()
+                self.router.on_cancel(stage, peer, now)
+                pending_since = now if pending_since is None else pending_since
+                if now - pending_since > STEP_PENDING_LIMIT_S:
+                    self._failed(request, stage, peer, e)
+                    continue
+                await self.steps.news(STEP_PENDING_RECHECK_S)
+                continue
             except SwarmError as e:
                 self._failed(request, stage, peer, e)  # raises when the budget is spent
                 continue

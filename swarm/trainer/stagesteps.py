@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -78,6 +79,9 @@ class StageSteps:
         # (stage, peer id) -> when it last answered this trainer as a replica of that stage (a call's reply, a
         # close's, its Info): the peer lists keep a record the DHT lost while its peer answers (see PeerLists.refresh)
         self.answered: dict[tuple[int, str], float] = {}
+        # stage -> the last batch step whose close found every replica it asked answering at that step, all named in
+        # the group (see closed_soundly)
+        self._sound: dict[int, int] = {}
         # (stage, peer id) -> (the step its last Info answered at, {step: the replicas whose gradients that step
         # averaged} for its last steps whose makers it knows: InfoResponse.averaged_steps)
         self._makers: dict[tuple[int, str], tuple[int, dict[int, frozenset[str]]]] = {}
@@ -136,19 +140,25 @@ class StageSteps:
         return out
 
     async def wait_for_stage_steps(
-        self, targets: list[int], *, stall_s: float, every_replica: bool = False
+        self,
+        targets: list[int],
+        *,
+        stall_s: float,
+        every_replica: bool = False,
+        ready: Callable[[], bool] = lambda: False,
     ) -> bool:
         """Wait until each stage k has taken optimizer step ``targets[k]`` (with ``every_replica``: each of its
-        serving replicas has). Gives up (False) once no stage has advanced for ``stall_s``. Every batch before the
-        targets is complete: a stage that is behind is closed again every ``RECLOSE_EVERY_S`` with a fresh count of
-        its replicas (one that died since the batch was closed would otherwise be waited for)."""
+        serving replicas has), or ``ready()`` says to go on before (checked whenever a reply or a close brings
+        news). Gives up (False) once no stage has advanced for ``stall_s``. Every batch before the targets is
+        complete: a stage that is behind is closed again every ``RECLOSE_EVERY_S`` with a fresh count of its
+        replicas (one that died since the batch was closed would otherwise be waited for)."""
         deadline, last = time.monotonic() + stall_s, None
         reclosed = time.monotonic()
         while True:
             self._news.clear()
             steps = self.stage_steps(every_replica=every_replica)
             behind = [k for k, target in enumerate(targets) if steps[k] < target]
-            if not behind:
+            if not behind or ready():
                 return True
             if time.monotonic() - reclosed >= RECLOSE_EVERY_S:
                 await self.close_batch(
@@ -173,6 +183,11 @@ class StageSteps:
             # takes, seconds when one of its nodes is frozen)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._news.wait(), STEP_POLL_S)
+
+    async def news(self, timeout_s: float) -> None:
+        """Wait until a reply or a close brings news of a step (see replied), at most ``timeout_s``."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._news.wait(), timeout_s)
 
     async def poll(self) -> None:
         """Read every serving replica's step from its Info now: the steps the DHT records say may be a heartbeat
@@ -301,6 +316,19 @@ class StageSteps:
                 groups[stage].append(PeerAddress.of(record))
         for group in groups:
             group.sort(key=lambda address: address.peer_id)
+        for stage, batch_step in enumerate(batch_steps):
+            asked = [(record, ok) for (k, record), ok in zip(targets, answered) if k == stage]
+            if (
+                batch_step is not None
+                and asked
+                and len(groups[stage]) == len(asked)
+                and all(
+                    ok is True and self._polled_steps.get((stage, r.peer_id)) == batch_step
+                    for r, ok in asked
+                )
+            ):
+                self._sound[stage] = max(self._sound.get(stage, -1), batch_step)
+                self._news.set()
         # Its round: a member whose all-reduce with the group failed (a share that did not come, from a groupmate
         # frozen a moment or whose relay was lost) does not run that group again; named in a new round, the same
         # members run it afresh at once.
@@ -336,6 +364,12 @@ class StageSteps:
         await asyncio.gather(
             *(close(*target) for target, ok in zip(targets, answered) if ok is True)
         )
+
+    def closed_soundly(self, stage: int, batch_step: int) -> bool:
+        """Whether a close of ``stage``'s batch ``batch_step`` (or a later one) found every replica it asked answering
+        at that step and named them all in the group: the stage is taking that step, barring a fault from now on
+        (see Trainer._stages_caught_up)."""
+        return self._sound.get(stage, -1) >= batch_step
 
     def _round(self, stage: int, batch_step: int | None) -> int:
         step, round = self._rounds.get(stage, (None, 0))

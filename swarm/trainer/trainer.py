@@ -157,6 +157,8 @@ class Trainer:
         self._per_step = math.ceil(run.target_batch_size / config.microbatch_size)
         # flow control (see _stages_caught_up): the flag, or by default lockstep when the stages average
         self._batches_ahead = config.max_batches_ahead
+        # closes the stages again while calls sent ahead of their step wait for it (see _stages_caught_up)
+        self._step_watch: asyncio.Task | None = None
         if self._batches_ahead is None:
             self._batches_ahead = DEFAULT_BATCHES_AHEAD if pipeline.steps.stages_average() else -1
         # Bounded ahead of averaging stages: each batch is pinned to the parameters of one step (see
@@ -316,7 +318,10 @@ class Trainer:
         finally:
             for task in pending:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            watch = [self._step_watch] if self._step_watch is not None else []
+            for task in watch:
+                task.cancel()
+            await asyncio.gather(*pending, *watch, return_exceptions=True)
             await batches.close()
             await asyncio.to_thread(
                 self.data.save
@@ -324,7 +329,11 @@ class Trainer:
         return await self._finish(tally, launched, first_steps, started)
 
     async def _stages_caught_up(
-        self, launched: int, first_steps: list[int], *, waiting_on_replies: bool
+        self,
+        launched: int,
+        first_steps: list[int],
+        *,
+        waiting_on_replies: bool,
     ) -> bool:
         """Flow control before microbatch ``launched``: the stages step a little after each batch (the
         all-reduce); never run more than ``max_batches_ahead`` (default: 0 when they average) batches ahead of
@@ -339,13 +348,38 @@ class Trainer:
         # Pinned batches wait for every live replica: one that has not taken the step yet does not hold the
         # parameters the batch is pinned to (the first replica done with it is not enough).
         every = self._pinned
-        steps = self.pipeline.steps.stage_steps(every_replica=every)
+        stage_steps = self.pipeline.steps
+        steps = stage_steps.stage_steps(every_replica=every)
         if all(now >= target for now, target in zip(steps, targets)):
+            return True
+
+        def stepping() -> bool:
+            """Each stage misses one step at most, on the batch whose close found every replica answering and
+            named them all in its group: they are averaging it. Send on: a call pinned to a step its replica has
+            not taken waits there for it (StageService), and starts the moment the step is done instead of a round
+            trip after this trainer hears of it. (A close that found a replica silent or gone, or behind: wait
+            for the step here, as calls sent now could only wait it out or fail.)"""
+            return every and all(
+                stage_steps.closed_soundly(k, target - 1)
+                for k, target in enumerate(targets)
+                if steps[k] < target
+            )
+
+        if stepping():
+            # Someone must still close the stages again while they are behind (a replica killed in the all-reduce
+            # leaves its groupmates waiting for a new group): a watch in the background, as the wait below does.
+            if self._step_watch is None or self._step_watch.done():
+                self._step_watch = asyncio.create_task(
+                    stage_steps.wait_for_stage_steps(
+                        targets, stall_s=self.config.stage_step_wait_s, every_replica=every
+                    ),
+                    name="stage-step-watch",
+                )
             return True
         if waiting_on_replies:
             return False
-        await self.pipeline.steps.wait_for_stage_steps(
-            targets, stall_s=self.config.stage_step_wait_s, every_replica=every
+        await stage_steps.wait_for_stage_steps(
+            targets, stall_s=self.config.stage_step_wait_s, every_replica=every, ready=stepping
         )
         return True
 

@@ -251,16 +251,17 @@ class StageService(pb_grpc.StagePeerServicer):
         trainer closes the batch again): StepPending, and the trainer sends it again once the stage has stepped."""
         if params_step is None or self.executor.step >= params_step:
             return
-        wait_s = PINNED_STEP_WAIT_S
-        if deadline_s is not None:
-            # answered before the caller gives up on it, with time left for the reply to travel
-            wait_s = min(wait_s, 0.8 * (deadline_s - time.monotonic()))
+        wait_s = 0.0  # a replica that does not average has no step under way to wait for
         if self.ctx.steps is not None:
-            await self.ctx.steps.wait_past(params_step - 1, max(wait_s, 0.0))
+            wait_s = PINNED_STEP_WAIT_S
+            if deadline_s is not None:
+                # answered before the caller gives up on it, with time left for the reply to travel
+                wait_s = max(0.0, min(wait_s, 0.8 * (deadline_s - time.monotonic())))
+            await self.ctx.steps.wait_past(params_step - 1, wait_s)
         if self.executor.step < params_step:
             raise StepPending(
                 f"this replica is at step {self.executor.step}; the call is pinned to step {params_step}, which "
-                f"did not come within {max(wait_s, 0.0):.2f}s: send it again once the stage has taken it"
+                f"did not come within {wait_s:.2f}s: send it again once the stage has taken it"
             )
 
     async def _compute(self, fn, *args, work: dict, **kwargs):

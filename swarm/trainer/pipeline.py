@@ -56,8 +56,10 @@ logger = logging.getLogger(__name__)
 # How many times the trainer computes one stage's gradient of a microbatch before it gives up on it.
 MAX_RECOMPUTES = 8
 # A call refused as pinned to a step its replica has not taken yet (StepPending) is sent again once news of the
-# stage's steps comes, or after the first of these seconds; uncharged to its retry budget for the second
-STEP_PENDING_RECHECK_S, STEP_PENDING_LIMIT_S = 0.5, 120.0
+# stage's steps comes, or after this many seconds,
+STEP_PENDING_RECHECK_S = 0.5
+# uncharged to its retry budget for this long
+STEP_PENDING_LIMIT_S = 120.0
 
 
 class Pipeline(PeerLists):

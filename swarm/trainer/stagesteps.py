@@ -181,8 +181,7 @@ class StageSteps:
             await asyncio.gather(*(self._poll_steps(k) for k in behind))
             # (the pipeline refreshes the records meanwhile: a DHT read here would hold this wait as long as the DHT
             # takes, seconds when one of its nodes is frozen)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._news.wait(), STEP_POLL_S)
+            await self.news(STEP_POLL_S)
 
     async def news(self, timeout_s: float) -> None:
         """Wait until a reply or a close brings news of a step (see replied), at most ``timeout_s``."""
@@ -316,19 +315,19 @@ class StageSteps:
                 groups[stage].append(PeerAddress.of(record))
         for group in groups:
             group.sort(key=lambda address: address.peer_id)
-        for stage, batch_step in enumerate(batch_steps):
-            asked = [(record, ok) for (k, record), ok in zip(targets, answered) if k == stage]
-            if (
-                batch_step is not None
-                and asked
-                and len(groups[stage]) == len(asked)
-                and all(
-                    ok is True and self._polled_steps.get((stage, r.peer_id)) == batch_step
-                    for r, ok in asked
-                )
-            ):
-                self._sound[stage] = max(self._sound.get(stage, -1), batch_step)
-                self._news.set()
+        # A stage whose every replica asked answered at the batch's step (all of them then in its group): closed
+        # soundly (see closed_soundly)
+        unsound = {
+            stage
+            for (stage, record), ok in zip(targets, answered)
+            if ok is not True
+            or self._polled_steps.get((stage, record.peer_id)) != batch_steps[stage]
+        }
+        for stage in {
+            stage for stage, _ in targets
+        } - unsound:  # (targets: stages with a batch step only)
+            self._sound[stage] = max(self._sound.get(stage, -1), batch_steps[stage])
+            self._news.set()
         # Its round: a member whose all-reduce with the group failed (a share that did not come, from a groupmate
         # frozen a moment or whose relay was lost) does not run that group again; named in a new round, the same
         # members run it afresh at once.

@@ -329,11 +329,7 @@ class Trainer:
         return await self._finish(tally, launched, first_steps, started)
 
     async def _stages_caught_up(
-        self,
-        launched: int,
-        first_steps: list[int],
-        *,
-        waiting_on_replies: bool,
+        self, launched: int, first_steps: list[int], *, waiting_on_replies: bool
     ) -> bool:
         """Flow control before microbatch ``launched``: the stages step a little after each batch (the
         all-reduce); never run more than ``max_batches_ahead`` (default: 0 when they average) batches ahead of
